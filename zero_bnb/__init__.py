@@ -1,0 +1,33 @@
+"""zero_bnb: bitsandbytes 8-bit optimizers under DeepSpeed ZeRO stage 1, with checkpoints
+that resume at any data-parallel size, bit for bit.
+
+Quick start::
+
+    import bitsandbytes as bnb, zero_bnb
+    optimizer = bnb.optim.Adam8bit(model.parameters(), lr=1e-3)
+    engine, optimizer, _, _ = zero_bnb.initialize(model=model, optimizer=optimizer, config="ds_config.json")
+    engine.save_checkpoint("ckpt")   # on N ranks
+    engine.load_checkpoint("ckpt")   # later, on any number of ranks
+"""
+
+from __future__ import annotations
+
+from importlib import metadata as _metadata
+
+from zero_bnb.config import ZeroBnbConfig, ZeroBnbConfigError
+from zero_bnb.initialize import initialize
+from zero_bnb.state_spec import StateKind, UnsupportedOptimizerError
+
+try:
+    __version__ = _metadata.version("zero_bnb")
+except _metadata.PackageNotFoundError:  # running from a source tree without installation
+    __version__ = "0.0.0+unknown"
+
+__all__ = [
+    "StateKind",
+    "UnsupportedOptimizerError",
+    "ZeroBnbConfig",
+    "ZeroBnbConfigError",
+    "__version__",
+    "initialize",
+]

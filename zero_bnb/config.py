@@ -1,0 +1,119 @@
+"""zero_bnb's own config keys, read from (and stripped out of) a DeepSpeed config.
+
+``zero_unsharded_state_keys`` and ``zero_unsharded_state_max_numel`` may sit at the top level
+of the DeepSpeed config (stock DeepSpeed ignores unknown top-level keys, so one JSON serves
+both) or inside ``zero_optimization`` (which stock DeepSpeed would reject, so they are
+removed before DeepSpeed validates the config).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+__all__ = [
+    "UNSHARDED_KEYS",
+    "UNSHARDED_MAX_NUMEL",
+    "ZeroBnbConfig",
+    "ZeroBnbConfigError",
+    "load_ds_config",
+    "split_config",
+]
+
+UNSHARDED_KEYS = "zero_unsharded_state_keys"
+UNSHARDED_MAX_NUMEL = "zero_unsharded_state_max_numel"
+_OWN_KEYS = (UNSHARDED_KEYS, UNSHARDED_MAX_NUMEL)
+
+
+class ZeroBnbConfigError(ValueError):
+    """A zero_bnb config value is malformed or contradicts another."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ZeroBnbConfig:
+    """zero_bnb settings taken from the DeepSpeed config.
+
+    Attributes:
+        unsharded_state_keys: exact optimizer-state key names kept whole on every rank (never
+            sliced or merged), for example ``("qmap1", "qmap2")``. ``None`` means "the
+            optimizer's declared default" (the quantization maps for bitsandbytes).
+        unsharded_state_max_numel: tensor states with at most this many elements are also
+            kept whole. ``None`` disables the size rule. Beware: a small partition's
+            ``absmax`` falls under a threshold too; such a key differs across ranks and is
+            refused when the checkpoint is saved.
+    """
+
+    unsharded_state_keys: tuple[str, ...] | None = None
+    unsharded_state_max_numel: int | None = None
+
+    def __post_init__(self) -> None:
+        keys = self.unsharded_state_keys
+        if keys is not None:
+            bad = [k for k in keys if not isinstance(k, str) or not k]
+            if bad:
+                raise ZeroBnbConfigError(
+                    f"{UNSHARDED_KEYS} must list non-empty state-key names such as [\"qmap1\", \"qmap2\"]; "
+                    f"got invalid entries {bad!r} in {list(keys)!r}"
+                )
+        limit = self.unsharded_state_max_numel
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise ZeroBnbConfigError(
+                f"{UNSHARDED_MAX_NUMEL} must be a non-negative integer number of elements (for example 256), "
+                f"got {limit!r}"
+            )
+
+
+def load_ds_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+    """A private deep copy of a DeepSpeed config given as a dict or a JSON file path."""
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config))
+    path = os.fspath(config)
+    if not os.path.isfile(path):
+        raise ZeroBnbConfigError(f"DeepSpeed config file {path!r} does not exist; pass a dict or an existing JSON path")
+    with open(path, encoding="utf-8") as handle:
+        try:
+            loaded = json.load(handle)
+        except json.JSONDecodeError as error:
+            raise ZeroBnbConfigError(f"DeepSpeed config file {path!r} is not valid JSON: {error}") from error
+    if not isinstance(loaded, dict):
+        raise ZeroBnbConfigError(f"DeepSpeed config file {path!r} must hold a JSON object, got {type(loaded).__name__}")
+    return loaded
+
+
+def split_config(ds_config: Mapping[str, Any]) -> tuple[ZeroBnbConfig, dict[str, Any]]:
+    """Separate zero_bnb's keys from a DeepSpeed config dict.
+
+    Returns:
+        The parsed :class:`ZeroBnbConfig` and a copy of ``ds_config`` without zero_bnb's keys,
+        ready for DeepSpeed's own validation. The input is not modified.
+
+    Raises:
+        ZeroBnbConfigError: a value is malformed, or a key is given both at the top level and
+            inside ``zero_optimization`` with different values.
+    """
+    cleaned = copy.deepcopy(dict(ds_config))
+    zero_section = cleaned.get("zero_optimization")
+    found: dict[str, Any] = {}
+    for key in _OWN_KEYS:
+        top = cleaned.pop(key, None)
+        nested = zero_section.pop(key, None) if isinstance(zero_section, dict) else None
+        if top is not None and nested is not None and top != nested:
+            raise ZeroBnbConfigError(
+                f"{key} is set twice with different values: {top!r} at the top level and {nested!r} inside "
+                f"zero_optimization; keep one of them"
+            )
+        value = top if top is not None else nested
+        if value is not None:
+            found[key] = value
+
+    keys = found.get(UNSHARDED_KEYS)
+    if keys is not None:
+        if isinstance(keys, str) or not isinstance(keys, (list, tuple)):
+            raise ZeroBnbConfigError(
+                f"{UNSHARDED_KEYS} must be a list of state-key names such as [\"qmap1\", \"qmap2\"], got {keys!r}"
+            )
+        keys = tuple(keys)
+    return ZeroBnbConfig(unsharded_state_keys=keys, unsharded_state_max_numel=found.get(UNSHARDED_MAX_NUMEL)), cleaned

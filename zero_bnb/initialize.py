@@ -1,0 +1,103 @@
+"""``zero_bnb.initialize``: ``deepspeed.initialize`` with elastic 8-bit optimizer checkpoints."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+from typing import Any
+
+import deepspeed
+from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
+
+from zero_bnb.config import ZeroBnbConfigError, load_ds_config, split_config
+from zero_bnb.engine import ZeroBnbEngine, swapped_attribute
+
+__all__ = ["initialize"]
+
+logger = logging.getLogger(__name__)
+
+
+def _resolve_config(args: Any, config: Any, config_params: Any) -> tuple[Any, Any]:
+    """The raw config from whichever place ``deepspeed.initialize`` would take it, and ``args`` without it."""
+    if config is None:
+        config = config_params
+    path = getattr(args, "deepspeed_config", None) if args is not None else None
+    if path is not None:
+        if config is not None:
+            raise ZeroBnbConfigError(
+                "a DeepSpeed config was given both as args.deepspeed_config and as config=; pass only one"
+            )
+        config = path
+        args = copy.copy(args)
+        args.deepspeed_config = None
+    if config is None:
+        raise ZeroBnbConfigError("zero_bnb.initialize needs a DeepSpeed config: pass config= (a dict or JSON path)")
+    return config, args
+
+
+def initialize(
+    args=None,
+    model=None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    distributed_port=TORCH_DISTRIBUTED_DEFAULT_PORT,
+    mpu=None,
+    dist_init_required=None,
+    collate_fn=None,
+    config=None,
+    mesh_param=None,
+    config_params=None,
+):
+    """Initialize a DeepSpeed engine whose ZeRO-1 checkpoints resume at any DP size.
+
+    Same arguments and same 4-tuple ``(engine, optimizer, training_dataloader, lr_scheduler)``
+    as ``deepspeed.initialize``. The engine is a :class:`~zero_bnb.engine.ZeroBnbEngine`, a real
+    ``DeepSpeedEngine``. zero_bnb reads ``zero_unsharded_state_keys`` and
+    ``zero_unsharded_state_max_numel`` from the top level of the config or from
+    ``zero_optimization``, and sets ``zero_allow_untested_optimizer`` for client optimizers
+    (bitsandbytes' are not on DeepSpeed's list), as transformers and accelerate do.
+
+    Collective: call it on every rank, as ``deepspeed.initialize``.
+    """
+    raw_config, args = _resolve_config(args, config, config_params)
+    zero_bnb_config, ds_config = split_config(load_ds_config(raw_config))
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    if stage != 1:
+        raise ZeroBnbConfigError(
+            f"zero_bnb wraps ZeRO stage 1, but the config has zero_optimization.stage={stage}; "
+            f"set \"zero_optimization\": {{\"stage\": 1}}"
+        )
+    for precision in ("fp16", "bf16", "bfloat16"):
+        if ds_config.get(precision, {}).get("enabled", False):
+            raise ZeroBnbConfigError(
+                f"{precision} training is not supported by this zero_bnb release (fp32 only); "
+                f"remove \"{precision}\": {{\"enabled\": true}} from the config"
+            )
+    if optimizer is not None and "zero_allow_untested_optimizer" not in ds_config:
+        ds_config["zero_allow_untested_optimizer"] = True
+
+    engine_factory = functools.partial(ZeroBnbEngine, zero_bnb_config=zero_bnb_config)
+    with swapped_attribute(deepspeed, "DeepSpeedEngine", engine_factory):
+        result = deepspeed.initialize(
+            args=args,
+            model=model,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            training_data=training_data,
+            lr_scheduler=lr_scheduler,
+            distributed_port=distributed_port,
+            mpu=mpu,
+            dist_init_required=dist_init_required,
+            collate_fn=collate_fn,
+            config=ds_config,
+            mesh_param=mesh_param,
+        )
+    if not isinstance(result[0], ZeroBnbEngine):
+        raise ZeroBnbConfigError(
+            f"DeepSpeed built a {type(result[0]).__name__} (pipeline or hybrid engine), which zero_bnb does not "
+            f"support; pass a plain torch.nn.Module and no hybrid_engine section"
+        )
+    return result

@@ -1,0 +1,302 @@
+"""Fill a :class:`~zero_bnb.zero_optimizer.BlockAlignedZeroOptimizer` from a saved checkpoint at any DP size.
+
+Each rank reads only the saved ranges that overlap its new partition. No collectives are
+needed: :func:`restore_optimizer` may be called on every rank independently, and must be
+called on all of them for the engine to be consistent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Protocol
+
+import torch
+
+from zero_bnb import quant
+from zero_bnb.checkpoint_format import (
+    SUBDIR,
+    GroupEntry,
+    Manifest,
+    read_manifest,
+    read_replicated,
+    read_shard,
+)
+from zero_bnb.layout import plan_copy
+from zero_bnb.state_spec import StateKind
+from zero_bnb.zero_optimizer import BlockAlignedZeroOptimizer
+
+__all__ = ["CheckpointMismatchError", "CheckpointReader", "SavedState", "check_compatible", "restore_optimizer"]
+
+logger = logging.getLogger(__name__)
+
+MASTER_KEY = "fp32"
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint was written for another model or optimizer than the running one."""
+
+
+class SavedState(Protocol):
+    """What :func:`restore_optimizer` reads: a manifest, the replicated file, and shard pieces."""
+
+    manifest: Manifest
+    replicated: dict[str, Any]
+
+    def piece(self, rank: int, group_index: int, key: str) -> torch.Tensor:
+        """Saved tensor ``key`` (``"fp32"`` for master weights) of group ``group_index`` from shard ``rank``."""
+
+
+class CheckpointReader:
+    """A zero_bnb checkpoint folder, with shards opened lazily and memory-mapped."""
+
+    def __init__(self, tag_folder: str) -> None:
+        self.folder = os.path.join(tag_folder, SUBDIR)
+        self.manifest = read_manifest(self.folder)
+        self.replicated = read_replicated(self.folder)
+        self._shards: dict[int, dict[str, Any]] = {}
+
+    @staticmethod
+    def exists(tag_folder: str) -> bool:
+        """Whether ``tag_folder`` holds a zero_bnb checkpoint (complete or not)."""
+        return os.path.isdir(os.path.join(tag_folder, SUBDIR))
+
+    def piece(self, rank: int, group_index: int, key: str) -> torch.Tensor:
+        if rank not in self._shards:
+            self._shards[rank] = read_shard(self.folder, self.manifest.shards[rank])
+        group = self._shards[rank]["groups"][group_index]
+        return group[MASTER_KEY] if key == MASTER_KEY else group["state"][key]
+
+
+def check_compatible(optimizer: BlockAlignedZeroOptimizer, manifest: Manifest, names: dict) -> None:
+    """Refuse a checkpoint whose groups, parameters or optimizer differ from the running ones.
+
+    Raises:
+        CheckpointMismatchError: lists every difference found and what to do.
+    """
+    problems = []
+    if len(manifest.groups) != optimizer.num_groups:
+        problems.append(f"the checkpoint has {len(manifest.groups)} parameter groups, the optimizer {optimizer.num_groups}")
+    for index, saved in enumerate(manifest.groups[: optimizer.num_groups]):
+        current = optimizer.param_entries(index, names)
+        if saved.params == current:
+            continue
+        saved_by_name = {p.name: p for p in saved.params}
+        current_by_name = {p.name: p for p in current}
+        missing = sorted(set(saved_by_name) - set(current_by_name))
+        extra = sorted(set(current_by_name) - set(saved_by_name))
+        reshaped = [
+            f"{name}: saved {saved_by_name[name].shape}, model {current_by_name[name].shape}"
+            for name in sorted(set(saved_by_name) & set(current_by_name))
+            if saved_by_name[name].shape != current_by_name[name].shape
+        ]
+        detail = "; ".join(
+            part
+            for part in (
+                f"only in checkpoint: {missing}" if missing else "",
+                f"only in model: {extra}" if extra else "",
+                f"shape differs: {reshaped}" if reshaped else "",
+            )
+            if part
+        ) or "same parameters in another order"
+        problems.append(f"group {index} differs ({detail})")
+    spec = optimizer.zero_bnb_spec
+    if manifest.optimizer_spec != spec.name:
+        problems.append(f"the checkpoint was written by {manifest.optimizer_class} ({manifest.optimizer_spec}), "
+                        f"the running optimizer is {type(optimizer.optimizer).__name__} ({spec.name})")
+    if manifest.block_size != spec.block_size:
+        problems.append(f"the checkpoint's block size is {manifest.block_size}, the optimizer's {spec.block_size}")
+    if problems:
+        raise CheckpointMismatchError(
+            "cannot load this checkpoint into the running engine: " + "; ".join(problems)
+            + ". Build the same model and optimizer that wrote it, or load with load_module_only=True."
+        )
+
+
+def _gather(saved: SavedState, group_index: int, key: str, ranges, target: tuple[int, int], out: torch.Tensor) -> None:
+    """Copy global ``target`` range of saved ``key`` into ``out[: target length]``."""
+    for segment in plan_copy(ranges, target):
+        source = saved.piece(segment.source, group_index, key)
+        out[segment.dst_offset : segment.dst_offset + segment.length].copy_(
+            source[segment.src_offset : segment.src_offset + segment.length]
+        )
+
+
+class _GroupRestorer:
+    """Restores one flat group of one rank; a helper of :func:`restore_optimizer`."""
+
+    def __init__(self, optimizer: BlockAlignedZeroOptimizer, saved: SavedState, group_index: int) -> None:
+        self.optimizer = optimizer
+        self.saved = saved
+        self.index = group_index
+        self.entry: GroupEntry = saved.manifest.groups[group_index]
+        self.record = saved.replicated["groups"][group_index]
+        geometry = optimizer.geometry(group_index)
+        self.block_size = geometry.block_size
+        self.elements = geometry.element_range(optimizer.dp_rank)
+        self.blocks = geometry.block_range(optimizer.dp_rank)
+        self.param = optimizer.master_partition(group_index)
+
+    def gather_elements(self, key: str, out: torch.Tensor) -> None:
+        _gather(self.saved, self.index, key, self.entry.element_ranges, self.elements, out)
+
+    def gather_blocks(self, key: str, out: torch.Tensor) -> None:
+        _gather(self.saved, self.index, key, self.entry.block_ranges, self.blocks, out)
+
+    def restore_master(self) -> None:
+        values = torch.zeros(self.param.numel(), dtype=self.param.dtype)
+        self.gather_elements(MASTER_KEY, values)
+        self.param.data.copy_(values)
+
+    def fresh_state(self) -> dict[str, Any]:
+        """Empty state for the new partition, as the optimizer itself would create it."""
+        base = self.optimizer.optimizer
+        base.state.pop(self.param, None)
+        init_state = self.optimizer.zero_bnb_spec.init_state
+        if init_state is not None:
+            init_state(base, self.index, self.param)
+            return base.state[self.param]
+        state = base.state[self.param]
+        for saved in self.entry.states:
+            dtype = getattr(torch, saved.dtype, None)
+            if saved.kind is StateKind.ELEMENTWISE:
+                state[saved.key] = torch.zeros(self.param.numel(), dtype=dtype, device=self.param.device)
+            elif saved.kind is StateKind.BLOCKWISE:
+                state[saved.key] = torch.zeros(self.param.numel() // self.block_size, dtype=dtype, device=self.param.device)
+        return state
+
+    def restore_state(self) -> list[str]:
+        """Fill the fresh state; returns notes on 8-bit <-> fp32 conversions."""
+        if not self.entry.states:
+            self.optimizer.optimizer.state.pop(self.param, None)
+            return []
+        state = self.fresh_state()
+        spec = self.optimizer.zero_bnb_spec
+        keys = list(state) + [s.key for s in self.entry.states if s.key not in state]
+        notes, done = [], set()
+        for key in keys:
+            if key in done:
+                continue
+            saved = self.entry.state(key)
+            triple = spec.triple_for(key)
+            current = state.get(key)
+            if saved is None or current is None:
+                if triple is not None and key != triple.codes and self._converted(triple, state):
+                    continue  # absmax/qmap of a state that changes between 8-bit and fp32
+                if saved is None:
+                    raise CheckpointMismatchError(
+                        f"the optimizer creates state {key!r} for group {self.index} but the checkpoint has no "
+                        f"such state (it has {[s.key for s in self.entry.states]}); it was written by another "
+                        f"optimizer configuration"
+                    )
+            if saved.kind is StateKind.COUNTER:
+                value = self.record["counters"][key]
+                if isinstance(value, torch.Tensor):
+                    value = value.clone().to(current.device if isinstance(current, torch.Tensor) else "cpu")
+                state[key] = value
+            elif saved.kind is StateKind.REPLICATED:
+                device = current.device if isinstance(current, torch.Tensor) else self.param.device
+                state[key] = self.record["replicated"][key].clone().to(device)
+            elif current is None:
+                raise CheckpointMismatchError(
+                    f"the checkpoint holds {saved.kind.value} state {key!r} for group {self.index}, which the "
+                    f"running optimizer does not create (it creates {sorted(state)}); it was written by another "
+                    f"optimizer configuration"
+                )
+            elif saved.kind is StateKind.BLOCKWISE:
+                current.zero_()
+                self.gather_blocks(key, current)
+            elif saved.kind is StateKind.ELEMENTWISE:
+                saved_dtype = getattr(torch, saved.dtype)
+                if saved_dtype == current.dtype:
+                    self._restore_same_dtype(key, current, state, triple)
+                elif triple is not None and saved_dtype == torch.uint8:
+                    self._dequantize_into(triple, current)
+                    notes.append(f"{key}: 8-bit -> fp32")
+                elif triple is not None and current.dtype == torch.uint8:
+                    self._quantize_into(triple, state)
+                    done.add(triple.absmax)
+                    notes.append(f"{key}: fp32 -> 8-bit")
+                else:
+                    raise CheckpointMismatchError(
+                        f"state {key!r} of group {self.index} was saved as {saved.dtype} but the optimizer holds it "
+                        f"as {current.dtype}, and zero_bnb knows no exact conversion"
+                    )
+            else:
+                raise CheckpointMismatchError(f"state {key!r} of group {self.index} has unsupported kind {saved.kind}")
+        return notes
+
+    def _converted(self, triple, state: dict[str, Any]) -> bool:
+        """Whether ``triple``'s codes are saved in one dtype and held in the other."""
+        saved = self.entry.state(triple.codes)
+        current = state.get(triple.codes)
+        return saved is not None and current is not None and getattr(torch, saved.dtype) != current.dtype
+
+    def _restore_same_dtype(self, key, current, state, triple) -> None:
+        if current.dtype == torch.uint8 and triple is not None:
+            current.fill_(quant.zero_code(self.record["replicated"].get(triple.qmap, state.get(triple.qmap))))
+        else:
+            current.zero_()
+        self.gather_elements(key, current)
+
+    def _dequantize_into(self, triple, current: torch.Tensor) -> None:
+        n = self.elements[1] - self.elements[0]
+        codes = torch.empty(n, dtype=torch.uint8)
+        absmax = torch.empty(self.blocks[1] - self.blocks[0], dtype=torch.float32)
+        self.gather_elements(triple.codes, codes)
+        self.gather_blocks(triple.absmax, absmax)
+        qmap = self.record["replicated"][triple.qmap]
+        current.zero_()
+        current[:n].copy_(quant.dequantize(codes, absmax, qmap, self.block_size))
+
+    def _quantize_into(self, triple, state: dict[str, Any]) -> None:
+        n = self.elements[1] - self.elements[0]
+        values = torch.empty(n, dtype=torch.float32)
+        self.gather_elements(triple.codes, values)
+        qmap = state[triple.qmap]
+        codes, absmax = quant.quantize(values, qmap.to("cpu"), self.block_size)
+        state[triple.codes].fill_(quant.zero_code(qmap))
+        state[triple.codes][:n].copy_(codes)
+        state[triple.absmax].zero_()
+        state[triple.absmax][: absmax.numel()].copy_(absmax)
+
+    def restore_hyperparameters(self) -> None:
+        group = self.optimizer.optimizer.param_groups[self.index]
+        for key, value in self.record["param_group"].items():
+            group[key] = value
+
+
+def restore_optimizer(
+    optimizer: BlockAlignedZeroOptimizer, saved: SavedState, names: dict, *, load_optimizer_states: bool = True
+) -> None:
+    """Load master weights (and, unless told not to, optimizer state) into this rank's partitions.
+
+    Call on every rank of the data-parallel group (no collectives inside). The checkpoint's
+    DP size may differ from the running one.
+
+    Raises:
+        CheckpointMismatchError: the checkpoint does not fit the running model or optimizer;
+            raised before anything is modified.
+    """
+    check_compatible(optimizer, saved.manifest, names)
+    restorers = [_GroupRestorer(optimizer, saved, index) for index in range(optimizer.num_groups)]
+    for restorer in restorers:
+        restorer.restore_master()
+    if not load_optimizer_states:
+        return
+    for restorer in restorers:
+        notes = restorer.restore_state()
+        restorer.restore_hyperparameters()
+        if notes and optimizer.dp_rank == 0:
+            logger.warning(
+                "zero_bnb: group %d now has partitions of %d elements (checkpoint DP=%d, now DP=%d), so the optimizer "
+                "keeps its state in another precision; converted %s",
+                restorer.index,
+                restorer.param.numel(),
+                saved.manifest.dp_world_size,
+                optimizer.dp_size,
+                ", ".join(notes),
+            )
+    wrapper = saved.replicated.get("zero_wrapper", {})
+    for name, value in wrapper.items():
+        setattr(optimizer, name, value)

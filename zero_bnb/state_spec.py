@@ -1,0 +1,227 @@
+"""What each optimizer-state tensor is, and therefore how it moves between DP sizes.
+
+An optimizer is supported by *declaring* its state keys (:class:`OptimizerSpec`), not by
+special cases in the checkpoint code. :func:`classify_state` then applies the user's
+``zero_unsharded_state_keys`` / ``zero_unsharded_state_max_numel`` rules on top of the
+declaration. Pure Python: no DeepSpeed, no collectives.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+__all__ = [
+    "StateKind",
+    "QuantizedTriple",
+    "OptimizerSpec",
+    "StateRule",
+    "UnsupportedOptimizerError",
+    "classify_state",
+    "spec_for",
+]
+
+
+class StateKind(str, enum.Enum):
+    """How one state entry of a flat partition is saved and re-split (DESIGN.md section 2)."""
+
+    #: identical on every rank (``qmap1``); saved once, loaded whole everywhere
+    REPLICATED = "replicated"
+    #: one value per element of the partition (``state1``, ``exp_avg``); merged in flat order
+    ELEMENTWISE = "elementwise"
+    #: one value per quantization block (``absmax1``); merged on the global block grid
+    BLOCKWISE = "blockwise"
+    #: one value per partition (``unorm_vec``); cannot be merged exactly, so refused
+    PARTITION_SCALAR = "partition_scalar"
+    #: a scalar identical on every rank (``step``); restored exactly
+    COUNTER = "counter"
+
+
+class UnsupportedOptimizerError(ValueError):
+    """The optimizer (or one of its settings) cannot be checkpointed elastically."""
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedTriple:
+    """An 8-bit state: its codes (element-wise), per-block scales and quantization map."""
+
+    codes: str
+    absmax: str
+    qmap: str
+
+
+def _no_check(optimizer: torch.optim.Optimizer) -> None:
+    return None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerSpec:
+    """Declared state layout of one optimizer family.
+
+    Attributes:
+        name: short name used in logs and manifests.
+        matches: tells whether an optimizer instance belongs to this family.
+        kinds: the kind of every state key the optimizer may create.
+        quantized: the 8-bit states, so that they can be converted to and from fp32 when a
+            new partition size crosses bitsandbytes' ``min_8bit_size``.
+        block_size: quantization block size; partitions start on multiples of it. 1 for
+            optimizers without block-wise state.
+        replicated_by_default: keys to keep whole when the user sets no
+            ``zero_unsharded_state_keys`` (the quantization maps).
+        check: raises :class:`UnsupportedOptimizerError` for settings that create state
+            which cannot be restored at another DP size.
+        init_state: creates the empty state of the flat partition parameter exactly as the
+            optimizer's own first ``step()`` would (``None``: the loader builds it from the
+            checkpoint's dtypes). Called as ``init_state(optimizer, group_index, param)``.
+    """
+
+    name: str
+    matches: Callable[[torch.optim.Optimizer], bool]
+    kinds: Mapping[str, StateKind]
+    quantized: tuple[QuantizedTriple, ...] = ()
+    block_size: int = 1
+    replicated_by_default: tuple[str, ...] = ()
+    check: Callable[[torch.optim.Optimizer], None] = _no_check
+    init_state: Callable[[torch.optim.Optimizer, int, torch.Tensor], None] | None = None
+
+    def triple_for(self, key: str) -> QuantizedTriple | None:
+        """The 8-bit triple in which ``key`` is the codes, absmax or map, if any."""
+        for triple in self.quantized:
+            if key in (triple.codes, triple.absmax, triple.qmap):
+                return triple
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class StateRule:
+    """The user's replication rules (``zero_unsharded_state_keys`` and the size threshold)."""
+
+    unsharded_keys: frozenset[str] = field(default_factory=frozenset)
+    max_numel: int | None = None
+
+
+def classify_state(
+    key: str,
+    value: Any,
+    *,
+    spec: OptimizerSpec,
+    rule: StateRule,
+    partition_numel: int,
+) -> tuple[StateKind, str]:
+    """Kind of one state entry of a flat partition, and why (for the manifest and errors).
+
+    Exact names in ``zero_unsharded_state_keys`` win, then the size threshold, then the
+    optimizer's declaration; an undeclared tensor is element-wise only if it has one value
+    per partition element, and an undeclared non-tensor is a counter.
+
+    Raises:
+        UnsupportedOptimizerError: the entry is an undeclared tensor whose shape does not
+            tell its kind.
+    """
+    if key in rule.unsharded_keys:
+        return StateKind.REPLICATED, "listed in zero_unsharded_state_keys"
+    is_tensor = isinstance(value, torch.Tensor)
+    if is_tensor and rule.max_numel is not None and value.numel() <= rule.max_numel:
+        return StateKind.REPLICATED, f"{value.numel()} elements <= zero_unsharded_state_max_numel={rule.max_numel}"
+    if key in spec.kinds:
+        return spec.kinds[key], f"declared by {spec.name}"
+    if not is_tensor or value.dim() == 0:
+        return StateKind.COUNTER, "undeclared scalar"
+    if value.numel() == partition_numel:
+        return StateKind.ELEMENTWISE, "undeclared, one value per partition element"
+    raise UnsupportedOptimizerError(
+        f"optimizer state key {key!r} (shape {tuple(value.shape)}, dtype {value.dtype}) is not declared by "
+        f"{spec.name} and its size does not match the partition ({partition_numel} elements), so zero_bnb cannot "
+        f"tell how to split it. If it is identical on every rank, list it in zero_unsharded_state_keys; "
+        f"otherwise declare it in an OptimizerSpec."
+    )
+
+
+# --------------------------------------------------------------------------- declarations
+
+
+def _is_bnb_adam(optimizer: torch.optim.Optimizer) -> bool:
+    try:
+        from bitsandbytes.optim.optimizer import Optimizer2State
+    except ImportError:  # bitsandbytes is a hard dependency, but keep torch-only use importable
+        return False
+    return isinstance(optimizer, Optimizer2State) and getattr(optimizer, "optimizer_name", None) == "adam"
+
+
+def _check_bnb(optimizer: torch.optim.Optimizer) -> None:
+    max_unorm = getattr(getattr(optimizer, "args", None), "max_unorm", 0.0)
+    if max_unorm and max_unorm > 0.0:
+        raise UnsupportedOptimizerError(
+            f"{type(optimizer).__name__} was built with max_unorm={max_unorm}: its per-partition update norm "
+            f"(unorm_vec) is computed over one rank's partition and cannot be restored at another DP size. "
+            f"Build the optimizer with max_unorm=0.0."
+        )
+    if optimizer.is_paged:
+        raise UnsupportedOptimizerError(
+            f"{type(optimizer).__name__} is a paged optimizer, which zero_bnb does not support yet; "
+            f"use the non-paged class (for example bnb.optim.AdamW8bit)."
+        )
+
+
+def _init_bnb_state(optimizer: torch.optim.Optimizer, group_index: int, param: torch.Tensor) -> None:
+    optimizer.init_state(optimizer.param_groups[group_index], param, group_index, 0)
+
+
+BNB_BLOCK_SIZE = 256
+
+_BNB_2STATE_KINDS = {
+    "step": StateKind.COUNTER,
+    "state1": StateKind.ELEMENTWISE,
+    "state2": StateKind.ELEMENTWISE,
+    "absmax1": StateKind.BLOCKWISE,
+    "absmax2": StateKind.BLOCKWISE,
+    "qmap1": StateKind.REPLICATED,
+    "qmap2": StateKind.REPLICATED,
+    "unorm_vec": StateKind.PARTITION_SCALAR,
+}
+
+BNB_ADAM = OptimizerSpec(
+    name="bitsandbytes Adam (Adam8bit, AdamW8bit, Adam32bit, AdamW32bit)",
+    matches=_is_bnb_adam,
+    kinds=_BNB_2STATE_KINDS,
+    quantized=(QuantizedTriple("state1", "absmax1", "qmap1"), QuantizedTriple("state2", "absmax2", "qmap2")),
+    block_size=BNB_BLOCK_SIZE,
+    replicated_by_default=("qmap1", "qmap2"),
+    check=_check_bnb,
+    init_state=_init_bnb_state,
+)
+
+TORCH_ADAM = OptimizerSpec(
+    name="torch.optim Adam/AdamW",
+    matches=lambda optimizer: type(optimizer) in (torch.optim.Adam, torch.optim.AdamW),
+    kinds={
+        "step": StateKind.COUNTER,
+        "exp_avg": StateKind.ELEMENTWISE,
+        "exp_avg_sq": StateKind.ELEMENTWISE,
+        "max_exp_avg_sq": StateKind.ELEMENTWISE,
+    },
+)
+
+#: Every supported family, most specific first.
+SPECS: tuple[OptimizerSpec, ...] = (BNB_ADAM, TORCH_ADAM)
+
+
+def spec_for(optimizer: torch.optim.Optimizer) -> OptimizerSpec:
+    """The declared spec of ``optimizer``, after checking its settings.
+
+    Raises:
+        UnsupportedOptimizerError: no spec matches, or a setting cannot be restored elastically.
+    """
+    for spec in SPECS:
+        if spec.matches(optimizer):
+            spec.check(optimizer)
+            return spec
+    supported = "; ".join(spec.name for spec in SPECS)
+    raise UnsupportedOptimizerError(
+        f"zero_bnb has no state declaration for {type(optimizer).__module__}.{type(optimizer).__qualname__}. "
+        f"Supported: {supported}. Use one of those, or pass the optimizer to deepspeed.initialize directly "
+        f"(its checkpoints then load only at the DP size they were saved at)."
+    )
