@@ -108,6 +108,8 @@ class GroupGeometry:
     def block_range(self, rank: int) -> tuple[int, int]:
         """``[start, end)`` of the blocks that hold real elements of ``rank``'s partition."""
         start, end = self.element_range(rank)
+        if start == end:  # only padding: after every real block
+            return self.num_blocks, self.num_blocks
         return start // self.block_size, ceil_div(end, self.block_size)
 
     def element_ranges(self) -> list[tuple[int, int]]:

@@ -1,0 +1,164 @@
+"""Unit tests of config parsing, the state-kind policy, quantization helpers and the manifest."""
+
+import json
+
+import bitsandbytes as bnb
+import bitsandbytes.functional as F
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zero_bnb import quant
+from zero_bnb.checkpoint_format import (
+    CheckpointFormatError,
+    GroupEntry,
+    Manifest,
+    ParamEntry,
+    StateEntry,
+    read_manifest,
+    write_manifest,
+)
+from zero_bnb.config import ZeroBnbConfig, ZeroBnbConfigError, load_ds_config, split_config
+from zero_bnb.state_spec import BNB_ADAM, TORCH_ADAM, StateKind, StateRule, UnsupportedOptimizerError, classify_state, spec_for
+
+
+# -- config ------------------------------------------------------------------------------------
+
+def test_keys_at_top_level_and_inside_zero_optimization_are_read_and_stripped():
+    top = {"zero_unsharded_state_keys": ["qmap1"], "zero_optimization": {"stage": 1}}
+    nested = {"zero_optimization": {"stage": 1, "zero_unsharded_state_keys": ["qmap1"],
+                                    "zero_unsharded_state_max_numel": 16}}
+    for config in (top, nested):
+        parsed, cleaned = split_config(config)
+        assert parsed.unsharded_state_keys == ("qmap1",)
+        assert "zero_unsharded_state_keys" not in cleaned and "zero_unsharded_state_keys" not in cleaned["zero_optimization"]
+        assert cleaned["zero_optimization"] == {"stage": 1}
+    assert split_config(nested)[0].unsharded_state_max_numel == 16
+    assert "zero_unsharded_state_keys" in nested["zero_optimization"]  # the input is not modified
+
+
+def test_absent_keys_mean_optimizer_default():
+    parsed, _ = split_config({"zero_optimization": {"stage": 1}})
+    assert parsed == ZeroBnbConfig()
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"zero_unsharded_state_keys": "qmap1"}, "must be a list of state-key names"),
+        ({"zero_unsharded_state_keys": ["qmap1", ""]}, "invalid entries"),
+        ({"zero_unsharded_state_max_numel": -3}, "non-negative integer"),
+        ({"zero_unsharded_state_max_numel": True}, "non-negative integer"),
+        ({"zero_unsharded_state_keys": ["qmap1"], "zero_optimization": {"zero_unsharded_state_keys": ["qmap2"]}},
+         "set twice with different values"),
+    ],
+)
+def test_bad_config_values_are_named(config, message):
+    with pytest.raises(ZeroBnbConfigError, match=message):
+        split_config(config)
+
+
+def test_config_file_errors_name_the_path(tmp_path):
+    with pytest.raises(ZeroBnbConfigError, match="does not exist"):
+        load_ds_config(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ZeroBnbConfigError, match="not valid JSON"):
+        load_ds_config(bad)
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    assert load_ds_config(good) == {"zero_optimization": {"stage": 1}}
+
+
+# -- state kinds -------------------------------------------------------------------------------
+
+def _classify(key, value, rule=StateRule(), spec=BNB_ADAM, partition=4096):
+    return classify_state(key, value, spec=spec, rule=rule, partition_numel=partition)[0]
+
+
+def test_exact_names_win_then_threshold_then_declaration():
+    absmax = torch.zeros(16)
+    assert _classify("absmax1", absmax) is StateKind.BLOCKWISE
+    assert _classify("absmax1", absmax, StateRule(max_numel=256)) is StateKind.REPLICATED
+    assert _classify("state1", torch.zeros(4096, dtype=torch.uint8), StateRule(frozenset({"state1"}))) is StateKind.REPLICATED
+    assert _classify("qmap1", torch.zeros(256)) is StateKind.REPLICATED
+    assert _classify("step", 3) is StateKind.COUNTER
+    assert _classify("unorm_vec", torch.zeros(1)) is StateKind.PARTITION_SCALAR
+
+
+def test_undeclared_state_is_classified_by_shape_or_refused():
+    assert _classify("extra", torch.zeros(4096), spec=TORCH_ADAM) is StateKind.ELEMENTWISE
+    assert _classify("extra", torch.tensor(1.0), spec=TORCH_ADAM) is StateKind.COUNTER
+    with pytest.raises(UnsupportedOptimizerError, match=r"'extra' \(shape \(7,\).*zero_unsharded_state_keys"):
+        _classify("extra", torch.zeros(7), spec=TORCH_ADAM)
+
+
+def test_spec_lookup_and_refusals():
+    params = [torch.nn.Parameter(torch.zeros(10))]
+    assert spec_for(bnb.optim.Adam8bit(params)) is BNB_ADAM
+    assert spec_for(bnb.optim.AdamW8bit(params)) is BNB_ADAM
+    assert spec_for(torch.optim.AdamW(params)) is TORCH_ADAM
+    with pytest.raises(UnsupportedOptimizerError, match="no state declaration for torch.optim.sgd.SGD"):
+        spec_for(torch.optim.SGD(params, lr=0.1))
+    with pytest.raises(UnsupportedOptimizerError, match="max_unorm=0.5.*max_unorm=0.0"):
+        spec_for(_with_unorm(params))
+    with pytest.raises(UnsupportedOptimizerError, match="paged optimizer"):
+        spec_for(bnb.optim.PagedAdamW8bit(params))
+
+
+def _with_unorm(params):
+    optimizer = bnb.optim.Adam8bit(params)
+    optimizer.args.max_unorm = 0.5
+    return optimizer
+
+
+# -- quantization ------------------------------------------------------------------------------
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 3000), signed=st.booleans())
+def test_dequantize_matches_bitsandbytes_and_quantize_round_trips(n, signed):
+    qmap = F.create_dynamic_map(signed=signed)
+    values = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    values = values if signed else values.abs()
+    codes, absmax = quant.quantize(values, qmap, 256)
+    ours = quant.dequantize(codes, absmax, qmap, 256)
+    theirs = F.dequantize_blockwise(codes, absmax=absmax, code=qmap, blocksize=256)
+    assert torch.equal(ours, theirs)
+    assert (ours - values).abs().max() <= 0.02 * values.abs().max() + 1e-12
+
+
+def test_zero_code_and_errors():
+    assert quant.zero_code(F.create_dynamic_map(signed=True)) == 127
+    assert quant.zero_code(F.create_dynamic_map(signed=False)) == 0
+    with pytest.raises(ValueError, match="no exact zero"):
+        quant.zero_code(torch.tensor([0.5, 1.0]))
+    with pytest.raises(ValueError, match="need 2 absmax values, got 1"):
+        quant.dequantize(torch.zeros(300, dtype=torch.uint8), torch.ones(1), torch.ones(256), 256)
+
+
+# -- manifest ----------------------------------------------------------------------------------
+
+def _manifest():
+    group = GroupEntry(
+        numel=10, params=(ParamEntry("w", (2, 5), 0),),
+        states=(StateEntry("state1", StateKind.ELEMENTWISE, "uint8", "declared"),),
+        element_ranges=((0, 10),), block_ranges=((0, 1),),
+    )
+    return Manifest(dp_world_size=1, block_size=256, optimizer_class="x.Adam8bit", optimizer_spec="spec",
+                    groups=(group,), shards=("shard_00000-of-00001.pt",), versions={"torch": "2"})
+
+
+def test_manifest_round_trips_and_rejects_unknown_versions(tmp_path):
+    write_manifest(_manifest(), str(tmp_path))
+    assert read_manifest(str(tmp_path)) == _manifest()
+    data = json.loads((tmp_path / "manifest.json").read_text())
+    data["format_version"] = 99
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(CheckpointFormatError, match="format_version=99.*reads version 1"):
+        read_manifest(str(tmp_path))
+    (tmp_path / "manifest.json").write_text("{")
+    with pytest.raises(CheckpointFormatError, match="not valid JSON"):
+        read_manifest(str(tmp_path))
+    with pytest.raises(CheckpointFormatError, match="not a complete zero_bnb checkpoint"):
+        read_manifest(str(tmp_path / "nowhere"))
