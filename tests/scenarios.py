@@ -63,3 +63,81 @@ def resume(rank, world, workdir, optimizer_name, steps_before, steps_after):
     final = consolidated_state(engine)
     _save_result(os.path.join(workdir, f"resumed_dp{world}.pt"),
                  {"loaded": loaded, "final": final, "losses": after, "global_steps": global_steps})
+
+
+def _stock_engine(dp, optimizer_name="Adam8bit"):
+    import deepspeed
+
+    model = build_model()
+    optimizer_cls = {"Adam8bit": bnb.optim.Adam8bit, "AdamW": torch.optim.AdamW}[optimizer_name]
+    optimizer = optimizer_cls(param_groups(model), lr=LR)
+    config = RUN.ds_config(dp, zero_allow_untested_optimizer=True)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def _error(fn):
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def misc_dp2(rank, world, workdir):
+    """Stock DeepSpeed baseline, torch AdamW pass-through, replicated-key mismatch, stock rescue at DP=2."""
+    out = {}
+    # Stock DeepSpeed + Adam8bit: train and save (the checkpoint stock DeepSpeed can only reload at DP=2).
+    stock = _stock_engine(world)
+    train_steps(stock, RUN, 0, 3)
+    stock.save_checkpoint(os.path.join(workdir, "stock"), tag="s")
+    stock_weights = {n: p.detach().clone() for n, p in stock.module.named_parameters()}
+    stock_state = {}
+    for index, group in enumerate(stock.optimizer.single_partition_of_fp32_groups):
+        stock_state[index] = {k: v for k, v in stock.optimizer.optimizer.state[group].items()}
+    # zero_bnb loads the stock checkpoint at the same DP size.
+    engine = make_engine(world)
+    engine.load_checkpoint(os.path.join(workdir, "stock"))
+    loaded = consolidated_state(engine)
+    out["stock_loaded"] = loaded
+    out["stock_weights"] = stock_weights
+    out["stock_losses_after"] = train_steps(engine, RUN, 3, 2)
+    out["stock_reference_after"] = train_steps(stock, RUN, 3, 2)
+
+    # torch.optim.AdamW through zero_bnb trains exactly like stock DeepSpeed.
+    stock_adamw, ours_adamw = _stock_engine(world, "AdamW"), make_engine(world, "AdamW")
+    out["adamw_losses"] = (train_steps(stock_adamw, RUN, 0, 3), train_steps(ours_adamw, RUN, 0, 3))
+    out["adamw_weights"] = (
+        {n: p.detach().clone() for n, p in stock_adamw.module.named_parameters()},
+        {n: p.detach().clone() for n, p in ours_adamw.module.named_parameters()},
+    )
+    ours_adamw.save_checkpoint(os.path.join(workdir, "adamw"), tag="a")
+    out["adamw_saved"] = consolidated_state(ours_adamw)
+
+    # A size threshold that catches absmax (49 blocks per rank here) is refused before anything is written.
+    bad = make_engine(world, zero_unsharded_state_max_numel=256)
+    train_steps(bad, RUN, 0, 1)
+    out["mismatch_error"] = _error(lambda: bad.save_checkpoint(os.path.join(workdir, "bad"), tag="b"))
+    out["mismatch_wrote"] = os.path.exists(os.path.join(workdir, "bad", "b"))
+    _save_result(os.path.join(workdir, "misc_dp2.pt"), out)
+
+
+def misc_dp3(rank, world, workdir):
+    """At DP=3: stock DeepSpeed refuses its own checkpoint; zero_bnb explains; AdamW checkpoint resumes."""
+    out = {}
+    stock = _stock_engine(world)
+    out["stock_refuses"] = _error(lambda: stock.load_checkpoint(os.path.join(workdir, "stock")))
+    engine = make_engine(world)
+    out["zero_bnb_on_stock"] = _error(lambda: engine.load_checkpoint(os.path.join(workdir, "stock")))
+    adamw = make_engine(world, "AdamW")
+    adamw.load_checkpoint(os.path.join(workdir, "adamw"))
+    out["adamw_loaded"] = consolidated_state(adamw)
+    module_only = make_engine(world, "AdamW")
+    module_only.load_checkpoint(os.path.join(workdir, "adamw"), load_module_only=True)
+    out["module_only"] = consolidated_state(module_only)
+    no_optimizer = make_engine(world, "AdamW")
+    no_optimizer.load_checkpoint(os.path.join(workdir, "adamw"), load_optimizer_states=False)
+    out["no_optimizer_states"] = consolidated_state(no_optimizer)
+    wrong_model = make_engine(world)  # Adam8bit engine, AdamW checkpoint
+    out["wrong_optimizer"] = _error(lambda: wrong_model.load_checkpoint(os.path.join(workdir, "adamw")))
+    _save_result(os.path.join(workdir, "misc_dp3.pt"), out)

@@ -289,8 +289,8 @@ def restore_optimizer(
         restorer.restore_hyperparameters()
         if notes and optimizer.dp_rank == 0:
             logger.warning(
-                "zero_bnb: group %d now has partitions of %d elements (checkpoint DP=%d, now DP=%d), so the optimizer "
-                "keeps its state in another precision; converted %s",
+                "zero_bnb: group %d: the optimizer holds partitions of %d elements in another precision than the "
+                "checkpoint (saved at DP=%d, now DP=%d); converted %s",
                 restorer.index,
                 restorer.param.numel(),
                 saved.manifest.dp_world_size,

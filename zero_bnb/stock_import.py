@@ -128,7 +128,7 @@ class StockCheckpoint:
                     replicated[key] = value
             for r, sd in enumerate(rank_sds):
                 pieces[(r, g, "fp32")] = sd["single_partition_of_fp32_groups"][g]
-            if requantized:
+            if requantized and optimizer.dp_rank == 0:
                 logger.warning(
                     "zero_bnb: stock DeepSpeed partitions of group %d (%d elements) do not start on %d-element "
                     "blocks; requantizing %s on the aligned grid once (lossy within 8-bit precision)",
