@@ -1,0 +1,32 @@
+"""Command line: ``python -m zero_bnb <command>`` (also installed as ``zero-bnb``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen command; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="zero-bnb", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="train at DP=2, checkpoint, resume at DP=3 and compare (CPU)")
+    demo.add_argument("--out", default="demo_output", help="folder for the checkpoint, table and plot")
+    demo.add_argument("--steps-before", type=int, default=12, help="optimizer steps before the checkpoint")
+    demo.add_argument("--steps-after", type=int, default=12, help="optimizer steps after it")
+    demo.add_argument("--save-dp", type=int, default=2, help="DP size of the first run")
+    demo.add_argument("--resume-dp", type=int, default=3, help="DP size of the resumed run")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.command == "demo":
+        from zero_bnb.cli.demo import run_demo
+
+        return run_demo(args.out, args.steps_before, args.steps_after, args.save_dp, args.resume_dp)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
