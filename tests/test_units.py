@@ -73,7 +73,10 @@ def test_config_file_errors_name_the_path(tmp_path):
 
 # -- state kinds -------------------------------------------------------------------------------
 
-def _classify(key, value, rule=StateRule(), spec=BNB_ADAM, partition=4096):
+NO_RULE = StateRule()
+
+
+def _classify(key, value, rule=NO_RULE, spec=BNB_ADAM, partition=4096):
     return classify_state(key, value, spec=spec, rule=rule, partition_numel=partition)[0]
 
 

@@ -103,7 +103,7 @@ class ZeroBnbEngine(DeepSpeedEngine):
 
     # -- checkpoints --------------------------------------------------------------------------
 
-    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         """DeepSpeed's ``save_checkpoint``, with the optimizer written DP-independently.
 
         Collective: all ranks must call it. Replicated optimizer state is verified across
@@ -113,7 +113,7 @@ class ZeroBnbEngine(DeepSpeedEngine):
         return super().save_checkpoint(
             save_dir,
             tag=tag,
-            client_state=client_state,
+            client_state={} if client_state is None else client_state,
             save_latest=save_latest,
             exclude_frozen_parameters=exclude_frozen_parameters,
         )

@@ -29,7 +29,13 @@ from zero_bnb.checkpoint_format import (
 from zero_bnb.state_spec import StateKind, UnsupportedOptimizerError, classify_state
 from zero_bnb.zero_optimizer import BlockAlignedZeroOptimizer
 
-__all__ = ["ReplicatedStateMismatch", "classify_group_state", "save_checkpoint_shards", "verify_replicated_state"]
+__all__ = [
+    "WRAPPER_SCALARS",
+    "ReplicatedStateMismatch",
+    "classify_group_state",
+    "save_checkpoint_shards",
+    "verify_replicated_state",
+]
 
 logger = logging.getLogger(__name__)
 

@@ -19,6 +19,7 @@ from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from zero_bnb import quant
 from zero_bnb.checkpoint_format import GroupEntry, Manifest, StateEntry
 from zero_bnb.layout import ceil_div
+from zero_bnb.save import WRAPPER_SCALARS
 from zero_bnb.state_spec import StateKind, classify_state
 
 __all__ = ["StockCheckpoint"]
@@ -26,7 +27,6 @@ __all__ = ["StockCheckpoint"]
 logger = logging.getLogger(__name__)
 
 _BNB_WRAPPED = "__bnb_optimizer_quant_state__"
-_WRAPPER_SCALARS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
 
 
 def _unwrap(state: dict[str, Any]) -> dict[str, Any]:
@@ -151,5 +151,5 @@ class StockCheckpoint:
             shards=tuple(f"stock rank {r}" for r in range(len(rank_sds))),
             versions={"deepspeed": str(rank_sds[0].get("ds_version", "unknown"))},
         )
-        wrapper = {name: rank_sds[0][name] for name in _WRAPPER_SCALARS if name in rank_sds[0]}
+        wrapper = {name: rank_sds[0][name] for name in WRAPPER_SCALARS if name in rank_sds[0]}
         return cls(manifest, {"groups": replicated_groups, "zero_wrapper": wrapper}, pieces)
