@@ -13,23 +13,18 @@ import bitsandbytes as bnb
 import torch
 import torch.distributed as dist
 
-import zero_bnb
 from zero_bnb.consolidate import consolidated_state
-from zero_bnb.toy import ToyRun, build_model, param_groups, train_steps
+from zero_bnb.toy import DEFAULT_RUN as RUN
+from zero_bnb.toy import LEARNING_RATE as LR
+from zero_bnb.toy import build_engine, build_model, param_groups, train_steps
 
-RUN = ToyRun(global_batch_size=24, micro_batch=2)
-LR = 1e-2
+OPTIMIZERS = {"Adam8bit": bnb.optim.Adam8bit, "AdamW8bit": bnb.optim.AdamW8bit, "AdamW": torch.optim.AdamW}
 
 logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
 
 def make_engine(dp: int, optimizer_name: str = "Adam8bit", **config):
-    model = build_model()
-    optimizer_cls = {"Adam8bit": bnb.optim.Adam8bit, "AdamW8bit": bnb.optim.AdamW8bit,
-                     "AdamW": torch.optim.AdamW}[optimizer_name]
-    optimizer = optimizer_cls(param_groups(model), lr=LR)
-    engine, *_ = zero_bnb.initialize(model=model, optimizer=optimizer, config=RUN.ds_config(dp, **config))
-    return engine
+    return build_engine(dp, OPTIMIZERS[optimizer_name], **config)
 
 
 def _save_result(path: str, obj) -> None:
@@ -69,8 +64,7 @@ def _stock_engine(dp, optimizer_name="Adam8bit"):
     import deepspeed
 
     model = build_model()
-    optimizer_cls = {"Adam8bit": bnb.optim.Adam8bit, "AdamW": torch.optim.AdamW}[optimizer_name]
-    optimizer = optimizer_cls(param_groups(model), lr=LR)
+    optimizer = OPTIMIZERS[optimizer_name](param_groups(model), lr=LR)
     config = RUN.ds_config(dp, zero_allow_untested_optimizer=True)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine

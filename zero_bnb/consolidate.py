@@ -16,7 +16,7 @@ from zero_bnb import quant
 from zero_bnb.state_spec import StateKind, classify_state
 from zero_bnb.zero_optimizer import BlockAlignedZeroOptimizer
 
-__all__ = ["consolidated_state"]
+__all__ = ["consolidated_state", "state_differences"]
 
 
 def consolidated_state(engine, dst: int = 0) -> dict[str, Any] | None:
@@ -81,3 +81,26 @@ def consolidated_state(engine, dst: int = 0) -> dict[str, Any] | None:
         result["counters"].append(counters)
         result["raw"].append(raw)
     return result
+
+
+def state_differences(saved: dict[str, Any], loaded: dict[str, Any]) -> tuple[int, list[str]]:
+    """Compare two :func:`consolidated_state` results bit for bit.
+
+    Returns:
+        How many per-parameter tensors were compared, and a description of each difference
+        (a tensor that differs or is missing, or differing counters); empty when identical.
+    """
+    checked, different = 0, []
+    for name, tensors in saved["params"].items():
+        other = loaded["params"].get(name, {})
+        if other.keys() != tensors.keys():
+            different.append(f"{name}: keys {sorted(tensors)} != {sorted(other)}")
+        for key, value in tensors.items():
+            checked += 1
+            if key in other and not torch.equal(value, other[key]):
+                different.append(f"{name}.{key}")
+    if saved["params"].keys() != loaded["params"].keys():
+        different.append(f"parameters {sorted(saved['params'])} != {sorted(loaded['params'])}")
+    if saved["counters"] != loaded["counters"]:
+        different.append(f"counters {saved['counters']} != {loaded['counters']}")
+    return checked, different

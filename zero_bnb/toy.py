@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["ToyRun", "build_model", "global_batch", "param_groups", "train_steps"]
+__all__ = ["DEFAULT_RUN", "LEARNING_RATE", "ToyRun", "build_engine", "build_model", "global_batch", "param_groups", "train_steps"]
 
 IN_FEATURES = 60
 
@@ -96,3 +96,20 @@ def train_steps(engine, run: ToyRun, first_step: int, count: int) -> list[float]
         dist.all_reduce(total)
         losses.append(total.item() / (accum * dp))
     return losses
+
+
+DEFAULT_RUN = ToyRun(global_batch_size=24, micro_batch=2)
+LEARNING_RATE = 1e-2
+
+
+def build_engine(dp: int, optimizer_cls: type, run: ToyRun = DEFAULT_RUN, **config):
+    """The toy model and ``optimizer_cls`` under ``zero_bnb.initialize`` at DP size ``dp``.
+
+    ``config`` adds top-level DeepSpeed config keys. Collective: every rank must call it.
+    """
+    import zero_bnb
+
+    model = build_model()
+    optimizer = optimizer_cls(param_groups(model), lr=LEARNING_RATE)
+    engine, *_ = zero_bnb.initialize(model=model, optimizer=optimizer, config=run.ds_config(dp, **config))
+    return engine

@@ -11,27 +11,20 @@ import shutil
 
 import torch
 
+from zero_bnb.consolidate import state_differences
 from zero_bnb.launch import run_distributed
-from zero_bnb.toy import ToyRun
+from zero_bnb.toy import DEFAULT_RUN as RUN
 
 __all__ = ["run_demo"]
-
-RUN = ToyRun(global_batch_size=24, micro_batch=2)
-LR = 1e-2
 
 
 def _engine(dp: int):
     import bitsandbytes as bnb
 
-    import zero_bnb
-    from zero_bnb.toy import build_model, param_groups
+    from zero_bnb.toy import build_engine
 
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-    model = build_model()
-    optimizer = bnb.optim.Adam8bit(param_groups(model), lr=LR)
-    config = RUN.ds_config(dp, zero_unsharded_state_keys=["qmap1", "qmap2"])
-    engine, *_ = zero_bnb.initialize(model=model, optimizer=optimizer, config=config)
-    return engine
+    return build_engine(dp, bnb.optim.Adam8bit, zero_unsharded_state_keys=["qmap1", "qmap2"])
 
 
 def _uninterrupted(rank: int, world: int, out: str, before: int, after: int) -> None:
@@ -60,17 +53,6 @@ def _resumed(rank: int, world: int, out: str, before: int, after: int) -> None:
         torch.save({"loaded": loaded, "losses": losses, "global_steps": resumed_at},
                    os.path.join(out, "resumed.pt"))
 
-
-def _compare_state(saved: dict, loaded: dict) -> tuple[int, list[str]]:
-    checked, different = 0, []
-    for name, tensors in saved["params"].items():
-        for key, value in tensors.items():
-            checked += 1
-            if not torch.equal(value, loaded["params"][name][key]):
-                different.append(f"{name}.{key}")
-    if saved["counters"] != loaded["counters"]:
-        different.append(f"counters {saved['counters']} != {loaded['counters']}")
-    return checked, different
 
 
 def _plot(path: str, steps: list[int], reference: list[float], resumed: list[float], before: int, dps) -> None:
@@ -105,7 +87,7 @@ def run_demo(out: str, before: int, after: int, save_dp: int = 2, resume_dp: int
     reference = torch.load(os.path.join(out, "uninterrupted.pt"), weights_only=False)
     resumed = torch.load(os.path.join(out, "resumed.pt"), weights_only=False)
 
-    checked, different = _compare_state(reference["saved"], resumed["loaded"])
+    checked, different = state_differences(reference["saved"], resumed["loaded"])
     verdict = "bit-identical" if not different else f"DIFFERENT: {different}"
     print(f"\nstate after load at DP={resume_dp}: {checked} tensors (fp32 master weights and dequantized Adam "
           f"moments of every parameter) + step counters: {verdict}")
