@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from zero_bnb import quant
 from zero_bnb.checkpoint_format import (
-    CheckpointFormatError,
     GroupEntry,
     Manifest,
     ParamEntry,
@@ -19,6 +18,8 @@ from zero_bnb.checkpoint_format import (
     read_manifest,
     write_manifest,
 )
+from zero_bnb.durable import FileRecord
+from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
 from zero_bnb.config import ZeroBnbConfig, ZeroBnbConfigError, load_ds_config, split_config
 from zero_bnb.state_spec import BNB_ADAM, TORCH_ADAM, StateKind, StateRule, UnsupportedOptimizerError, classify_state, spec_for
 
@@ -142,26 +143,41 @@ def test_zero_code_and_errors():
 
 # -- manifest ----------------------------------------------------------------------------------
 
-def _manifest():
+def _manifest(**changes):
     group = GroupEntry(
         numel=10, params=(ParamEntry("w", (2, 5), 0),),
         states=(StateEntry("state1", StateKind.ELEMENTWISE, "uint8", "declared"),),
         element_ranges=((0, 10),), block_ranges=((0, 1),),
+        hyperparameters={"lr": 0.01, "betas": [0.9, 0.995]},
     )
-    return Manifest(dp_world_size=1, block_size=256, optimizer_class="x.Adam8bit", optimizer_spec="spec",
-                    groups=(group,), shards=("shard_00000-of-00001.pt",), versions={"torch": "2"})
+    fields = dict(dp_world_size=1, block_size=256, optimizer_class="x.Adam8bit", optimizer_spec="spec",
+                  groups=(group,), shards=("shard_00000-of-00001.pt",), versions={"torch": "2"},
+                  files=(FileRecord("zero_bnb/shard_00000-of-00001.pt", 12, "ab" * 32),),
+                  non_finite={"w": ["fp32"]})
+    return Manifest(**{**fields, **changes})
 
 
 def test_manifest_round_trips_and_rejects_unknown_versions(tmp_path):
-    write_manifest(_manifest(), str(tmp_path))
+    write_manifest(_manifest(), str(tmp_path), root=str(tmp_path))
     assert read_manifest(str(tmp_path)) == _manifest()
-    data = json.loads((tmp_path / "manifest.json").read_text())
-    data["format_version"] = 99
-    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    (tmp_path / "manifest.json").write_text(_manifest(format_version=99).to_json())
     with pytest.raises(CheckpointFormatError, match="format_version=99.*reads version 1"):
         read_manifest(str(tmp_path))
-    (tmp_path / "manifest.json").write_text("{")
-    with pytest.raises(CheckpointFormatError, match="not valid JSON"):
+    (tmp_path / "manifest.json").write_text(_manifest(format_name="other").to_json())
+    with pytest.raises(CheckpointFormatError, match="not a zero_bnb manifest"):
         read_manifest(str(tmp_path))
     with pytest.raises(CheckpointFormatError, match="not a complete zero_bnb checkpoint"):
         read_manifest(str(tmp_path / "nowhere"))
+
+
+def test_manifest_detects_any_edit_of_its_own_text(tmp_path):
+    text = _manifest().to_json()
+    edited = text.replace('"lr": 0.01', '"lr": 0.02')
+    assert edited != text
+    for damaged, message in ((edited, "was modified or damaged"), ("{", "does not start with")):
+        (tmp_path / "manifest.json").write_text(damaged)
+        with pytest.raises(CheckpointCorruptError, match=message):
+            read_manifest(str(tmp_path))
+    (tmp_path / "manifest.json").write_bytes(b"\xff" + text.encode())
+    with pytest.raises(CheckpointCorruptError, match="not UTF-8"):
+        read_manifest(str(tmp_path))

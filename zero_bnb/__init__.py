@@ -15,7 +15,17 @@ from __future__ import annotations
 from importlib import metadata as _metadata
 
 from zero_bnb.config import ZeroBnbConfig, ZeroBnbConfigError
+from zero_bnb.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    NonFiniteStateError,
+    ReplicatedStateMismatch,
+)
 from zero_bnb.initialize import initialize
+from zero_bnb.integrity import verify_checkpoint
 from zero_bnb.state_spec import StateKind, UnsupportedOptimizerError
 
 try:
@@ -24,10 +34,18 @@ except _metadata.PackageNotFoundError:  # running from a source tree without ins
     __version__ = "0.0.0+unknown"
 
 __all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointFormatError",
+    "CheckpointMismatchError",
+    "CheckpointSaveError",
+    "NonFiniteStateError",
+    "ReplicatedStateMismatch",
     "StateKind",
     "UnsupportedOptimizerError",
     "ZeroBnbConfig",
     "ZeroBnbConfigError",
     "__version__",
     "initialize",
+    "verify_checkpoint",
 ]

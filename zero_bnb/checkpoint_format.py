@@ -10,19 +10,25 @@ Pure I/O, no DeepSpeed and no collectives. Inside DeepSpeed's tag folder
   (``step``) and the replicated tensors (``qmap1``/``qmap2``), each saved once, whole; plus
   the ZeRO wrapper's own scalars (loss scaler).
 * ``manifest.json`` (rank 0, written last): what the files hold, where every parameter and
-  every saved range lies, and the versions that wrote it. A checkpoint without a manifest
-  is incomplete.
+  every saved range lies, the versions that wrote it, and the size and SHA-256 of every
+  file of the tag folder (DeepSpeed's model file included). Its first field is the SHA-256
+  of the manifest itself, so a damaged manifest is detected too. A checkpoint without a
+  manifest is incomplete.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from zero_bnb.durable import FileRecord, write_text
+from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
 from zero_bnb.state_spec import StateKind
 
 __all__ = [
@@ -30,17 +36,16 @@ __all__ = [
     "MANIFEST_NAME",
     "REPLICATED_NAME",
     "SUBDIR",
-    "CheckpointFormatError",
     "GroupEntry",
     "Manifest",
     "ParamEntry",
     "StateEntry",
+    "jsonable",
     "read_manifest",
     "read_replicated",
     "read_shard",
     "shard_name",
     "write_manifest",
-    "write_torch",
 ]
 
 FORMAT_NAME = "zero_bnb"
@@ -50,8 +55,9 @@ MANIFEST_NAME = "manifest.json"
 REPLICATED_NAME = "replicated.pt"
 
 
-class CheckpointFormatError(ValueError):
-    """A checkpoint folder is missing, incomplete, or written in an unknown format."""
+_CHECKSUM_FIELD = "manifest_sha256"
+_PLACEHOLDER = "0" * 64
+_CHECKSUM_PATTERN = re.compile(r'\A\{\n "manifest_sha256": "([0-9a-f]{64})",\n')
 
 
 def shard_name(rank: int, dp: int) -> str:
@@ -91,6 +97,8 @@ class GroupEntry:
 
     ``element_ranges[r]`` / ``block_ranges[r]`` are the global ``[start, end)`` ranges held by
     shard ``r``; they tile ``[0, numel)`` and ``[0, ceil(numel / block_size))``.
+    ``hyperparameters`` is a readable copy of the optimizer's param group (the exact values
+    are restored from ``replicated.pt``).
     """
 
     numel: int
@@ -98,6 +106,7 @@ class GroupEntry:
     states: tuple[StateEntry, ...]
     element_ranges: tuple[tuple[int, int], ...]
     block_ranges: tuple[tuple[int, int], ...]
+    hyperparameters: dict[str, Any] = field(default_factory=dict)
 
     def state(self, key: str) -> StateEntry | None:
         for entry in self.states:
@@ -106,9 +115,25 @@ class GroupEntry:
         return None
 
 
+def jsonable(value: Any) -> Any:
+    """A JSON-friendly rendering of a hyper-parameter value (tuples as lists, tensors as numbers)."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [jsonable(item) for item in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
 @dataclass(frozen=True, slots=True)
 class Manifest:
-    """Everything a loader needs to know before it opens a shard."""
+    """Everything a loader needs to know before it opens a shard.
+
+    ``files`` lists every file of the tag folder with its size and SHA-256, paths relative to
+    the tag folder. ``non_finite`` maps parameter names to the saved tensors (``fp32`` or a
+    state key) that held NaN/Inf when the checkpoint was written.
+    """
 
     dp_world_size: int
     block_size: int
@@ -116,19 +141,42 @@ class Manifest:
     optimizer_spec: str
     groups: tuple[GroupEntry, ...]
     shards: tuple[str, ...]
+    files: tuple[FileRecord, ...] = ()
+    non_finite: dict[str, list[str]] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     format_name: str = FORMAT_NAME
 
     def to_json(self) -> str:
+        """The manifest as JSON whose first field is the SHA-256 of the text itself."""
         data = asdict(self)
         for group in data["groups"]:
             for state in group["states"]:
                 state["kind"] = state["kind"].value
-        return json.dumps(data, indent=1, sort_keys=True)
+        text = json.dumps({_CHECKSUM_FIELD: _PLACEHOLDER, **data}, indent=1)
+        return text.replace(_PLACEHOLDER, hashlib.sha256(text.encode("utf-8")).hexdigest(), 1)
 
     @classmethod
     def from_json(cls, text: str, *, source: str = "manifest") -> "Manifest":
+        """Parse and check a manifest written by :meth:`to_json`.
+
+        Raises:
+            CheckpointCorruptError: the text does not match its own checksum.
+            CheckpointFormatError: not a zero_bnb manifest, or an unknown format version.
+        """
+        match = _CHECKSUM_PATTERN.match(text)
+        if match is None:
+            raise CheckpointCorruptError(
+                f"{source} does not start with its {_CHECKSUM_FIELD!r} field: it is damaged or not a zero_bnb "
+                f"manifest; load an earlier checkpoint tag"
+            )
+        unsigned = text[: match.start(1)] + _PLACEHOLDER + text[match.end(1) :]
+        actual = hashlib.sha256(unsigned.encode("utf-8")).hexdigest()
+        if actual != match.group(1):
+            raise CheckpointCorruptError(
+                f"{source} was modified or damaged: its content hashes to sha256 {actual[:16]}..., but it records "
+                f"{match.group(1)[:16]}...; load an earlier checkpoint tag"
+            )
         try:
             data = json.loads(text)
         except json.JSONDecodeError as error:
@@ -149,6 +197,7 @@ class Manifest:
                     states=tuple(StateEntry(s["key"], StateKind(s["kind"]), s["dtype"], s["reason"]) for s in g["states"]),
                     element_ranges=tuple(tuple(r) for r in g["element_ranges"]),
                     block_ranges=tuple(tuple(r) for r in g["block_ranges"]),
+                    hyperparameters=dict(g["hyperparameters"]),
                 )
                 for g in data["groups"]
             )
@@ -159,57 +208,61 @@ class Manifest:
                 optimizer_spec=data["optimizer_spec"],
                 groups=groups,
                 shards=tuple(data["shards"]),
+                files=tuple(FileRecord(f["path"], f["size"], f["sha256"]) for f in data["files"]),
+                non_finite={name: list(keys) for name, keys in data["non_finite"].items()},
                 versions=dict(data["versions"]),
                 format_version=data["format_version"],
                 format_name=data["format_name"],
             )
-        except (KeyError, TypeError, ValueError) as error:
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise CheckpointFormatError(f"{source} is missing or has a malformed field ({error!r})") from error
 
 
-def write_torch(obj: Any, path: str) -> None:
-    """``torch.save`` to ``path`` and make it durable (flush and fsync) before returning."""
-    with open(path, "wb") as handle:
-        torch.save(obj, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def write_manifest(manifest: Manifest, folder: str) -> None:
+def write_manifest(manifest: Manifest, folder: str, *, root: str) -> FileRecord:
     """Write ``manifest.json`` into ``folder``, durably; this marks the checkpoint complete."""
-    path = os.path.join(folder, MANIFEST_NAME)
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(manifest.to_json())
-        handle.flush()
-        os.fsync(handle.fileno())
+    return write_text(manifest.to_json(), os.path.join(folder, MANIFEST_NAME), root=root)
 
 
 def read_manifest(folder: str) -> Manifest:
-    """Read the manifest of the zero_bnb folder ``folder``.
+    """Read and check the manifest of the zero_bnb folder ``folder``.
 
     Raises:
-        CheckpointFormatError: there is no manifest (an incomplete or non-zero_bnb checkpoint)
-            or it cannot be parsed.
+        CheckpointFormatError: there is no manifest (an incomplete or non-zero_bnb checkpoint),
+            it cannot be parsed, or its format version is unknown.
+        CheckpointCorruptError: the manifest does not match its own checksum.
     """
     path = os.path.join(folder, MANIFEST_NAME)
     if not os.path.isfile(path):
         raise CheckpointFormatError(f"{path} does not exist: {folder} is not a complete zero_bnb checkpoint")
-    with open(path, encoding="utf-8") as handle:
-        return Manifest.from_json(handle.read(), source=path)
+    with open(path, "rb") as handle:
+        raw = handle.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise CheckpointCorruptError(f"{path} is not UTF-8 text ({error}); the manifest is damaged") from error
+    return Manifest.from_json(text, source=path)
+
+
+def _load(path: str, what: str, **kwargs: Any) -> Any:
+    if not os.path.isfile(path):
+        raise CheckpointCorruptError(f"{what} {path} is missing; the checkpoint is incomplete")
+    try:
+        return torch.load(path, map_location="cpu", **kwargs)
+    except Exception as error:  # torch raises many types for damaged archives
+        raise CheckpointCorruptError(
+            f"{what} {path} cannot be read ({type(error).__name__}: {error}); the file is damaged"
+        ) from error
 
 
 def read_shard(folder: str, name: str) -> dict[str, Any]:
     """Open one shard lazily (memory-mapped): only the slices a loader touches are read."""
-    path = os.path.join(folder, name)
-    if not os.path.isfile(path):
-        raise CheckpointFormatError(f"shard file {path} is missing; the checkpoint in {folder} is incomplete")
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    return _load(os.path.join(folder, name), "shard file", mmap=True, weights_only=True)
 
 
 def read_replicated(folder: str) -> dict[str, Any]:
-    """Read ``replicated.pt`` (hyper-parameters, counters, replicated tensors, loss scaler)."""
-    path = os.path.join(folder, REPLICATED_NAME)
-    if not os.path.isfile(path):
-        raise CheckpointFormatError(f"{path} is missing; the checkpoint in {folder} is incomplete")
-    # The ZeRO wrapper's loss scaler is a pickled DeepSpeed object, as in DeepSpeed's own files.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """Read ``replicated.pt`` (hyper-parameters, counters, replicated tensors, loss scaler).
+
+    Check the file's checksum first: it holds a pickled DeepSpeed loss scaler, as DeepSpeed's
+    own files do, so it is loaded with ``weights_only=False``.
+    """
+    return _load(os.path.join(folder, REPLICATED_NAME), "replicated-state file", weights_only=False)

@@ -1,6 +1,7 @@
 """zero_bnb's own config keys, read from (and stripped out of) a DeepSpeed config.
 
-``zero_unsharded_state_keys`` and ``zero_unsharded_state_max_numel`` may sit at the top level
+zero_bnb's keys (``zero_unsharded_state_keys``, ``zero_unsharded_state_max_numel``,
+``zero_nonfinite_check``, ``zero_checkpoint_verify``) may sit at the top level
 of the DeepSpeed config (stock DeepSpeed ignores unknown top-level keys, so one JSON serves
 both) or inside ``zero_optimization`` (which stock DeepSpeed would reject, so they are
 removed before DeepSpeed validates the config).
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 __all__ = [
+    "CHECKPOINT_VERIFY",
+    "NONFINITE_CHECK",
     "UNSHARDED_KEYS",
     "UNSHARDED_MAX_NUMEL",
     "ZeroBnbConfig",
@@ -25,7 +28,10 @@ __all__ = [
 
 UNSHARDED_KEYS = "zero_unsharded_state_keys"
 UNSHARDED_MAX_NUMEL = "zero_unsharded_state_max_numel"
-_OWN_KEYS = (UNSHARDED_KEYS, UNSHARDED_MAX_NUMEL)
+NONFINITE_CHECK = "zero_nonfinite_check"
+CHECKPOINT_VERIFY = "zero_checkpoint_verify"
+_OWN_KEYS = (UNSHARDED_KEYS, UNSHARDED_MAX_NUMEL, NONFINITE_CHECK, CHECKPOINT_VERIFY)
+_NONFINITE_MODES = ("error", "warn", "off")
 
 
 class ZeroBnbConfigError(ValueError):
@@ -44,10 +50,18 @@ class ZeroBnbConfig:
             kept whole. ``None`` disables the size rule. Beware: a small partition's
             ``absmax`` falls under a threshold too; such a key differs across ranks and is
             refused when the checkpoint is saved.
+        nonfinite_check: what a save does when master weights or float optimizer state hold
+            NaN/Inf: ``"error"`` (default) refuses to save and names the parameters, ``"warn"``
+            saves, logs them and records them in the manifest, ``"off"`` skips the scan.
+        checkpoint_verify: whether a load checks every file's SHA-256 against the manifest
+            (the work is split across ranks) before it touches the model. Size and format
+            checks run either way.
     """
 
     unsharded_state_keys: tuple[str, ...] | None = None
     unsharded_state_max_numel: int | None = None
+    nonfinite_check: str = "error"
+    checkpoint_verify: bool = True
 
     def __post_init__(self) -> None:
         keys = self.unsharded_state_keys
@@ -64,6 +78,12 @@ class ZeroBnbConfig:
                 f"{UNSHARDED_MAX_NUMEL} must be a non-negative integer number of elements (for example 256), "
                 f"got {limit!r}"
             )
+        if self.nonfinite_check not in _NONFINITE_MODES:
+            raise ZeroBnbConfigError(
+                f"{NONFINITE_CHECK} must be one of {list(_NONFINITE_MODES)}, got {self.nonfinite_check!r}"
+            )
+        if not isinstance(self.checkpoint_verify, bool):
+            raise ZeroBnbConfigError(f"{CHECKPOINT_VERIFY} must be true or false, got {self.checkpoint_verify!r}")
 
 
 def load_ds_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
@@ -116,4 +136,12 @@ def split_config(ds_config: Mapping[str, Any]) -> tuple[ZeroBnbConfig, dict[str,
                 f"{UNSHARDED_KEYS} must be a list of state-key names such as [\"qmap1\", \"qmap2\"], got {keys!r}"
             )
         keys = tuple(keys)
-    return ZeroBnbConfig(unsharded_state_keys=keys, unsharded_state_max_numel=found.get(UNSHARDED_MAX_NUMEL)), cleaned
+    optional = {
+        field: found[key]
+        for field, key in (("nonfinite_check", NONFINITE_CHECK), ("checkpoint_verify", CHECKPOINT_VERIFY))
+        if key in found
+    }
+    parsed = ZeroBnbConfig(
+        unsharded_state_keys=keys, unsharded_state_max_numel=found.get(UNSHARDED_MAX_NUMEL), **optional
+    )
+    return parsed, cleaned

@@ -5,9 +5,11 @@ internals. The engine is a real ``DeepSpeedEngine``; it differs only in
 
 * the ZeRO optimizer it builds (:class:`~zero_bnb.zero_optimizer.BlockAlignedZeroOptimizer`),
 * the optimizer files it writes (:mod:`zero_bnb.save`) and reads (:mod:`zero_bnb.restore`),
-  so that ``load_checkpoint`` works at any DP size.
+  so that ``load_checkpoint`` works at any DP size,
+* how a checkpoint is committed (:mod:`zero_bnb.commit`: staged, fsynced, checksummed,
+  published by rename, ``latest`` last) and checked before loading (:mod:`zero_bnb.load`).
 
-Model weights, LR scheduler, client state and ``latest`` stay DeepSpeed's own files.
+Model weights, LR scheduler and client state stay in DeepSpeed's own file format.
 """
 
 from __future__ import annotations
@@ -20,17 +22,22 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import deepspeed.runtime.engine as ds_engine_module
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
+from zero_bnb.collective import agree
+from zero_bnb.commit import SaveTransaction, resolve_tag
 from zero_bnb.config import ZeroBnbConfig
-from zero_bnb.restore import CheckpointReader, restore_optimizer
-from zero_bnb.save import save_checkpoint_shards, verify_replicated_state
+from zero_bnb.durable import makedirs, save_torch
+from zero_bnb.load import open_for_load
+from zero_bnb.restore import SavedState, restore_optimizer
+from zero_bnb.save import build_manifest, write_local_files
+from zero_bnb.state_checks import find_non_finite, verify_replicated_state
 from zero_bnb.state_spec import StateRule, spec_for
-from zero_bnb.stock_import import StockCheckpoint
 from zero_bnb.zero_optimizer import BlockAlignedZeroOptimizer
 
-__all__ = ["ZeroBnbEngine", "swapped_attribute"]
+__all__ = ["DurableCheckpointEngine", "ZeroBnbEngine", "swapped_attribute"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +63,28 @@ def swapped_attribute(owner: Any, name: str, replacement: Any) -> Iterator[None]
             yield
         finally:
             setattr(owner, name, original)
+
+
+class DurableCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's ``torch.save`` checkpoint engine, writing durably into a :class:`SaveTransaction`.
+
+    Files DeepSpeed writes (the model-states file) are fsynced, checksummed and recorded
+    for the manifest like zero_bnb's own.
+    """
+
+    transaction: SaveTransaction | None = None
+
+    def makedirs(self, path, exist_ok=False):
+        if not exist_ok and os.path.isdir(path):
+            raise FileExistsError(path)
+        makedirs(path)
+
+    def save(self, state_dict, path: str) -> None:
+        transaction = self.transaction
+        root = transaction.staging_folder if transaction is not None else os.path.dirname(path)
+        record = save_torch(state_dict, path, root=root)
+        if transaction is not None:
+            transaction.add([record])
 
 
 class ZeroBnbEngine(DeepSpeedEngine):
@@ -99,47 +128,119 @@ class ZeroBnbEngine(DeepSpeedEngine):
                 f"DeepSpeed built {type(zero_optimizer).__name__} instead of zero_bnb's ZeRO optimizer; features that "
                 f"replace it (zenflow, bf16 with fp32 gradient accumulation) are not supported by zero_bnb yet"
             )
+        verify_replicated_state(zero_optimizer)
         return zero_optimizer
+
+    def _configure_checkpointing(self):
+        super()._configure_checkpointing()
+        if type(self.checkpoint_engine) is not TorchCheckpointEngine:
+            raise ZeRORuntimeException(
+                f"zero_bnb commits checkpoints atomically with its own writer, but the config selects "
+                f"{type(self.checkpoint_engine).__name__}; remove checkpoint.writer and datastates from the config"
+            )
+        self.checkpoint_engine = DurableCheckpointEngine(self._config)
 
     # -- checkpoints --------------------------------------------------------------------------
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
-        """DeepSpeed's ``save_checkpoint``, with the optimizer written DP-independently.
+        """DeepSpeed's ``save_checkpoint``, committed atomically and written DP-independently.
 
-        Collective: all ranks must call it. Replicated optimizer state is verified across
-        ranks before any file is written.
+        Collective: all ranks must call it. Before any file is written, replicated optimizer
+        state is verified across ranks and master weights and state are scanned for NaN/Inf
+        (``zero_nonfinite_check``). Files go to a hidden staging folder, are fsynced and
+        checksummed, and the folder is renamed to ``save_dir/tag`` only when every rank has
+        succeeded; ``latest`` is replaced after that.
+
+        Raises:
+            zero_bnb.errors.CheckpointError: on every rank; the previous checkpoint and
+                ``latest`` are then unchanged.
         """
+        if not save_dir:
+            raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
+        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         verify_replicated_state(self.optimizer)
-        return super().save_checkpoint(
-            save_dir,
-            tag=tag,
-            client_state={} if client_state is None else client_state,
-            save_latest=save_latest,
-            exclude_frozen_parameters=exclude_frozen_parameters,
+        non_finite = find_non_finite(self.optimizer, self.param_names, self.zero_bnb_config.nonfinite_check)
+        transaction = SaveTransaction(save_dir, tag)
+        transaction.begin()
+        self.checkpoint_engine.transaction = transaction
+        try:
+            super().save_checkpoint(
+                save_dir,
+                tag=transaction.staging_tag,
+                client_state={} if client_state is None else client_state,
+                save_latest=False,
+                exclude_frozen_parameters=exclude_frozen_parameters,
+            )
+        finally:
+            self.checkpoint_engine.transaction = None
+        transaction.commit(
+            lambda files: build_manifest(self.optimizer, self.param_names, files, non_finite), save_latest=save_latest
         )
+        return True
+
+    def _save_checkpoint(self, save_dir, tag, client_state=None, exclude_frozen_parameters=False):
+        with self.checkpoint_engine.transaction.guard():
+            super()._save_checkpoint(save_dir, tag, client_state={} if client_state is None else client_state,
+                                     exclude_frozen_parameters=exclude_frozen_parameters)
 
     def _save_zero_checkpoint(self, save_path, tag):
-        save_checkpoint_shards(self.optimizer, os.path.join(save_path, str(tag)), self.param_names)
+        transaction = self.checkpoint_engine.transaction
+        with transaction.guard():
+            transaction.add(write_local_files(self.optimizer, os.path.join(save_path, str(tag))))
 
-    def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_module_strict=True,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        load_module_only=False,
+        custom_load_fn=None,
+    ):
+        """DeepSpeed's ``load_checkpoint``, at any DP size, with every check done before anything changes.
+
+        Collective: all ranks must call it. The checkpoint (zero_bnb, or stock DeepSpeed ZeRO-1
+        at its own DP size) is verified first: manifest, files, checksums, parameter names and
+        shapes, optimizer and block size. On any problem every rank raises the same error and
+        the engine is left exactly as it was.
+
+        Returns:
+            DeepSpeed's ``(load_path, client_state)``; ``(None, None)`` when ``tag`` is ``None`` and
+            ``load_dir`` has no ``latest`` file.
+        """
         if self.load_universal_checkpoint():
             raise ZeRORuntimeException(
                 "checkpoint.load_universal is set, but zero_bnb engines load their own checkpoints at any DP size; "
                 "remove checkpoint.load_universal from the config"
             )
-        tag_folder = os.path.join(load_dir, str(tag))
-        if CheckpointReader.exists(tag_folder):
-            saved = CheckpointReader(tag_folder)
-            source = "zero_bnb"
-        else:
-            saved = StockCheckpoint.open(self, load_dir, tag)
-            source = "stock DeepSpeed"
+        folder_tag = agree(lambda: resolve_tag(load_dir, None if tag is None else str(tag)))
+        if folder_tag is None:
+            return super().load_checkpoint(load_dir, tag=None)  # DeepSpeed warns that there is no 'latest'
+        optimizer_states = load_optimizer_states and not load_module_only
+        self._zero_bnb_saved = open_for_load(self, load_dir, folder_tag, optimizer_states=optimizer_states)
+        try:
+            return super().load_checkpoint(
+                load_dir,
+                tag=folder_tag,
+                load_module_strict=load_module_strict,
+                load_optimizer_states=load_optimizer_states,
+                load_lr_scheduler_states=load_lr_scheduler_states,
+                load_module_only=load_module_only,
+                custom_load_fn=custom_load_fn,
+            )
+        finally:
+            self._zero_bnb_saved = None
+
+    def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
+        saved: SavedState | None = getattr(self, "_zero_bnb_saved", None)
+        if saved is None:
+            raise ZeRORuntimeException("zero_bnb loads ZeRO state only through ZeroBnbEngine.load_checkpoint")
         restore_optimizer(self.optimizer, saved, self.param_names, load_optimizer_states=load_optimizer_states)
         if self.global_rank == 0:
             logger.info(
-                "zero_bnb: loaded %s checkpoint %s saved at DP=%d into DP=%d",
-                source,
-                tag_folder,
+                "zero_bnb: loaded checkpoint %s saved at DP=%d into DP=%d",
+                os.path.join(load_dir, str(tag)),
                 saved.manifest.dp_world_size,
                 self.optimizer.dp_size,
             )

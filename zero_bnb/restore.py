@@ -8,33 +8,22 @@ called on all of them for the engine to be consistent.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Protocol
 
 import torch
 
 from zero_bnb import quant
-from zero_bnb.checkpoint_format import (
-    SUBDIR,
-    GroupEntry,
-    Manifest,
-    read_manifest,
-    read_replicated,
-    read_shard,
-)
+from zero_bnb.checkpoint_format import GroupEntry, Manifest
+from zero_bnb.errors import CheckpointMismatchError
 from zero_bnb.layout import plan_copy
 from zero_bnb.state_spec import StateKind
 from zero_bnb.zero_optimizer import BlockAlignedZeroOptimizer
 
-__all__ = ["CheckpointMismatchError", "CheckpointReader", "SavedState", "check_compatible", "restore_optimizer"]
+__all__ = ["SavedState", "check_compatible", "restore_optimizer"]
 
 logger = logging.getLogger(__name__)
 
 MASTER_KEY = "fp32"
-
-
-class CheckpointMismatchError(ValueError):
-    """The checkpoint was written for another model or optimizer than the running one."""
 
 
 class SavedState(Protocol):
@@ -47,29 +36,12 @@ class SavedState(Protocol):
         """Saved tensor ``key`` (``"fp32"`` for master weights) of group ``group_index`` from shard ``rank``."""
 
 
-class CheckpointReader:
-    """A zero_bnb checkpoint folder, with shards opened lazily and memory-mapped."""
+def check_compatible(
+    optimizer: BlockAlignedZeroOptimizer, manifest: Manifest, names: dict, *, optimizer_states: bool = True
+) -> None:
+    """Refuse a checkpoint whose groups, parameters or (with ``optimizer_states``) optimizer differ.
 
-    def __init__(self, tag_folder: str) -> None:
-        self.folder = os.path.join(tag_folder, SUBDIR)
-        self.manifest = read_manifest(self.folder)
-        self.replicated = read_replicated(self.folder)
-        self._shards: dict[int, dict[str, Any]] = {}
-
-    @staticmethod
-    def exists(tag_folder: str) -> bool:
-        """Whether ``tag_folder`` holds a zero_bnb checkpoint (complete or not)."""
-        return os.path.isdir(os.path.join(tag_folder, SUBDIR))
-
-    def piece(self, rank: int, group_index: int, key: str) -> torch.Tensor:
-        if rank not in self._shards:
-            self._shards[rank] = read_shard(self.folder, self.manifest.shards[rank])
-        group = self._shards[rank]["groups"][group_index]
-        return group[MASTER_KEY] if key == MASTER_KEY else group["state"][key]
-
-
-def check_compatible(optimizer: BlockAlignedZeroOptimizer, manifest: Manifest, names: dict) -> None:
-    """Refuse a checkpoint whose groups, parameters or optimizer differ from the running ones.
+    Local, reads nothing but the manifest.
 
     Raises:
         CheckpointMismatchError: lists every difference found and what to do.
@@ -101,10 +73,10 @@ def check_compatible(optimizer: BlockAlignedZeroOptimizer, manifest: Manifest, n
         ) or "same parameters in another order"
         problems.append(f"group {index} differs ({detail})")
     spec = optimizer.zero_bnb_spec
-    if manifest.optimizer_spec != spec.name:
+    if optimizer_states and manifest.optimizer_spec != spec.name:
         problems.append(f"the checkpoint was written by {manifest.optimizer_class} ({manifest.optimizer_spec}), "
                         f"the running optimizer is {type(optimizer.optimizer).__name__} ({spec.name})")
-    if manifest.block_size != spec.block_size:
+    if optimizer_states and manifest.block_size != spec.block_size:
         problems.append(f"the checkpoint's block size is {manifest.block_size}, the optimizer's {spec.block_size}")
     if problems:
         raise CheckpointMismatchError(
@@ -278,7 +250,7 @@ def restore_optimizer(
         CheckpointMismatchError: the checkpoint does not fit the running model or optimizer;
             raised before anything is modified.
     """
-    check_compatible(optimizer, saved.manifest, names)
+    check_compatible(optimizer, saved.manifest, names, optimizer_states=load_optimizer_states)
     restorers = [_GroupRestorer(optimizer, saved, index) for index in range(optimizer.num_groups)]
     for restorer in restorers:
         restorer.restore_master()

@@ -11,13 +11,15 @@ Loading is refused at another DP size than the one the checkpoint was written at
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
 from zero_bnb import quant
-from zero_bnb.checkpoint_format import GroupEntry, Manifest, StateEntry
+from zero_bnb.checkpoint_format import SUBDIR, GroupEntry, Manifest, StateEntry
+from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointMismatchError
 from zero_bnb.layout import ceil_div
 from zero_bnb.save import WRAPPER_SCALARS
 from zero_bnb.state_spec import StateKind, classify_state
@@ -59,26 +61,37 @@ class StockCheckpoint:
         """Read the stock files of ``load_dir/tag`` for ``engine`` (a ZeroBnbEngine).
 
         Raises:
-            ZeRORuntimeException: the checkpoint was saved at another DP size, or has no
-                ZeRO optimizer files.
+            ZeRORuntimeException: the checkpoint was saved at another DP size.
+            CheckpointFormatError: the folder has no ZeRO optimizer files.
+            CheckpointCorruptError: a rank file cannot be read.
         """
         optimizer = engine.optimizer
-        saved_dp = engine.loaded_checkpoint_dp_world_size
+        bf16 = engine.bfloat16_enabled()
+        names = []
+        while os.path.isfile(name := engine._get_rank_zero_ckpt_name(load_dir, tag, engine.checkpoint_mp_rank,
+                                                                   len(names), bf16)):
+            names.append(name)
+        if not names:
+            raise CheckpointFormatError(
+                f"{os.path.join(load_dir, tag)} holds neither zero_bnb files ({SUBDIR}/) nor stock DeepSpeed ZeRO "
+                f"optimizer files ({os.path.basename(name)}, ...): it is not a complete ZeRO checkpoint; pass the "
+                f"tag of a complete one"
+            )
+        saved_dp = len(names)
         if saved_dp != optimizer.dp_size:
             raise ZeRORuntimeException(
-                f"{load_dir}/{tag} was written by stock DeepSpeed at DP={saved_dp} and has no zero_bnb files; "
-                f"its 8-bit state can only be re-split at that DP size. Resume once at DP={saved_dp} with "
+                f"{os.path.join(load_dir, tag)} was written by stock DeepSpeed at DP={saved_dp} and has no zero_bnb "
+                f"files; its 8-bit state can only be re-split at that DP size. Resume once at DP={saved_dp} with "
                 f"zero_bnb and save again: that checkpoint loads at any DP size (now DP={optimizer.dp_size})."
             )
-        names = engine._get_all_zero_checkpoint_names(load_dir, tag, engine.bfloat16_enabled())
         rank_sds = []
         for name in names:
             try:
                 rank_sds.append(torch.load(name, map_location="cpu", weights_only=False)["optimizer_state_dict"])
-            except FileNotFoundError as error:
-                raise ZeRORuntimeException(
-                    f"{name} is missing: {load_dir}/{tag} is neither a zero_bnb checkpoint nor a complete stock "
-                    f"DeepSpeed ZeRO checkpoint"
+            except Exception as error:  # torch raises many types for damaged archives
+                raise CheckpointCorruptError(
+                    f"stock DeepSpeed optimizer file {name} cannot be read ({type(error).__name__}: {error}); "
+                    f"the file is damaged"
                 ) from error
         return cls._convert(optimizer, rank_sds, engine.param_names)
 
@@ -91,6 +104,11 @@ class StockCheckpoint:
         groups, replicated_groups = [], []
         for g in range(len(rank_sds[0]["single_partition_of_fp32_groups"])):
             lengths = [sd["single_partition_of_fp32_groups"][g].numel() for sd in rank_sds]
+            if sum(lengths) != optimizer.geometry(g).numel:
+                raise CheckpointMismatchError(
+                    f"group {g} of the stock checkpoint holds {sum(lengths)} elements, the running model's "
+                    f"{optimizer.geometry(g).numel}; build the model that wrote it"
+                )
             partition = lengths[0] + rank_sds[0]["group_paddings"][g]
             element_ranges = tuple((min(r * partition, sum(lengths)), min(r * partition, sum(lengths)) + n)
                                    for r, n in enumerate(lengths))

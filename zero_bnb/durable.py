@@ -1,0 +1,168 @@
+"""Durable file operations for checkpoints: every byte fsynced, every file checksummed.
+
+All of zero_bnb's checkpoint writes go through this module, which
+
+* computes each file's SHA-256 while it is written (no second read),
+* flushes and fsyncs files and the folders that name them before a save is published,
+* publishes a finished folder with ``rename`` and replaces small files (``latest``)
+  atomically, so a reader sees the old version or the new one, never a half-written one,
+* reports each step to an optional I/O hook (:func:`set_io_hook`), which fault-injection
+  tests use to kill or fail a process at an exact point of a save.
+
+Pure local I/O: no collectives; any rank may call these functions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+__all__ = [
+    "FileRecord",
+    "IoHook",
+    "digest_file",
+    "fsync_dir",
+    "makedirs",
+    "publish_folder",
+    "remove_tree",
+    "replace_text",
+    "save_torch",
+    "set_io_hook",
+    "write_text",
+]
+
+#: Called as ``hook(event, path)`` before each durable I/O step; ``event`` is one of
+#: ``mkdir``, ``create``, ``write``, ``fsync``, ``fsync_dir``, ``rename``, ``replace``, ``remove``.
+IoHook = Callable[[str, str], None]
+
+_hook: IoHook | None = None
+_CHUNK = 1 << 20
+
+
+def set_io_hook(hook: IoHook | None) -> IoHook | None:
+    """Install ``hook`` (or remove it with ``None``) in this process; returns the previous one."""
+    global _hook
+    previous, _hook = _hook, hook
+    return previous
+
+
+def _event(event: str, path: str) -> None:
+    if _hook is not None:
+        _hook(event, path)
+
+
+@dataclass(frozen=True, slots=True)
+class FileRecord:
+    """A written file: its path (relative to the checkpoint's tag folder), size and SHA-256."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+class _HashingWriter:
+    """A write-only file object that hashes and counts what passes through it."""
+
+    def __init__(self, handle, path: str) -> None:
+        self._handle = handle
+        self._path = path
+        self.hash = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        _event("write", self._path)
+        view = memoryview(data).cast("B")
+        written = self._handle.write(view)
+        self.hash.update(view)
+        self.size += written
+        return written
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+
+def _durable_write(path: str, root: str, fill: Callable[[_HashingWriter], None]) -> FileRecord:
+    _event("create", path)
+    with open(path, "wb") as handle:
+        writer = _HashingWriter(handle, path)
+        fill(writer)
+        handle.flush()
+        _event("fsync", path)
+        os.fsync(handle.fileno())
+    return FileRecord(os.path.relpath(path, root), writer.size, writer.hash.hexdigest())
+
+
+def save_torch(obj: Any, path: str, *, root: str) -> FileRecord:
+    """``torch.save(obj)`` to ``path``, fsynced; the record's path is relative to ``root``."""
+    return _durable_write(path, root, lambda writer: torch.save(obj, writer))
+
+
+def write_text(text: str, path: str, *, root: str) -> FileRecord:
+    """Write ``text`` (UTF-8) to ``path``, fsynced; the record's path is relative to ``root``."""
+    return _durable_write(path, root, lambda writer: writer.write(text.encode("utf-8")))
+
+
+def digest_file(path: str) -> tuple[int, str]:
+    """Size in bytes and SHA-256 (hex) of the file at ``path``, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def fsync_dir(path: str) -> None:
+    """Make the entries of folder ``path`` (created, renamed or removed files) durable."""
+    _event("fsync_dir", path)
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def makedirs(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, reported to the I/O hook."""
+    _event("mkdir", path)
+    os.makedirs(path, exist_ok=True)
+
+
+def remove_tree(path: str) -> None:
+    """Remove folder ``path`` and everything in it, if it exists."""
+    if os.path.lexists(path):
+        _event("remove", path)
+        shutil.rmtree(path)
+
+
+def replace_text(text: str, path: str) -> None:
+    """Atomically replace the small file ``path`` with ``text``: readers see old or new, never a mix."""
+    temporary = f"{path}.zero_bnb-tmp"
+    write_text(text, temporary, root=os.path.dirname(path) or ".")
+    _event("replace", path)
+    os.replace(temporary, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def publish_folder(staging: str, final: str, aside: str) -> None:
+    """Move the finished folder ``staging`` to ``final``; an existing ``final`` is replaced.
+
+    An existing ``final`` is first renamed to ``aside``, then ``staging`` takes its place, then
+    ``aside`` is removed. A crash between the two renames leaves ``final`` absent and the
+    previous folder complete at ``aside``, where loaders look for it.
+    """
+    parent = os.path.dirname(final) or "."
+    if os.path.lexists(final):
+        remove_tree(aside)
+        _event("rename", final)
+        os.rename(final, aside)
+    _event("rename", staging)
+    os.rename(staging, final)
+    fsync_dir(parent)
+    remove_tree(aside)

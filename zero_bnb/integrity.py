@@ -1,0 +1,92 @@
+"""Check a zero_bnb checkpoint's files against its manifest: presence, sizes and SHA-256.
+
+Local functions, no collectives; the engine splits :func:`verify_checksums` across ranks,
+and :func:`verify_checkpoint` does every check in one process (for tools and tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+from zero_bnb.checkpoint_format import REPLICATED_NAME, SUBDIR, Manifest, read_manifest
+from zero_bnb.commit import resolve_tag
+from zero_bnb.durable import digest_file
+from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
+
+__all__ = ["check_file_list", "verify_checkpoint", "verify_checksums"]
+
+
+def check_file_list(tag_folder: str, manifest: Manifest) -> None:
+    """Every file the manifest lists exists with its recorded size, and every shard is listed.
+
+    Raises:
+        CheckpointCorruptError: lists every missing, truncated or grown file.
+    """
+    listed = {record.path for record in manifest.files}
+    required = [os.path.join(SUBDIR, name) for name in (*manifest.shards, REPLICATED_NAME)]
+    problems = [f"{path} is not listed in the manifest" for path in required if path not in listed]
+    for record in manifest.files:
+        path = os.path.join(tag_folder, record.path)
+        if not os.path.isfile(path):
+            problems.append(f"{record.path} is missing")
+            continue
+        size = os.path.getsize(path)
+        if size != record.size:
+            problems.append(f"{record.path} has {size} bytes, the manifest records {record.size} (truncated or overwritten)")
+    if problems:
+        raise CheckpointCorruptError(
+            f"checkpoint {tag_folder} is incomplete or damaged: {'; '.join(problems)}. Restore the files from a "
+            f"copy or load an earlier tag."
+        )
+
+
+def verify_checksums(tag_folder: str, manifest: Manifest, rank: int = 0, world_size: int = 1) -> int:
+    """Compare the SHA-256 of this rank's share of the files (every ``world_size``-th) with the manifest.
+
+    Returns:
+        The number of bytes read.
+
+    Raises:
+        CheckpointCorruptError: names every file whose content differs from what was saved.
+    """
+    problems, read = [], 0
+    for index, record in enumerate(manifest.files):
+        if index % world_size != rank:
+            continue
+        size, digest = digest_file(os.path.join(tag_folder, record.path))
+        read += size
+        if (size, digest) != (record.size, record.sha256):
+            problems.append(
+                f"{record.path} (sha256 {digest[:16]}..., {size} bytes; saved as {record.sha256[:16]}..., "
+                f"{record.size} bytes)"
+            )
+    if problems:
+        raise CheckpointCorruptError(
+            f"checkpoint {tag_folder} holds damaged files whose content differs from what was saved: "
+            f"{'; '.join(problems)}. Restore them from a copy or load an earlier tag."
+        )
+    return read
+
+
+def verify_checkpoint(load_dir: str, tag: str | None = None) -> tuple[str, Manifest]:
+    """Run every consistency and checksum check on one zero_bnb checkpoint, in this process.
+
+    Args:
+        load_dir: the folder passed to ``save_checkpoint``.
+        tag: the checkpoint tag; ``None`` reads it from ``latest``.
+
+    Returns:
+        The tag folder checked and its manifest.
+
+    Raises:
+        CheckpointFormatError: no such checkpoint, no ``latest``, or not a zero_bnb checkpoint.
+        CheckpointCorruptError: a file is missing, truncated or damaged.
+    """
+    folder_tag = resolve_tag(load_dir, tag)
+    if folder_tag is None:
+        raise CheckpointFormatError(f"{load_dir} has no 'latest' file; pass the checkpoint tag explicitly")
+    tag_folder = os.path.join(load_dir, folder_tag)
+    manifest = read_manifest(os.path.join(tag_folder, SUBDIR))
+    check_file_list(tag_folder, manifest)
+    verify_checksums(tag_folder, manifest)
+    return tag_folder, manifest

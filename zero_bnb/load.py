@@ -1,0 +1,125 @@
+"""Open a checkpoint for loading, and refuse bad input before anything is modified.
+
+:func:`open_for_load` runs every check that can fail (manifest, file presence and sizes,
+SHA-256 of every file split across ranks, compatibility with the running model and
+optimizer, readability of the shards) and agrees on the outcome across ranks: if one rank
+finds a problem, every rank raises the same error, and neither the model nor the optimizer
+has been touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zero_bnb.checkpoint_format import SUBDIR, read_manifest, read_replicated, read_shard
+from zero_bnb.collective import agree
+from zero_bnb.integrity import check_file_list, verify_checksums
+from zero_bnb.restore import MASTER_KEY, SavedState, check_compatible
+from zero_bnb.stock_import import StockCheckpoint
+
+__all__ = ["CheckpointReader", "open_for_load"]
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointReader:
+    """A zero_bnb checkpoint folder, with shards opened lazily and memory-mapped.
+
+    Opening reads and checks the manifest and the presence and size of every file; call
+    :meth:`verify` before :attr:`replicated` (a pickle) or any shard is read.
+    """
+
+    def __init__(self, tag_folder: str) -> None:
+        self.tag_folder = tag_folder
+        self.folder = os.path.join(tag_folder, SUBDIR)
+        self.manifest = read_manifest(self.folder)
+        check_file_list(tag_folder, self.manifest)
+        self._replicated: dict[str, Any] | None = None
+        self._shards: dict[int, dict[str, Any]] = {}
+
+    def verify(self, rank: int = 0, world_size: int = 1) -> int:
+        """Check this rank's share of the files' SHA-256; returns the bytes read."""
+        return verify_checksums(self.tag_folder, self.manifest, rank, world_size)
+
+    @property
+    def replicated(self) -> dict[str, Any]:
+        """The replicated-state file (hyper-parameters, counters, qmaps, loss scaler), read once."""
+        if self._replicated is None:
+            self._replicated = read_replicated(self.folder)
+        return self._replicated
+
+    def preload(self) -> None:
+        """Read the replicated file and open every shard (memory-mapped: only each index is read).
+
+        Call after :meth:`verify`: it unpickles ``replicated.pt``.
+        """
+        _ = self.replicated
+        for rank in range(len(self.manifest.shards)):
+            self._shard(rank)
+
+    def _shard(self, rank: int) -> dict[str, Any]:
+        if rank not in self._shards:
+            self._shards[rank] = read_shard(self.folder, self.manifest.shards[rank])
+        return self._shards[rank]
+
+    @staticmethod
+    def exists(tag_folder: str) -> bool:
+        """Whether ``tag_folder`` holds a zero_bnb checkpoint (complete or not)."""
+        return os.path.isdir(os.path.join(tag_folder, SUBDIR))
+
+    def piece(self, rank: int, group_index: int, key: str) -> torch.Tensor:
+        group = self._shard(rank)["groups"][group_index]
+        return group[MASTER_KEY] if key == MASTER_KEY else group["state"][key]
+
+
+def _open_zero_bnb(engine, tag_folder: str, optimizer_states: bool) -> CheckpointReader:
+    optimizer = engine.optimizer
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def verified() -> CheckpointReader:
+        reader = CheckpointReader(tag_folder)
+        if engine.zero_bnb_config.checkpoint_verify:
+            reader.verify(rank, world)
+        return reader
+
+    reader = agree(verified)
+
+    def prepared() -> None:
+        check_compatible(optimizer, reader.manifest, engine.param_names, optimizer_states=optimizer_states)
+        reader.preload()
+
+    agree(prepared)
+    if reader.manifest.non_finite and rank == 0:
+        logger.warning(
+            "zero_bnb: checkpoint %s was saved with NaN/Inf in %s", tag_folder, reader.manifest.non_finite
+        )
+    return reader
+
+
+def open_for_load(engine, load_dir: str, folder_tag: str, *, optimizer_states: bool) -> SavedState:
+    """The checkpoint ``load_dir/folder_tag``, checked and ready for :func:`~zero_bnb.restore.restore_optimizer`.
+
+    Collective: every rank of the engine's world must call it. A zero_bnb checkpoint is
+    verified (checksums unless ``zero_checkpoint_verify`` is false); a folder without
+    zero_bnb files is read as a stock DeepSpeed ZeRO-1 checkpoint.
+
+    Args:
+        engine: the :class:`~zero_bnb.engine.ZeroBnbEngine` that will load it.
+        load_dir: the folder given to ``load_checkpoint``.
+        folder_tag: the folder name under ``load_dir`` (see :func:`zero_bnb.commit.resolve_tag`).
+        optimizer_states: whether the optimizer state will be loaded (else only parameter
+            names and shapes must match).
+
+    Raises:
+        zero_bnb.errors.CheckpointError: on every rank, naming the file or difference found.
+        deepspeed.runtime.zero.utils.ZeRORuntimeException: a stock checkpoint at another DP size.
+    """
+    tag_folder = os.path.join(load_dir, folder_tag)
+    if CheckpointReader.exists(tag_folder):
+        return _open_zero_bnb(engine, tag_folder, optimizer_states)
+    return agree(lambda: StockCheckpoint.open(engine, load_dir, folder_tag))
