@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 
 import pytest
+import scenarios
 import torch
 
-import scenarios
 from zero_bnb.consolidate import state_differences
 from zero_bnb.launch import run_distributed
 

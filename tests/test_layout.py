@@ -1,5 +1,7 @@
 """Property tests of the block-aligned partition geometry and copy planning."""
 
+from itertools import pairwise
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -21,10 +23,10 @@ def test_partitions_hold_whole_blocks_and_tile_the_group(numel, dp, block):
     assert all(g.partition_start(r) % block == 0 for r in range(dp))
     ranges = g.element_ranges()
     assert ranges[0][0] == 0 and ranges[-1][1] == numel
-    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert all(a[1] == b[0] for a, b in pairwise(ranges))
     blocks = g.block_ranges()
     assert blocks[0][0] == 0 and blocks[-1][1] == g.num_blocks
-    assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+    assert all(a[1] == b[0] for a, b in pairwise(blocks))
 
 
 @given(numel=numels.filter(lambda n: n > 0), dp_a=dps, dp_b=dps, block=block_sizes, data=st.data())

@@ -18,11 +18,23 @@ from zero_bnb.checkpoint_format import (
     read_manifest,
     write_manifest,
 )
+from zero_bnb.config import (
+    ZeroBnbConfig,
+    ZeroBnbConfigError,
+    load_ds_config,
+    split_config,
+)
 from zero_bnb.durable import FileRecord
 from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
-from zero_bnb.config import ZeroBnbConfig, ZeroBnbConfigError, load_ds_config, split_config
-from zero_bnb.state_spec import BNB_ADAM, TORCH_ADAM, StateKind, StateRule, UnsupportedOptimizerError, classify_state, spec_for
-
+from zero_bnb.state_spec import (
+    BNB_ADAM,
+    TORCH_ADAM,
+    StateKind,
+    StateRule,
+    UnsupportedOptimizerError,
+    classify_state,
+    spec_for,
+)
 
 # -- config ------------------------------------------------------------------------------------
 
@@ -150,10 +162,10 @@ def _manifest(**changes):
         element_ranges=((0, 10),), block_ranges=((0, 1),),
         hyperparameters={"lr": 0.01, "betas": [0.9, 0.995]},
     )
-    fields = dict(dp_world_size=1, block_size=256, optimizer_class="x.Adam8bit", optimizer_spec="spec",
-                  groups=(group,), shards=("shard_00000-of-00001.pt",), versions={"torch": "2"},
-                  files=(FileRecord("zero_bnb/shard_00000-of-00001.pt", 12, "ab" * 32),),
-                  non_finite={"w": ["fp32"]})
+    fields = {"dp_world_size": 1, "block_size": 256, "optimizer_class": "x.Adam8bit", "optimizer_spec": "spec",
+              "groups": (group,), "shards": ("shard_00000-of-00001.pt",), "versions": {"torch": "2"},
+              "files": (FileRecord("zero_bnb/shard_00000-of-00001.pt", 12, "ab" * 32),),
+              "non_finite": {"w": ["fp32"]}}
     return Manifest(**{**fields, **changes})
 
 

@@ -157,7 +157,7 @@ class Manifest:
         return text.replace(_PLACEHOLDER, hashlib.sha256(text.encode("utf-8")).hexdigest(), 1)
 
     @classmethod
-    def from_json(cls, text: str, *, source: str = "manifest") -> "Manifest":
+    def from_json(cls, text: str, *, source: str = "manifest") -> Manifest:
         """Parse and check a manifest written by :meth:`to_json`.
 
         Raises:

@@ -7,7 +7,8 @@ damaged file" into the same exception on every rank.
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -46,7 +47,7 @@ def agree(action: Callable[[], T], *, group: Any = None) -> T:
     """
     try:
         result, failure = action(), None
-    except Exception as error:  # reported to every rank below, then re-raised
+    except Exception as error:  # noqa: BLE001 - reported to every rank below, then re-raised
         result, failure = None, error
     report = None if failure is None else (type(failure).__name__, str(failure))
     reports: list[Any] = [None] * dist.get_world_size(group)

@@ -21,15 +21,23 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch.distributed as dist
 
 from zero_bnb.checkpoint_format import MANIFEST_NAME, SUBDIR, Manifest, write_manifest
 from zero_bnb.collective import raise_reported
-from zero_bnb.durable import FileRecord, fsync_dir, makedirs, publish_folder, remove_tree, replace_text
-from zero_bnb.errors import CheckpointFormatError, CheckpointSaveError
+from zero_bnb.durable import (
+    FileRecord,
+    fsync_dir,
+    makedirs,
+    publish_folder,
+    remove_tree,
+    replace_text,
+)
+from zero_bnb.errors import CheckpointFormatError
 
 __all__ = ["LATEST_NAME", "SaveTransaction", "aside_tag", "check_tag", "resolve_tag", "staging_tag"]
 
@@ -52,10 +60,10 @@ def aside_tag(tag: str) -> str:
 
 def check_tag(tag: str) -> str:
     """Return ``tag`` if it can name a checkpoint folder, else raise ``CheckpointFormatError``."""
-    if not tag or tag != tag.strip() or "/" in tag or os.sep in tag or tag.startswith(".") or "\n" in tag:
+    if not tag or tag != tag.strip() or "/" in tag or os.sep in tag or tag.startswith(".") or not tag.isprintable():
         raise CheckpointFormatError(
-            f"checkpoint tag {tag!r} cannot name a folder: use a non-empty name without path separators, "
-            f"surrounding spaces or a leading dot, for example 'global_step100'"
+            f"checkpoint tag {tag!r} cannot name a folder: use a non-empty printable name without path "
+            f"separators, surrounding spaces or a leading dot, for example 'global_step100'"
         )
     return tag
 
@@ -94,7 +102,7 @@ class SaveTransaction:
         """Record an exception raised inside the block (it is re-raised on every rank by :meth:`commit`)."""
         try:
             yield
-        except Exception as error:  # reported collectively by commit()
+        except Exception as error:  # noqa: BLE001 - reported collectively by commit()
             logger.error("zero_bnb: saving checkpoint %r failed on rank %d: %r", self.tag, dist.get_rank(), error)
             self.errors.append(f"{type(error).__name__}: {error}")
 
@@ -117,7 +125,7 @@ class SaveTransaction:
                 files = [record for records, _ in gathered for record in records]
                 try:
                     self._publish(build_manifest(files), save_latest)
-                except Exception as error:  # reported to every rank below
+                except Exception as error:  # noqa: BLE001 - reported to every rank below
                     logger.error("zero_bnb: publishing checkpoint %r failed: %r", self.tag, error)
                     self._discard()
                     outcome = [("CheckpointSaveError", f"rank 0 could not publish it: {type(error).__name__}: {error}")]

@@ -68,9 +68,7 @@ def consolidated_state(engine, dst: int = 0) -> dict[str, Any] | None:
             triple = spec.triple_for(key)
             if triple is not None and key == triple.codes and tensor.dtype == torch.uint8:
                 values[key] = quant.dequantize(tensor, raw[triple.absmax], raw[triple.qmap], geometry.block_size)
-            elif triple is None and tensor.numel() == geometry.numel:
-                values[key] = tensor
-            elif triple is not None and key == triple.codes:
+            elif triple is None and tensor.numel() == geometry.numel or triple is not None and key == triple.codes:
                 values[key] = tensor
         for entry in optimizer.param_entries(index, engine.param_names):
             window = slice(entry.offset, entry.offset + entry.numel)

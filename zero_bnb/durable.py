@@ -17,8 +17,9 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -73,11 +74,16 @@ class _HashingWriter:
         self._path = path
         self.hash = hashlib.sha256()
         self.size = 0
+        self.error: BaseException | None = None
 
     def write(self, data: Any) -> int:
-        _event("write", self._path)
-        view = memoryview(data).cast("B")
-        written = self._handle.write(view)
+        try:
+            _event("write", self._path)
+            view = memoryview(data).cast("B")
+            written = self._handle.write(view)
+        except BaseException as error:
+            self.error = error  # torch's C++ writer replaces it with a generic message; keep the cause
+            raise
         self.hash.update(view)
         self.size += written
         return written
@@ -90,7 +96,12 @@ def _durable_write(path: str, root: str, fill: Callable[[_HashingWriter], None])
     _event("create", path)
     with open(path, "wb") as handle:
         writer = _HashingWriter(handle, path)
-        fill(writer)
+        try:
+            fill(writer)
+        except Exception as error:
+            if writer.error is not None and writer.error is not error:
+                raise writer.error from error
+            raise
         handle.flush()
         _event("fsync", path)
         os.fsync(handle.fileno())
@@ -154,15 +165,22 @@ def publish_folder(staging: str, final: str, aside: str) -> None:
     """Move the finished folder ``staging`` to ``final``; an existing ``final`` is replaced.
 
     An existing ``final`` is first renamed to ``aside``, then ``staging`` takes its place, then
-    ``aside`` is removed. A crash between the two renames leaves ``final`` absent and the
-    previous folder complete at ``aside``, where loaders look for it.
+    ``aside`` is removed. If the second rename fails, ``aside`` is renamed back. A crash
+    between the two renames leaves ``final`` absent and the previous folder complete at
+    ``aside``, where loaders look for it.
     """
     parent = os.path.dirname(final) or "."
-    if os.path.lexists(final):
+    moved_aside = os.path.lexists(final)
+    if moved_aside:
         remove_tree(aside)
         _event("rename", final)
         os.rename(final, aside)
-    _event("rename", staging)
-    os.rename(staging, final)
+    try:
+        _event("rename", staging)
+        os.rename(staging, final)
+    except BaseException:
+        if moved_aside:
+            os.rename(aside, final)
+        raise
     fsync_dir(parent)
     remove_tree(aside)

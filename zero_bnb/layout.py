@@ -23,8 +23,8 @@ Padding lives past ``numel`` only; it never appears in a saved range.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 __all__ = [
     "GroupGeometry",

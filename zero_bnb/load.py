@@ -16,7 +16,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zero_bnb.checkpoint_format import SUBDIR, read_manifest, read_replicated, read_shard
+from zero_bnb.checkpoint_format import (
+    SUBDIR,
+    read_manifest,
+    read_replicated,
+    read_shard,
+)
 from zero_bnb.collective import agree
 from zero_bnb.integrity import check_file_list, verify_checksums
 from zero_bnb.restore import MASTER_KEY, SavedState, check_compatible

@@ -9,15 +9,16 @@ declaration. Pure Python: no DeepSpeed, no collectives.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
 __all__ = [
-    "StateKind",
-    "QuantizedTriple",
     "OptimizerSpec",
+    "QuantizedTriple",
+    "StateKind",
     "StateRule",
     "UnsupportedOptimizerError",
     "classify_state",

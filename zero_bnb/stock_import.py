@@ -19,7 +19,11 @@ from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
 from zero_bnb import quant
 from zero_bnb.checkpoint_format import SUBDIR, GroupEntry, Manifest, StateEntry
-from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointMismatchError
+from zero_bnb.errors import (
+    CheckpointCorruptError,
+    CheckpointFormatError,
+    CheckpointMismatchError,
+)
 from zero_bnb.layout import ceil_div
 from zero_bnb.save import WRAPPER_SCALARS
 from zero_bnb.state_spec import StateKind, classify_state
@@ -57,7 +61,7 @@ class StockCheckpoint:
         return self._pieces[(rank, group_index, key)]
 
     @classmethod
-    def open(cls, engine, load_dir: str, tag: str) -> "StockCheckpoint":
+    def open(cls, engine, load_dir: str, tag: str) -> StockCheckpoint:
         """Read the stock files of ``load_dir/tag`` for ``engine`` (a ZeroBnbEngine).
 
         Raises:
@@ -96,7 +100,7 @@ class StockCheckpoint:
         return cls._convert(optimizer, rank_sds, engine.param_names)
 
     @classmethod
-    def _convert(cls, optimizer, rank_sds: list[dict[str, Any]], names) -> "StockCheckpoint":
+    def _convert(cls, optimizer, rank_sds: list[dict[str, Any]], names) -> StockCheckpoint:
         spec, rule = optimizer.zero_bnb_spec, optimizer.zero_bnb_rule
         block = spec.block_size
         states_per_rank = [_group_states(sd) for sd in rank_sds]

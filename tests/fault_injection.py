@@ -1,0 +1,194 @@
+"""Kill a rank with SIGKILL at chosen I/O steps of a checkpoint save, with real processes and files.
+
+Three stages, each one process launch:
+
+1. :func:`reference` (DP=2, spawned): trains, saves tag ``A`` into ``base/``, records the
+   consolidated state at ``A`` and one step later (``B``), and logs every durable I/O step
+   of a clean save of ``B`` (new tag) and of a re-save of ``A`` (same tag) on each rank.
+2. :func:`run_trials` (one spawned server that imports everything once, then forks a DP=2
+   pair per trial): each pair loads ``A`` from a copy of ``base/``, trains the same step,
+   and saves; the victim rank SIGKILLs itself at its ``k``-th I/O step, the surviving rank
+   is SIGKILLed (as a launcher would) if it has not died on its own within a grace period.
+3. :func:`verify` (DP=3, spawned): loads every trial folder and compares the state with
+   ``A`` and ``B`` bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from zero_bnb import durable
+from zero_bnb.consolidate import consolidated_state, state_differences
+from zero_bnb.toy import DEFAULT_RUN as RUN
+from zero_bnb.toy import train_steps
+
+STEPS_TO_A = 2
+MODES = {"new": "B", "overwrite": "A"}  # save mode -> tag the interrupted save writes
+_GRACE_S = 2.0
+_TRIAL_TIMEOUT_S = 60.0
+
+
+def _engine(world):
+    from scenarios import make_engine
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    return make_engine(world)
+
+
+def _events_of(save) -> list[list[str]]:
+    events: list[list[str]] = []
+    durable.set_io_hook(lambda event, path: events.append([event, os.path.basename(path)]))
+    try:
+        save()
+    finally:
+        durable.set_io_hook(None)
+    return events
+
+
+def reference(rank, world, workdir):
+    """Stage 1: the base checkpoint, the two reference states, and each rank's I/O steps per mode."""
+    engine = _engine(world)
+    train_steps(engine, RUN, 0, STEPS_TO_A)
+    base = os.path.join(workdir, "base")
+    engine.save_checkpoint(base, tag="A")
+    state_a = consolidated_state(engine)
+    train_steps(engine, RUN, STEPS_TO_A, 1)
+    state_b = consolidated_state(engine)
+    events = {}
+    for mode, tag in MODES.items():
+        folder = os.path.join(workdir, f"clean_{mode}")
+        if rank == 0:
+            shutil.copytree(base, folder)
+        dist.barrier()
+        events[mode] = _events_of(lambda folder=folder, tag=tag: engine.save_checkpoint(folder, tag=tag))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, events)
+    if rank == 0:
+        torch.save({"A": state_a, "B": state_b}, os.path.join(workdir, "references.pt"))
+        with open(os.path.join(workdir, "events.json"), "w") as handle:
+            json.dump(gathered, handle)
+
+
+def _kill_at(index: int):
+    count = [0]
+
+    def hook(event: str, path: str) -> None:
+        if count[0] == index:
+            os.kill(os.getpid(), signal.SIGKILL)
+        count[0] += 1
+
+    return hook
+
+
+def _trial_child(rank: int, folder: str, store: str, trial: dict) -> None:
+    import deepspeed
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1")
+    deepspeed.init_distributed(dist_backend="gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                               auto_mpi_discovery=False, verbose=False)
+    engine = _engine(2)
+    engine.load_checkpoint(folder)
+    train_steps(engine, RUN, STEPS_TO_A, 1)
+    if rank == trial["victim"]:
+        durable.set_io_hook(_kill_at(trial["index"]))
+    engine.save_checkpoint(folder, tag=MODES[trial["mode"]])
+    dist.destroy_process_group()
+
+
+def _status(code: int) -> str:
+    if os.WIFSIGNALED(code):
+        return signal.Signals(os.WTERMSIG(code)).name
+    return f"exit {os.WEXITSTATUS(code)}"
+
+
+def _run_trial(workdir: str, number: int, trial: dict) -> dict:
+    folder = os.path.join(workdir, f"trial_{number:03d}")
+    store = os.path.join(workdir, f"store_{number:03d}")
+    shutil.copytree(os.path.join(workdir, "base"), folder)
+    pids = {}
+    for rank in (0, 1):
+        pid = os.fork()
+        if pid == 0:  # child: never return into the server loop
+            code = 1
+            log = os.open(f"{folder}.rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            try:
+                _trial_child(rank, folder, store, trial)
+                code = 0
+            except BaseException:  # noqa: BLE001 - the exit code reports it
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        pids[rank] = pid
+    status: dict[int, str] = {}
+    started, grace_end = time.monotonic(), None
+    while len(status) < 2:
+        for rank, pid in pids.items():
+            if rank not in status:
+                done, code = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    status[rank] = _status(code)
+        now = time.monotonic()
+        if status and grace_end is None:
+            grace_end = now + _GRACE_S
+        if (grace_end is not None and now > grace_end) or now - started > _TRIAL_TIMEOUT_S:
+            for rank, pid in pids.items():
+                if rank not in status:
+                    os.kill(pid, signal.SIGKILL)
+                    status[rank] = "killed by harness: " + _status(os.waitpid(pid, 0)[1])
+        time.sleep(0.005)
+    return {**trial, "folder": folder, "status": {str(rank): text for rank, text in status.items()}}
+
+
+def _serve(workdir: str, trials: list[dict]) -> None:
+    torch.set_num_threads(1)
+    import deepspeed  # noqa: F401 - imported once here, inherited by every forked trial
+    import scenarios  # noqa: F401
+
+    results = [_run_trial(workdir, number, trial) for number, trial in enumerate(trials)]
+    with open(os.path.join(workdir, "trials.json"), "w") as handle:
+        json.dump(results, handle)
+
+
+def run_trials(workdir: str, trials: list[dict]) -> list[dict]:
+    """Stage 2: run every ``{"mode", "victim", "index"}`` trial; returns each with its folder and exit statuses."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    server = multiprocessing.get_context("spawn").Process(target=_serve, args=(workdir, trials))
+    server.start()
+    server.join()
+    if server.exitcode != 0:
+        raise RuntimeError(f"the fault-injection server exited with {server.exitcode}")
+    with open(os.path.join(workdir, "trials.json")) as handle:
+        return json.load(handle)
+
+
+def verify(rank, world, workdir, folders):
+    """Stage 3: load each folder's ``latest`` at DP=``world``; record which reference it equals."""
+    references = torch.load(os.path.join(workdir, "references.pt"), weights_only=False)
+    engine = _engine(world)
+    outcomes = {}
+    for folder in folders:
+        try:
+            engine.load_checkpoint(folder)
+        except Exception as error:  # noqa: BLE001 - recorded and asserted on by the test
+            outcomes[folder] = f"load failed: {type(error).__name__}: {error}"
+            continue
+        state = consolidated_state(engine)
+        if rank == 0:
+            matches = [name for name, ref in references.items() if not state_differences(ref, state)[1]]
+            outcomes[folder] = matches[0] if len(matches) == 1 else f"matches {matches}"
+    if rank == 0:
+        with open(os.path.join(workdir, "verified.json"), "w") as handle:
+            json.dump(outcomes, handle)

@@ -1,0 +1,172 @@
+"""One DP=2 launch that feeds a real engine bad checkpoints, failing saves and NaN state.
+
+Each check records ``"ErrorClass: message"`` (or ``None``) per rank; rank 0 writes all
+ranks' records to ``integrity.pt`` for the tests to assert on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+
+import bitsandbytes as bnb
+import torch
+import torch.distributed as dist
+from scenarios import _error, make_engine
+
+import zero_bnb
+from zero_bnb import durable
+from zero_bnb.checkpoint_format import SUBDIR, read_manifest, write_manifest
+from zero_bnb.consolidate import consolidated_state, state_differences
+from zero_bnb.toy import DEFAULT_RUN as RUN
+from zero_bnb.toy import LEARNING_RATE as LR
+from zero_bnb.toy import param_groups, train_steps
+
+SHARD_1 = os.path.join("A", SUBDIR, "shard_00001-of-00002.pt")
+REPLICATED = os.path.join("A", SUBDIR, "replicated.pt")
+MODEL = os.path.join("A", "mp_rank_00_model_states.pt")
+MANIFEST = os.path.join("A", SUBDIR, "manifest.json")
+
+
+def _flip(path: str, offset_fraction: float = 0.5) -> None:
+    with open(path, "r+b") as handle:
+        data = bytearray(handle.read())
+        data[int(len(data) * offset_fraction)] ^= 0x10
+        handle.seek(0)
+        handle.write(data)
+
+
+def _truncate(path: str) -> None:
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
+def _rewrite_manifest(folder: str, **changes) -> None:
+    zero_folder = os.path.join(folder, "A", SUBDIR)
+    manifest = dataclasses.replace(read_manifest(zero_folder), **changes)
+    write_manifest(manifest, zero_folder, root=os.path.join(folder, "A"))
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as handle:
+        handle.write(text)
+
+
+DAMAGES = {
+    "flipped_shard_of_rank_1": lambda f: _flip(os.path.join(f, SHARD_1)),
+    "truncated_replicated": lambda f: _truncate(os.path.join(f, REPLICATED)),
+    "flipped_model_states": lambda f: _flip(os.path.join(f, MODEL), 0.9),
+    "flipped_manifest": lambda f: _flip(os.path.join(f, MANIFEST)),
+    "missing_rank_file": lambda f: os.remove(os.path.join(f, SHARD_1)),
+    "damaged_latest": lambda f: _write(os.path.join(f, "latest"), "A\x00\x17"),
+    "latest_names_missing_tag": lambda f: _write(os.path.join(f, "latest"), "global_step99"),
+    "unknown_format_version": lambda f: _rewrite_manifest(f, format_version=2),
+    "other_block_size": lambda f: _rewrite_manifest(f, block_size=128),
+}
+
+
+def _fail_when(event_wanted: str, file_wanted: str, occurrence: int = 1):
+    """An I/O hook raising ``OSError`` at the ``occurrence``-th ``event_wanted`` on a file named ``file_wanted``."""
+    seen = [0]
+
+    def hook(event: str, path: str) -> None:
+        if event == event_wanted and os.path.basename(path).startswith(file_wanted):
+            seen[0] += 1
+            if seen[0] == occurrence:
+                raise OSError(28, f"injected: no space left on device while {event} {os.path.basename(path)}")
+
+    return hook
+
+
+#: (failing rank, event, file-name prefix, occurrence, tag saved): one phase of a save each;
+#: tag "A" re-saves the existing tag (its folder is moved aside, then must come back).
+SAVE_FAILURES = (
+    (1, "mkdir", "zero_bnb", 1, "B"),
+    (1, "write", "shard_00001", 5, "B"),
+    (0, "write", "mp_rank_00_model_states", 3, "B"),
+    (0, "fsync", "replicated", 1, "B"),
+    (0, "create", "manifest", 1, "B"),
+    (0, "rename", ".B", 1, "B"),
+    (0, "rename", ".A", 1, "A"),
+)
+
+
+def _listing(folder: str) -> tuple[list[str], str]:
+    """Every entry of ``folder`` (hidden ones too) and what ``latest`` names."""
+    with open(os.path.join(folder, "latest")) as handle:
+        return sorted(os.listdir(folder)), handle.read()
+
+
+def _wrong_shape_engine(world):
+    model = torch.nn.Sequential(
+        torch.nn.Linear(60, 160), torch.nn.GELU(), torch.nn.Linear(160, 96), torch.nn.GELU(), torch.nn.Linear(96, 91)
+    )
+    optimizer = bnb.optim.Adam8bit(param_groups(model), lr=LR)
+    engine, *_ = zero_bnb.initialize(model=model, optimizer=optimizer, config=RUN.ds_config(world))
+    return engine
+
+
+def integrity(rank, world, workdir):
+    out: dict = {}
+    engine = make_engine(world)
+    train_steps(engine, RUN, 0, 2)
+    good = os.path.join(workdir, "good")
+    engine.save_checkpoint(good, tag="A")
+    train_steps(engine, RUN, 2, 1)  # the engine now differs from the checkpoint
+    before = consolidated_state(engine)
+    weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+    # Bad checkpoints: refused on every rank before anything changes.
+    for name, damage in DAMAGES.items():
+        folder = os.path.join(workdir, name)
+        if rank == 0:
+            shutil.copytree(good, folder)
+            damage(folder)
+        dist.barrier()
+        out[name] = _error(lambda folder=folder: engine.load_checkpoint(folder))
+    out["wrong_model"] = _error(lambda: _wrong_shape_engine(world).load_checkpoint(good))
+    after = consolidated_state(engine)
+    if rank == 0:
+        out["state_unchanged"] = not state_differences(before, after)[1]
+    out["weights_unchanged"] = all(torch.equal(p, weights[n]) for n, p in engine.module.named_parameters())
+    out["trains_after_failed_loads"] = train_steps(engine, RUN, 3, 1)[0] > 0
+
+    # A failing save (an I/O error on one rank, in each phase) leaves the previous checkpoint.
+    for victim, event, file_prefix, occurrence, tag in SAVE_FAILURES:
+        label = f"save_error:{victim}:{event}:{file_prefix}"
+        if rank == victim:
+            durable.set_io_hook(_fail_when(event, file_prefix, occurrence))
+        out[label] = _error(lambda tag=tag: engine.save_checkpoint(good, tag=tag))
+        durable.set_io_hook(None)
+        out[label + ":listing"] = _listing(good)
+    out["a_after_errors"] = _error(lambda: zero_bnb.verify_checkpoint(good, "A"))
+    out["save_after_errors"] = _error(lambda: engine.save_checkpoint(good, tag="D"))
+    out["verify_after_errors"] = _error(lambda: zero_bnb.verify_checkpoint(good))
+    out["listing_after_errors"] = _listing(good)
+
+    # Replicated keys tagged by name but differing across ranks: refused before writing.
+    by_name = make_engine(world, zero_unsharded_state_keys=["qmap1", "qmap2", "absmax1"])
+    train_steps(by_name, RUN, 0, 1)
+    out["replicated_by_name"] = _error(lambda: by_name.save_checkpoint(os.path.join(workdir, "by_name"), tag="x"))
+    out["replicated_by_name_wrote"] = os.path.exists(os.path.join(workdir, "by_name", "x"))
+
+    # NaN in one rank's master weights: refused by default, saved and recorded with "warn".
+    master = engine.optimizer.master_partition(0)
+    entries = engine.optimizer.param_entries(0, engine.param_names)
+    start = engine.optimizer.geometry(0).element_range(1)[0]
+    out["nan_param"] = next(e.name for e in entries if e.offset <= start < e.offset + e.numel)
+    saved_value = master[0].item()
+    if rank == 1:
+        master.data[0] = float("nan")
+    out["nan_error"] = _error(lambda: engine.save_checkpoint(good, tag="nan"))
+    out["nan_listing"] = _listing(good)
+    engine.zero_bnb_config = dataclasses.replace(engine.zero_bnb_config, nonfinite_check="warn")
+    out["nan_warn"] = _error(lambda: engine.save_checkpoint(good, tag="nan", save_latest=False))
+    out["nan_manifest"] = read_manifest(os.path.join(good, "nan", SUBDIR)).non_finite
+    if rank == 1:
+        master.data[0] = saved_value
+
+    gathered = [None] * world
+    dist.all_gather_object(gathered, out)
+    if rank == 0:
+        torch.save(gathered, os.path.join(workdir, "integrity.pt"))

@@ -1,0 +1,86 @@
+"""Checkpoints that never lie: damaged input, failing saves, NaN state (one real DP=2 launch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from integrity_scenarios import DAMAGES, SAVE_FAILURES, integrity
+
+from zero_bnb.launch import run_distributed
+
+EXPECTED = {
+    "flipped_shard_of_rank_1": ("CheckpointCorruptError", "zero_bnb/shard_00001-of-00002.pt (sha256", "differs from what was saved"),
+    "truncated_replicated": ("CheckpointCorruptError", "zero_bnb/replicated.pt has", "truncated"),
+    "flipped_model_states": ("CheckpointCorruptError", "mp_rank_00_model_states.pt (sha256",),
+    "flipped_manifest": ("CheckpointCorruptError", "manifest.json",),
+    "missing_rank_file": ("CheckpointCorruptError", "zero_bnb/shard_00001-of-00002.pt is missing", "load an earlier tag"),
+    "damaged_latest": ("CheckpointFormatError", "latest is damaged", "pass tag= explicitly"),
+    "latest_names_missing_tag": ("CheckpointFormatError", "'global_step99'", "does not exist", "tags in", "['A']"),
+    "unknown_format_version": ("CheckpointFormatError", "format_version=2", "reads version 1"),
+    "other_block_size": ("CheckpointMismatchError", "block size is 128, the optimizer's 256"),
+    "wrong_model": ("CheckpointMismatchError", "4.weight: saved (90, 96), model (91, 96)", "4.bias"),
+}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("integrity")
+    run_distributed(integrity, 2, str(workdir))
+    return torch.load(workdir / "integrity.pt", weights_only=False)
+
+
+def _same_on_every_rank(ranks, key):
+    values = [out[key] for out in ranks]
+    assert all(value == values[0] for value in values), (key, values)
+    return values[0]
+
+
+@pytest.mark.parametrize("case", [*DAMAGES, "wrong_model"])
+def test_bad_checkpoints_are_refused_on_every_rank_with_a_clear_error(ranks, case):
+    message = _same_on_every_rank(ranks, case)
+    assert message is not None, f"{case} was loaded silently"
+    name, *parts = EXPECTED[case]
+    assert message.startswith(name + ":"), message
+    for part in parts:
+        assert part in message, (part, message)
+
+
+def test_failed_loads_leave_the_engine_unchanged(ranks):
+    assert ranks[0]["state_unchanged"] is True
+    assert all(out["weights_unchanged"] and out["trains_after_failed_loads"] for out in ranks)
+
+
+@pytest.mark.parametrize("failure", SAVE_FAILURES, ids=lambda f: ":".join(map(str, f[:3])))
+def test_a_save_failing_on_one_rank_fails_everywhere_and_keeps_the_previous_checkpoint(ranks, failure):
+    label = "save_error:{}:{}:{}".format(*failure[:3])
+    message = _same_on_every_rank(ranks, label)
+    assert message is not None and message.startswith("CheckpointSaveError:"), message
+    assert "injected: no space left on device" in message and f"rank(s) [{failure[0]}]" in message
+    assert "the previous checkpoint and 'latest' are unchanged" in message
+    assert _same_on_every_rank(ranks, label + ":listing") == (["A", "latest"], "A")
+
+
+def test_saving_works_again_after_failed_saves(ranks):
+    assert _same_on_every_rank(ranks, "a_after_errors") is None
+    assert _same_on_every_rank(ranks, "save_after_errors") is None
+    assert _same_on_every_rank(ranks, "verify_after_errors") is None
+    assert _same_on_every_rank(ranks, "listing_after_errors") == (["A", "D", "latest"], "D")
+
+
+def test_replicated_key_named_in_config_but_differing_is_refused(ranks):
+    message = _same_on_every_rank(ranks, "replicated_by_name")
+    assert message.startswith("ReplicatedStateMismatch:")
+    for part in ("'absmax1'", "zero_unsharded_state_keys", "remove it from zero_unsharded_state_keys", "rank(s) [1]",
+                 "Nothing was saved"):
+        assert part in message, part
+    assert not any(out["replicated_by_name_wrote"] for out in ranks)
+
+
+def test_nan_in_master_weights_is_reported_by_parameter_name(ranks):
+    parameter = _same_on_every_rank(ranks, "nan_param")
+    message = _same_on_every_rank(ranks, "nan_error")
+    assert message.startswith("NonFiniteStateError:") and f"{parameter}: fp32" in message, message
+    assert "zero_nonfinite_check" in message
+    assert "nan" not in _same_on_every_rank(ranks, "nan_listing")[0]
+    assert _same_on_every_rank(ranks, "nan_warn") is None
+    assert _same_on_every_rank(ranks, "nan_manifest") == {parameter: ["fp32"]}
