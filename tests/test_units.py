@@ -26,6 +26,7 @@ from zero_bnb.config import (
 )
 from zero_bnb.durable import FileRecord
 from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
+from zero_bnb.integrity import checksum_shares
 from zero_bnb.state_spec import (
     BNB_ADAM,
     TORCH_ADAM,
@@ -193,3 +194,13 @@ def test_manifest_detects_any_edit_of_its_own_text(tmp_path):
     (tmp_path / "manifest.json").write_bytes(b"\xff" + text.encode())
     with pytest.raises(CheckpointCorruptError, match="not UTF-8"):
         read_manifest(str(tmp_path))
+
+
+@given(sizes=st.lists(st.integers(0, 10**9), max_size=40), world=st.integers(1, 16))
+def test_checksum_shares_cover_every_file_once_and_balance_bytes(sizes, world):
+    files = tuple(FileRecord(f"f{i}", size, "") for i, size in enumerate(sizes))
+    shares = checksum_shares(files, world)
+    assert sorted(i for share in shares for i in share) == list(range(len(files)))
+    loads = [sum(files[i].size for i in share) for share in shares]
+    # greedy largest-first: no rank exceeds the ideal share by more than the largest file
+    assert max(loads, default=0) <= sum(sizes) / world + max(sizes, default=0)

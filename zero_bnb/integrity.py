@@ -10,10 +10,24 @@ import os
 
 from zero_bnb.checkpoint_format import REPLICATED_NAME, SUBDIR, Manifest, read_manifest
 from zero_bnb.commit import resolve_tag
-from zero_bnb.durable import digest_file
+from zero_bnb.durable import FileRecord, digest_file
 from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
 
-__all__ = ["check_file_list", "verify_checkpoint", "verify_checksums"]
+__all__ = ["check_file_list", "checksum_shares", "verify_checkpoint", "verify_checksums"]
+
+
+def checksum_shares(files: tuple[FileRecord, ...], world_size: int) -> list[list[int]]:
+    """Split the files among ``world_size`` ranks, largest first to the least-loaded rank.
+
+    Deterministic, so every rank computes the same split from the manifest.
+    """
+    shares: list[list[int]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for index in sorted(range(len(files)), key=lambda i: (-files[i].size, files[i].path)):
+        rank = loads.index(min(loads))
+        shares[rank].append(index)
+        loads[rank] += files[index].size
+    return shares
 
 
 def check_file_list(tag_folder: str, manifest: Manifest) -> None:
@@ -41,7 +55,7 @@ def check_file_list(tag_folder: str, manifest: Manifest) -> None:
 
 
 def verify_checksums(tag_folder: str, manifest: Manifest, rank: int = 0, world_size: int = 1) -> int:
-    """Compare the SHA-256 of this rank's share of the files (every ``world_size``-th) with the manifest.
+    """Compare the SHA-256 of this rank's share of the files (see :func:`checksum_shares`) with the manifest.
 
     Returns:
         The number of bytes read.
@@ -50,9 +64,8 @@ def verify_checksums(tag_folder: str, manifest: Manifest, rank: int = 0, world_s
         CheckpointCorruptError: names every file whose content differs from what was saved.
     """
     problems, read = [], 0
-    for index, record in enumerate(manifest.files):
-        if index % world_size != rank:
-            continue
+    for index in checksum_shares(manifest.files, world_size)[rank]:
+        record = manifest.files[index]
         size, digest = digest_file(os.path.join(tag_folder, record.path))
         read += size
         if (size, digest) != (record.size, record.sha256):

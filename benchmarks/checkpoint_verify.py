@@ -1,0 +1,139 @@
+"""Cost of zero_bnb's checkpoint checks on load: SHA-256 of every file vs. no checksum verification.
+
+Reproduce (CPU, from the repository root, after `bash scripts/setup.sh`):
+
+    python benchmarks/checkpoint_verify.py --params 100e6 --dp 1 2 --repeats 5
+
+Trains one step of a ``--params``-parameter MLP with ``bnb.optim.Adam8bit`` under zero_bnb
+(ZeRO-1, gloo, fp32), saves it, then loads it ``--repeats`` times with checksum verification
+on and off, interleaved (on, off, on, off, ...) so that drift hits both alike. Size, presence
+and format checks run in both variants; only the SHA-256 pass differs. Writes
+``benchmarks/results/checkpoint_verify.json`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+
+import torch
+
+WIDTH = 4096
+
+
+def _model(params: float) -> torch.nn.Module:
+    layers = max(1, round(params / (WIDTH * WIDTH + WIDTH)))
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+
+
+def _measure(rank, world, params, repeats, workdir, result_path):
+    import bitsandbytes as bnb
+    import torch.distributed as dist
+
+    import zero_bnb
+    from zero_bnb.durable import digest_file
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    model = _model(params)
+    optimizer = bnb.optim.Adam8bit(model.parameters(), lr=1e-4)
+    config = {"train_batch_size": 2 * world, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
+              "steps_per_print": 10**9}
+    engine, *_ = zero_bnb.initialize(model=model, optimizer=optimizer, config=config)
+    loss = engine(torch.randn(2, WIDTH)).square().mean()
+    engine.backward(loss)
+    engine.step()
+    start = time.perf_counter()
+    engine.save_checkpoint(workdir, tag="bench")
+    save_s = time.perf_counter() - start
+    timings = {True: [], False: []}
+    for _ in range(repeats):
+        for verify in (True, False):
+            engine.zero_bnb_config = dataclasses.replace(engine.zero_bnb_config, checkpoint_verify=verify)
+            dist.barrier()
+            start = time.perf_counter()
+            engine.load_checkpoint(workdir)
+            dist.barrier()
+            timings[verify].append(time.perf_counter() - start)
+    if rank == 0:
+        folder = os.path.join(workdir, "bench")
+        files = [os.path.join(root, name) for root, _, names in os.walk(folder) for name in names]
+        total = sum(os.path.getsize(path) for path in files)
+        start = time.perf_counter()
+        for path in files:
+            digest_file(path)
+        hash_s = time.perf_counter() - start
+        on, off = statistics.median(timings[True]), statistics.median(timings[False])
+        result = {
+            "dp": world,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "checkpoint_bytes": total,
+            "save_s": save_s,
+            "load_verified_s": timings[True],
+            "load_unverified_s": timings[False],
+            "median_verified_s": on,
+            "median_unverified_s": off,
+            "verify_overhead_ratio": on / off,
+            "sha256_one_process_s": hash_s,
+            "sha256_gb_per_s": total / hash_s / 1e9,
+        }
+        with open(result_path, "w") as handle:
+            json.dump(result, handle)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=float, default=100e6, help="model size in parameters (default 100e6)")
+    parser.add_argument("--dp", type=int, nargs="+", default=[1, 2], help="DP sizes to measure (default 1 2)")
+    parser.add_argument("--repeats", type=int, default=5, help="loads per variant (default 5)")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "checkpoint_verify.json"))
+    args = parser.parse_args(argv)
+
+    import bitsandbytes
+    import deepspeed
+
+    import zero_bnb
+    from zero_bnb.launch import run_distributed
+
+    rows = []
+    for dp in args.dp:
+        workdir = tempfile.mkdtemp(prefix="zero_bnb_verify_bench_")
+        try:
+            result_path = os.path.join(workdir, "result.json")
+            run_distributed(_measure, dp, args.params, args.repeats, os.path.join(workdir, "ckpt"), result_path)
+            with open(result_path) as handle:
+                rows.append(json.load(handle))
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    report = {
+        "benchmark": "checkpoint load with and without SHA-256 verification",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
+        "versions": {"zero_bnb": zero_bnb.__version__, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+                     "bitsandbytes": bitsandbytes.__version__, "python": platform.python_version()},
+        "results": rows,
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as handle:
+        json.dump(report, handle, indent=1)
+    print("| DP | parameters | checkpoint MB | save s | load, verified s | load, unverified s | ratio | sha256 GB/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['dp']} | {row['parameters'] / 1e6:.1f}M | {row['checkpoint_bytes'] / 1e6:.0f} | "
+              f"{row['save_s']:.2f} | {row['median_verified_s']:.2f} | {row['median_unverified_s']:.2f} | "
+              f"{row['verify_overhead_ratio']:.2f}x | {row['sha256_gb_per_s']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
