@@ -18,7 +18,7 @@ else
 fi
 
 extras="${1:-test,demo}"
-if ! "$PYTHON" -c "import zero_bnb, deepspeed, bitsandbytes, pytest, hypothesis, matplotlib" 2>/dev/null \
+if ! "$PYTHON" -c "import zero_bnb, deepspeed, bitsandbytes, safetensors, tqdm, pytest, hypothesis, matplotlib" 2>/dev/null \
    || [ "$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("zero_bnb"))' 2>/dev/null)" != "$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)" ]; then
     echo "setup: installing zero_bnb[$extras] (DS_BUILD_OPS=0: no DeepSpeed ops are compiled)"
     "$PYTHON" -m pip install -q -e ".[$extras]"

@@ -204,3 +204,15 @@ def test_checksum_shares_cover_every_file_once_and_balance_bytes(sizes, world):
     loads = [sum(files[i].size for i in share) for share in shares]
     # greedy largest-first: no rank exceeds the ideal share by more than the largest file
     assert max(loads, default=0) <= sum(sizes) / world + max(sizes, default=0)
+
+
+def test_checkpoint_safety_keys_are_read_and_validated():
+    parsed, cleaned = split_config({"zero_nonfinite_check": "warn",
+                                    "zero_optimization": {"stage": 1, "zero_checkpoint_verify": False}})
+    assert (parsed.nonfinite_check, parsed.checkpoint_verify) == ("warn", False)
+    assert cleaned == {"zero_optimization": {"stage": 1}}
+    assert (ZeroBnbConfig().nonfinite_check, ZeroBnbConfig().checkpoint_verify) == ("error", True)
+    with pytest.raises(ZeroBnbConfigError, match=r"zero_nonfinite_check must be one of \['error', 'warn', 'off'\], got 'loud'"):
+        split_config({"zero_nonfinite_check": "loud"})
+    with pytest.raises(ZeroBnbConfigError, match="zero_checkpoint_verify must be true or false, got 'yes'"):
+        split_config({"zero_checkpoint_verify": "yes"})

@@ -39,7 +39,16 @@ from zero_bnb.durable import (
 )
 from zero_bnb.errors import CheckpointFormatError
 
-__all__ = ["LATEST_NAME", "SaveTransaction", "aside_tag", "check_tag", "resolve_tag", "staging_tag"]
+__all__ = [
+    "LATEST_NAME",
+    "SaveTransaction",
+    "aside_tag",
+    "check_tag",
+    "prepare_staging",
+    "publish",
+    "resolve_tag",
+    "staging_tag",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +77,33 @@ def check_tag(tag: str) -> str:
     return tag
 
 
+def prepare_staging(save_dir: str, tag: str) -> str:
+    """Create ``save_dir`` if needed and remove a stale staging folder of ``tag``; returns the staging folder.
+
+    Local: one process (rank 0, or an offline tool) calls it.
+    """
+    staging = os.path.join(save_dir, staging_tag(check_tag(tag)))
+    makedirs(save_dir)
+    remove_tree(staging)
+    return staging
+
+
+def publish(save_dir: str, tag: str, *, latest_name: str | None = LATEST_NAME) -> str:
+    """Make the finished staging folder of ``tag`` visible as ``save_dir/tag``, then point ``latest_name`` at it.
+
+    Local: one process calls it, after every file of the staging folder is durable.
+    ``latest_name=None`` leaves the pointer file alone. Returns the published folder.
+    """
+    staging = os.path.join(save_dir, staging_tag(tag))
+    for folder in [os.path.join(root, name) for root, names, _ in os.walk(staging) for name in names] + [staging]:
+        fsync_dir(folder)
+    final = os.path.join(save_dir, tag)
+    publish_folder(staging, final, os.path.join(save_dir, aside_tag(tag)))
+    if latest_name is not None:
+        replace_text(tag, os.path.join(save_dir, latest_name))
+    return final
+
+
 class SaveTransaction:
     """One checkpoint save, from staging to publication (see the module docstring).
 
@@ -90,8 +126,7 @@ class SaveTransaction:
         """Clear any stale staging folder (rank 0). Collective."""
         if dist.get_rank() == 0:
             with self.guard():
-                makedirs(self.save_dir)
-                remove_tree(self.staging_folder)
+                prepare_staging(self.save_dir, self.tag)
         dist.barrier()
 
     def add(self, records: list[FileRecord]) -> None:
@@ -145,17 +180,8 @@ class SaveTransaction:
             logger.error("zero_bnb: could not remove the unfinished %s: %r", self.staging_folder, error)
 
     def _publish(self, manifest: Manifest, save_latest: bool) -> None:
-        zero_folder = os.path.join(self.staging_folder, SUBDIR)
-        write_manifest(manifest, zero_folder, root=self.staging_folder)
-        fsync_dir(zero_folder)
-        fsync_dir(self.staging_folder)
-        publish_folder(
-            self.staging_folder,
-            os.path.join(self.save_dir, self.tag),
-            os.path.join(self.save_dir, aside_tag(self.tag)),
-        )
-        if save_latest:
-            replace_text(self.tag, os.path.join(self.save_dir, LATEST_NAME))
+        write_manifest(manifest, os.path.join(self.staging_folder, SUBDIR), root=self.staging_folder)
+        publish(self.save_dir, self.tag, latest_name=LATEST_NAME if save_latest else None)
         logger.info(
             "zero_bnb: checkpoint %s committed (%d files, DP=%d)",
             os.path.join(self.save_dir, self.tag), len(manifest.files) + 1, manifest.dp_world_size,

@@ -26,6 +26,7 @@ import torch
 __all__ = [
     "FileRecord",
     "IoHook",
+    "copy_file",
     "digest_file",
     "fsync_dir",
     "makedirs",
@@ -116,6 +117,17 @@ def save_torch(obj: Any, path: str, *, root: str) -> FileRecord:
 def write_text(text: str, path: str, *, root: str) -> FileRecord:
     """Write ``text`` (UTF-8) to ``path``, fsynced; the record's path is relative to ``root``."""
     return _durable_write(path, root, lambda writer: writer.write(text.encode("utf-8")))
+
+
+def copy_file(source: str, path: str, *, root: str) -> FileRecord:
+    """Copy ``source`` to ``path`` byte for byte, fsynced; the record's path is relative to ``root``."""
+
+    def fill(writer: _HashingWriter) -> None:
+        with open(source, "rb") as handle:
+            while chunk := handle.read(_CHUNK):
+                writer.write(chunk)
+
+    return _durable_write(path, root, fill)
 
 
 def digest_file(path: str) -> tuple[int, str]:

@@ -19,7 +19,7 @@ from zero_bnb.layout import plan_copy
 from zero_bnb.state_spec import StateKind
 from zero_bnb.zero_optimizer import BlockAlignedZeroOptimizer
 
-__all__ = ["SavedState", "check_compatible", "restore_optimizer"]
+__all__ = ["MASTER_KEY", "SavedState", "check_compatible", "gather_range", "restore_optimizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +85,8 @@ def check_compatible(
         )
 
 
-def _gather(saved: SavedState, group_index: int, key: str, ranges, target: tuple[int, int], out: torch.Tensor) -> None:
-    """Copy global ``target`` range of saved ``key`` into ``out[: target length]``."""
+def gather_range(saved: SavedState, group_index: int, key: str, ranges, target: tuple[int, int], out: torch.Tensor) -> None:
+    """Copy the global ``target`` range of saved ``key`` (held in pieces at ``ranges``) into ``out[: target length]``."""
     for segment in plan_copy(ranges, target):
         source = saved.piece(segment.source, group_index, key)
         out[segment.dst_offset : segment.dst_offset + segment.length].copy_(
@@ -110,10 +110,10 @@ class _GroupRestorer:
         self.param = optimizer.master_partition(group_index)
 
     def gather_elements(self, key: str, out: torch.Tensor) -> None:
-        _gather(self.saved, self.index, key, self.entry.element_ranges, self.elements, out)
+        gather_range(self.saved, self.index, key, self.entry.element_ranges, self.elements, out)
 
     def gather_blocks(self, key: str, out: torch.Tensor) -> None:
-        _gather(self.saved, self.index, key, self.entry.block_ranges, self.blocks, out)
+        gather_range(self.saved, self.index, key, self.entry.block_ranges, self.blocks, out)
 
     def restore_master(self) -> None:
         values = torch.zeros(self.param.numel(), dtype=self.param.dtype)

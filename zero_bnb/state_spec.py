@@ -23,6 +23,7 @@ __all__ = [
     "UnsupportedOptimizerError",
     "classify_state",
     "spec_for",
+    "spec_named",
 ]
 
 
@@ -77,6 +78,8 @@ class OptimizerSpec:
         init_state: creates the empty state of the flat partition parameter exactly as the
             optimizer's own first ``step()`` would (``None``: the loader builds it from the
             checkpoint's dtypes). Called as ``init_state(optimizer, group_index, param)``.
+        moment_names: state key -> the name DeepSpeed's universal checkpoint (and
+            ``torch.optim.Adam``) gives the same quantity, e.g. ``state1`` -> ``exp_avg``.
     """
 
     name: str
@@ -87,6 +90,7 @@ class OptimizerSpec:
     replicated_by_default: tuple[str, ...] = ()
     check: Callable[[torch.optim.Optimizer], None] = _no_check
     init_state: Callable[[torch.optim.Optimizer, int, torch.Tensor], None] | None = None
+    moment_names: Mapping[str, str] = field(default_factory=dict)
 
     def triple_for(self, key: str) -> QuantizedTriple | None:
         """The 8-bit triple in which ``key`` is the codes, absmax or map, if any."""
@@ -193,6 +197,7 @@ BNB_ADAM = OptimizerSpec(
     replicated_by_default=("qmap1", "qmap2"),
     check=_check_bnb,
     init_state=_init_bnb_state,
+    moment_names={"state1": "exp_avg", "state2": "exp_avg_sq"},
 )
 
 TORCH_ADAM = OptimizerSpec(
@@ -204,10 +209,26 @@ TORCH_ADAM = OptimizerSpec(
         "exp_avg_sq": StateKind.ELEMENTWISE,
         "max_exp_avg_sq": StateKind.ELEMENTWISE,
     },
+    moment_names={"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
 )
 
 #: Every supported family, most specific first.
 SPECS: tuple[OptimizerSpec, ...] = (BNB_ADAM, TORCH_ADAM)
+
+
+def spec_named(name: str) -> OptimizerSpec:
+    """The spec whose :attr:`OptimizerSpec.name` is ``name`` (as recorded in a manifest).
+
+    Raises:
+        UnsupportedOptimizerError: no such spec in this zero_bnb version.
+    """
+    for spec in SPECS:
+        if spec.name == name:
+            return spec
+    raise UnsupportedOptimizerError(
+        f"the checkpoint was written for optimizer family {name!r}, which this zero_bnb does not know "
+        f"(it knows {[spec.name for spec in SPECS]}); use the zero_bnb release that wrote it"
+    )
 
 
 def spec_for(optimizer: torch.optim.Optimizer) -> OptimizerSpec:

@@ -18,7 +18,13 @@ import torch
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
 from zero_bnb import quant
-from zero_bnb.checkpoint_format import SUBDIR, GroupEntry, Manifest, StateEntry
+from zero_bnb.checkpoint_format import (
+    SUBDIR,
+    GroupEntry,
+    Manifest,
+    ParamEntry,
+    StateEntry,
+)
 from zero_bnb.errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
@@ -26,9 +32,9 @@ from zero_bnb.errors import (
 )
 from zero_bnb.layout import ceil_div
 from zero_bnb.save import WRAPPER_SCALARS
-from zero_bnb.state_spec import StateKind, classify_state
+from zero_bnb.state_spec import OptimizerSpec, StateKind, StateRule, classify_state
 
-__all__ = ["StockCheckpoint"]
+__all__ = ["StockCheckpoint", "group_states", "read_rank_files", "zero_file_names"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +47,41 @@ def _unwrap(state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def _group_states(optimizer_sd: dict[str, Any]) -> list[dict[str, Any]]:
+def group_states(optimizer_sd: dict[str, Any]) -> list[dict[str, Any]]:
     """Per-group base-optimizer state of one stock rank file (rigid or elastic layout)."""
     base = optimizer_sd["base_optimizer_state"]
     if isinstance(base, dict):  # rigid: the base optimizer's own state_dict()
         return [_unwrap(base["state"].get(group["params"][0], {})) for group in base["param_groups"]]
     return [_unwrap(group_state) for group_state in base]  # elastic: one dict per group
+
+
+def zero_file_names(tag_folder: str) -> list[str]:
+    """Stock DeepSpeed ZeRO optimizer files of ``tag_folder`` (tensor-parallel rank 0), in DP-rank order."""
+    for prefix in ("zero_pp_rank", "bf16_zero_pp_rank"):
+        names = []
+        while os.path.isfile(name := os.path.join(tag_folder, f"{prefix}_{len(names)}_mp_rank_00_optim_states.pt")):
+            names.append(name)
+        if names:
+            return names
+    return []
+
+
+def read_rank_files(names: list[str]) -> list[dict[str, Any]]:
+    """The ``optimizer_state_dict`` of each stock rank file.
+
+    Raises:
+        CheckpointCorruptError: a file cannot be read (named).
+    """
+    rank_sds = []
+    for name in names:
+        try:
+            rank_sds.append(torch.load(name, map_location="cpu", weights_only=False)["optimizer_state_dict"])
+        except Exception as error:
+            raise CheckpointCorruptError(
+                f"stock DeepSpeed optimizer file {name} cannot be read ({type(error).__name__}: {error}); "
+                f"the file is damaged"
+            ) from error
+    return rank_sds
 
 
 class StockCheckpoint:
@@ -70,48 +105,66 @@ class StockCheckpoint:
             CheckpointCorruptError: a rank file cannot be read.
         """
         optimizer = engine.optimizer
-        bf16 = engine.bfloat16_enabled()
-        names = []
-        while os.path.isfile(name := engine._get_rank_zero_ckpt_name(load_dir, tag, engine.checkpoint_mp_rank,
-                                                                   len(names), bf16)):
-            names.append(name)
+        folder = os.path.join(load_dir, tag)
+        names = zero_file_names(folder)
         if not names:
             raise CheckpointFormatError(
-                f"{os.path.join(load_dir, tag)} holds neither zero_bnb files ({SUBDIR}/) nor stock DeepSpeed ZeRO "
-                f"optimizer files ({os.path.basename(name)}, ...): it is not a complete ZeRO checkpoint; pass the "
-                f"tag of a complete one"
+                f"{folder} holds neither zero_bnb files ({SUBDIR}/) nor stock DeepSpeed ZeRO optimizer files "
+                f"(zero_pp_rank_*_mp_rank_00_optim_states.pt): it is not a complete ZeRO checkpoint; pass the tag of "
+                f"a complete one"
             )
         saved_dp = len(names)
         if saved_dp != optimizer.dp_size:
             raise ZeRORuntimeException(
-                f"{os.path.join(load_dir, tag)} was written by stock DeepSpeed at DP={saved_dp} and has no zero_bnb "
-                f"files; its 8-bit state can only be re-split at that DP size. Resume once at DP={saved_dp} with "
-                f"zero_bnb and save again: that checkpoint loads at any DP size (now DP={optimizer.dp_size})."
+                f"{folder} was written by stock DeepSpeed at DP={saved_dp} and has no zero_bnb files; its 8-bit "
+                f"state can only be re-split at that DP size. Convert it once with `zero-bnb convert {folder} --to "
+                f"zero_bnb OUT` (or resume once at DP={saved_dp} with zero_bnb and save again): the result loads at "
+                f"any DP size (now DP={optimizer.dp_size})."
             )
-        rank_sds = []
-        for name in names:
-            try:
-                rank_sds.append(torch.load(name, map_location="cpu", weights_only=False)["optimizer_state_dict"])
-            except Exception as error:  # torch raises many types for damaged archives
-                raise CheckpointCorruptError(
-                    f"stock DeepSpeed optimizer file {name} cannot be read ({type(error).__name__}: {error}); "
-                    f"the file is damaged"
-                ) from error
-        return cls._convert(optimizer, rank_sds, engine.param_names)
+        return cls.from_rank_states(
+            read_rank_files(names),
+            spec=optimizer.zero_bnb_spec,
+            rule=optimizer.zero_bnb_rule,
+            params=[optimizer.param_entries(g, engine.param_names) for g in range(optimizer.num_groups)],
+            optimizer_class=type(optimizer.optimizer).__qualname__,
+            live_param_groups=optimizer.optimizer.param_groups,
+            log=optimizer.dp_rank == 0,
+        )
 
     @classmethod
-    def _convert(cls, optimizer, rank_sds: list[dict[str, Any]], names) -> StockCheckpoint:
-        spec, rule = optimizer.zero_bnb_spec, optimizer.zero_bnb_rule
+    def from_rank_states(
+        cls,
+        rank_sds: list[dict[str, Any]],
+        *,
+        spec: OptimizerSpec,
+        rule: StateRule,
+        params: list[tuple[ParamEntry, ...]],
+        optimizer_class: str,
+        live_param_groups: list[dict[str, Any]] | None = None,
+        log: bool = True,
+    ) -> StockCheckpoint:
+        """Convert the ``optimizer_state_dict`` of every stock rank file (in rank order).
+
+        Args:
+            params: per flat group, its parameters with offsets (the running optimizer's, or
+                those recorded in DeepSpeed's model-states file).
+            live_param_groups: the running optimizer's param groups, used for hyper-parameters
+                when the files hold DeepSpeed's elastic layout (which stores none).
+
+        Raises:
+            CheckpointMismatchError: the files do not hold the groups ``params`` describes.
+        """
         block = spec.block_size
-        states_per_rank = [_group_states(sd) for sd in rank_sds]
+        states_per_rank = [group_states(sd) for sd in rank_sds]
         pieces: dict[tuple[int, int, str], torch.Tensor] = {}
         groups, replicated_groups = [], []
         for g in range(len(rank_sds[0]["single_partition_of_fp32_groups"])):
             lengths = [sd["single_partition_of_fp32_groups"][g].numel() for sd in rank_sds]
-            if sum(lengths) != optimizer.geometry(g).numel:
+            expected = sum(p.numel for p in params[g]) if g < len(params) else None
+            if sum(lengths) != expected:
                 raise CheckpointMismatchError(
-                    f"group {g} of the stock checkpoint holds {sum(lengths)} elements, the running model's "
-                    f"{optimizer.geometry(g).numel}; build the model that wrote it"
+                    f"group {g} of the stock checkpoint holds {sum(lengths)} elements, the model's parameters "
+                    f"{expected}; build the model that wrote it"
                 )
             partition = lengths[0] + rank_sds[0]["group_paddings"][g]
             element_ranges = tuple((min(r * partition, sum(lengths)), min(r * partition, sum(lengths)) + n)
@@ -150,15 +203,15 @@ class StockCheckpoint:
                     replicated[key] = value
             for r, sd in enumerate(rank_sds):
                 pieces[(r, g, "fp32")] = sd["single_partition_of_fp32_groups"][g]
-            if requantized and optimizer.dp_rank == 0:
+            if requantized and log:
                 logger.warning(
                     "zero_bnb: stock DeepSpeed partitions of group %d (%d elements) do not start on %d-element "
                     "blocks; requantizing %s on the aligned grid once (lossy within 8-bit precision)",
                     g, partition, block, requantized,
                 )
-            groups.append(GroupEntry(numel, optimizer.param_entries(g, names), tuple(entries), element_ranges, block_ranges))
+            groups.append(GroupEntry(numel, params[g], tuple(entries), element_ranges, block_ranges))
             base = rank_sds[0]["base_optimizer_state"]
-            param_group = base["param_groups"][g] if isinstance(base, dict) else optimizer.optimizer.param_groups[g]
+            param_group = base["param_groups"][g] if isinstance(base, dict) else (live_param_groups or [{}] * (g + 1))[g]
             replicated_groups.append({
                 "param_group": {k: v for k, v in param_group.items() if k != "params"},
                 "counters": counters,
@@ -167,7 +220,7 @@ class StockCheckpoint:
         manifest = Manifest(
             dp_world_size=len(rank_sds),
             block_size=block,
-            optimizer_class=type(optimizer.optimizer).__qualname__,
+            optimizer_class=optimizer_class,
             optimizer_spec=spec.name,
             groups=tuple(groups),
             shards=tuple(f"stock rank {r}" for r in range(len(rank_sds))),

@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from zero_bnb.cli import tools
+
 __all__ = ["main"]
 
 
@@ -19,13 +21,14 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps-after", type=int, default=12, help="optimizer steps after it")
     demo.add_argument("--save-dp", type=int, default=2, help="DP size of the first run")
     demo.add_argument("--resume-dp", type=int, default=3, help="DP size of the resumed run")
+    tools.add_commands(commands)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.command == "demo":
         from zero_bnb.cli.demo import run_demo
 
         return run_demo(args.out, args.steps_before, args.steps_after, args.save_dp, args.resume_dp)
-    return 2
+    return tools.run(args)
 
 
 if __name__ == "__main__":

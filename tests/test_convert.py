@@ -1,0 +1,152 @@
+"""Checkpoint tools: inspect/verify/convert/export through the real CLI, and resuming what they write.
+
+Sources are real checkpoints (zero_bnb and stock DeepSpeed, Adam8bit, DP=2); converted ones are
+loaded by stock DeepSpeed (universal, ``torch.optim.AdamW``) and by zero_bnb at DP=1 and DP=3.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+
+import pytest
+import torch
+from convert_scenarios import resume_converted, write_sources
+from safetensors.torch import load_file
+
+from zero_bnb.cli import main
+from zero_bnb.launch import run_distributed
+
+
+def cli(*args: str) -> tuple[int, str, str]:
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main([str(a) for a in args])
+    return code, stdout.getvalue(), stderr.getvalue()
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("convert")
+    run_distributed(write_sources, 2, str(workdir))
+    runs = {
+        "to_universal": cli("convert", workdir / "zero_bnb", "--to", "universal", workdir / "universal"),
+        "from_universal": cli("convert", workdir / "universal", "--to", "zero_bnb", workdir / "back",
+                              "--optimizer", "Adam8bit"),
+        "rescue": cli("convert", workdir / "stock" / "s3", "--to", "zero_bnb", workdir / "rescued"),
+        "export": cli("export", workdir / "zero_bnb", "--to", "fp32", workdir / "weights.safetensors", "--moments"),
+        "inspect": cli("inspect", workdir / "zero_bnb"),
+        "inspect_json": cli("inspect", workdir / "zero_bnb" / "s3", "--json"),
+        "verify": cli("verify", workdir / "zero_bnb"),
+    }
+    for dp in (1, 3):
+        run_distributed(resume_converted, dp, str(workdir))
+    load = lambda name: torch.load(workdir / name, weights_only=False)
+    return workdir, runs, load("sources.pt"), {dp: load(f"resumed_dp{dp}.pt") for dp in (1, 3)}
+
+
+def _ok(runs, name):
+    code, out, err = runs[name]
+    assert code == 0, (name, out, err)
+    return out
+
+
+def test_inspect_summarises_the_checkpoint(work):
+    _, runs, _, _ = work
+    text = _ok(runs, "inspect")
+    for part in ("saved at DP=2", "block size 256", "33,946 parameters", "Adam8bit", "group 0: 24,960 elements",
+                 "0.weight", "(160, 60)", "state state1", "elementwise", "uint8", "state qmap1", "replicated",
+                 "state 8-bit", "state fp32", "bitsandbytes 0.50.2"):
+        assert part in text, part
+    summary = json.loads(_ok(runs, "inspect_json"))
+    assert summary["saved_dp_size"] == 2 and summary["parameters"] == 33946 and len(summary["groups"]) == 3
+    states = {s["key"]: s for s in summary["groups"][0]["states"]}
+    assert states["state1"]["8bit"] and states["state1"]["bytes"] == 24960 and states["qmap1"]["kind"] == "replicated"
+    assert not any(s["8bit"] for s in summary["groups"][1]["states"])
+    assert {f["path"] for f in summary["files"]} >= {"mp_rank_00_model_states.pt", "zero_bnb/replicated.pt"}
+    assert set(summary["versions"]) == {"zero_bnb", "torch", "deepspeed", "bitsandbytes"}
+
+
+def test_verify_exit_codes(work, tmp_path):
+    workdir, runs, _, _ = work
+    assert "OK:" in _ok(runs, "verify") and "4 files match their SHA-256" in runs["verify"][1]
+    damaged = tmp_path / "damaged"
+    shutil.copytree(workdir / "zero_bnb", damaged)
+    shard = damaged / "s3" / "zero_bnb" / "shard_00001-of-00002.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 1
+    shard.write_bytes(bytes(data))
+    code, _, err = cli("verify", damaged)
+    assert code == 1 and "CheckpointCorruptError" in err and "shard_00001-of-00002.pt (sha256" in err
+
+
+def test_bad_paths_and_requests_give_clear_errors(work, tmp_path):
+    workdir, _, _, _ = work
+    cases = [
+        (("inspect", tmp_path / "nowhere"), "is not a folder"),
+        (("verify", tmp_path), "holds no 'latest' file and is not a tag folder"),
+        (("inspect", workdir / "zero_bnb", "--tag", "s99"), "'s99'"),
+        (("convert", workdir / "zero_bnb", "--to", "zero_bnb", tmp_path / "x"), "already a zero_bnb checkpoint"),
+        (("convert", workdir / "stock", "--to", "universal", tmp_path / "x"), "zero_bnb/manifest.json does not exist"),
+        (("export", workdir / "universal", "--to", "fp32", tmp_path / "w.safetensors"), "holds no 'latest' file"),
+    ]
+    for args, message in cases:
+        code, out, err = cli(*args)
+        assert code == 1 and message in err, (args, out, err)
+        assert err.count("\n") == 1, err  # one line
+    with pytest.raises(SystemExit) as usage, contextlib.redirect_stderr(io.StringIO()):
+        main(["convert", str(workdir / "zero_bnb"), "--to", "onnx", str(tmp_path / "x")])
+    assert usage.value.code == 2
+
+
+def test_export_writes_consolidated_weights_and_dequantized_moments(work):
+    workdir, runs, sources, _ = work
+    assert "tensors: 18" in _ok(runs, "export")
+    tensors = load_file(workdir / "weights.safetensors")
+    for name, saved in sources["zero_bnb_saved"]["params"].items():
+        assert torch.equal(tensors[name], saved["fp32"]), name
+        assert torch.equal(tensors[f"{name}.exp_avg"], saved["state1"]), name
+        assert torch.equal(tensors[f"{name}.exp_avg_sq"], saved["state2"]), name
+
+
+@pytest.mark.parametrize("dp", [1, 3])
+def test_stock_deepspeed_loads_the_universal_output_into_adamw_and_trains(work, dp):
+    _, runs, sources, resumed = work
+    assert "moments: ['exp_avg', 'exp_avg_sq']" in _ok(runs, "to_universal")
+    loaded = resumed[dp]
+    for name, saved in sources["zero_bnb_saved"]["params"].items():
+        assert torch.equal(loaded["universal"][name]["fp32"], saved["fp32"]), name
+        assert torch.equal(loaded["universal"][name]["exp_avg"], saved["state1"]), name  # dequantized 8-bit
+        assert torch.equal(loaded["universal"][name]["exp_avg_sq"], saved["state2"]), name
+    assert loaded["universal_steps"] == [float(3)]
+    # fp32 AdamW from the same moments: the same trajectory up to 8-bit quantization noise.
+    assert loaded["universal_after"] == pytest.approx(sources["zero_bnb_after"], rel=1e-4)
+
+
+@pytest.mark.parametrize("dp", [1, 3])
+def test_universal_back_to_zero_bnb_round_trips(work, dp):
+    _, runs, sources, resumed = work
+    report = _ok(runs, "from_universal")
+    assert "quantized_elements: 67200" in report and "relative_rms_error" in report
+    back = resumed[dp]["back"]
+    for name, saved in sources["zero_bnb_saved"]["params"].items():
+        assert torch.equal(back["params"][name]["fp32"], saved["fp32"]), name  # weights: exact
+        for key in ("state1", "state2"):  # moments: requantized once, within 8-bit precision
+            error = (back["params"][name][key] - saved[key]).norm() / saved[key].norm().clamp_min(1e-30)
+            assert error < 1e-2, (name, key, float(error))
+    assert [c["step"] for c in back["counters"]] == [3, 3, 3]
+    assert resumed[dp]["back_after"] == pytest.approx(sources["zero_bnb_after"], rel=1e-4)
+
+
+@pytest.mark.parametrize("dp", [1, 3])
+def test_rescued_stock_checkpoint_resumes_at_another_dp_size(work, dp):
+    _, runs, sources, resumed = work
+    report = _ok(runs, "rescue")
+    assert "saved_dp_size: 2" in report and "max_abs_error" in report
+    rescued = resumed[dp]["rescued"]
+    for name, weight in sources["stock_weights"].items():
+        assert torch.equal(rescued["params"][name]["fp32"], weight), name
+    assert [c["step"] for c in rescued["counters"]] == [3, 3, 3]
+    assert resumed[dp]["rescued_after"] == pytest.approx(sources["stock_after"], rel=2e-4)

@@ -1,0 +1,114 @@
+"""The checkpoint commands: ``inspect``, ``verify``, ``convert``, ``export``.
+
+Each prints a readable result on stdout (``--json`` where a machine reads it) and returns an
+exit code: 0 success, 1 a checkpoint that fails a check, 2 a usage error. Errors are one line
+on stderr that names what was wrong and what to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from zero_bnb import convert
+from zero_bnb.errors import CheckpointError
+from zero_bnb.integrity import verify_checkpoint
+from zero_bnb.state_spec import UnsupportedOptimizerError
+
+__all__ = ["add_commands", "run"]
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    """Register the checkpoint commands on the ``zero-bnb`` parser."""
+    inspect = commands.add_parser("inspect", help="summarise a zero_bnb checkpoint")
+    inspect.add_argument("checkpoint", help="save folder (with 'latest') or tag folder")
+    inspect.add_argument("--tag", help="tag to read instead of the one 'latest' names")
+    inspect.add_argument("--json", action="store_true", help="print JSON for machines")
+    verify = commands.add_parser("verify", help="run every consistency and checksum check; exit 0 or 1")
+    verify.add_argument("checkpoint")
+    verify.add_argument("--tag")
+    conv = commands.add_parser("convert", help="zero_bnb -> universal; universal or stock DeepSpeed -> zero_bnb")
+    conv.add_argument("checkpoint", help="the checkpoint to read (save folder or tag folder)")
+    conv.add_argument("--to", required=True, choices=("universal", "zero_bnb"), dest="target")
+    conv.add_argument("out", help="save folder to write into (the tag folder and pointer file go there)")
+    conv.add_argument("--tag", help="tag to read")
+    conv.add_argument("--out-tag", help="tag to write (default: the tag read)")
+    conv.add_argument("--optimizer", default="AdamW8bit", choices=convert.TARGET_OPTIMIZERS,
+                      help="bitsandbytes optimizer for universal -> zero_bnb (default AdamW8bit)")
+    export = commands.add_parser("export", help="consolidated fp32 weights (and moments) as safetensors")
+    export.add_argument("checkpoint")
+    export.add_argument("--to", required=True, choices=("fp32",), dest="target")
+    export.add_argument("out", help="output .safetensors file")
+    export.add_argument("--tag")
+    export.add_argument("--moments", action="store_true", help="also write <name>.exp_avg / <name>.exp_avg_sq")
+
+
+def _size(count: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:,.0f} {unit}" if unit == "B" else f"{count:,.1f} {unit}"
+        count /= 1024
+    return ""
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    print(f"checkpoint {summary['path']} (tag {summary['tag']}, format {summary['format_version']})")
+    print(f"  saved at DP={summary['saved_dp_size']}, block size {summary['block_size']}, "
+          f"{summary['parameters']:,} parameters, {_size(summary['bytes'])} on disk in {len(summary['files'])} files")
+    print(f"  optimizer {summary['optimizer_class']} ({summary['optimizer_family']})")
+    print("  versions " + ", ".join(f"{k} {v}" for k, v in sorted(summary["versions"].items())))
+    if summary["non_finite"]:
+        print(f"  WARNING: saved with NaN/Inf in {summary['non_finite']}")
+    for index, group in enumerate(summary["groups"]):
+        precision = "8-bit" if any(s["8bit"] for s in group["states"]) else "fp32"
+        print(f"  group {index}: {group['numel']:,} elements, {len(group['parameters'])} parameters, "
+              f"state {precision}, hyper-parameters {group['hyperparameters']}")
+        for param in group["parameters"]:
+            print(f"    {param['name']:<40} {tuple(param['shape'])!s:<18} offset {param['offset']:,}")
+        for state in group["states"]:
+            print(f"    state {state['key']:<10} {state['kind']:<13} {state['dtype']:<8} {_size(state['bytes']):>14}"
+                  f"  ({state['reason']})")
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    for key, value in report.items():
+        print(f"{key}: {value}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one checkpoint command; returns the exit code."""
+    try:
+        if args.command == "inspect":
+            summary = convert.inspect_checkpoint(args.checkpoint, args.tag)
+            if args.json:
+                print(json.dumps(summary, indent=1))
+            else:
+                _print_summary(summary)
+        elif args.command == "verify":
+            save_dir, tag = convert.locate(args.checkpoint, args.tag)
+            folder, manifest = verify_checkpoint(save_dir, tag)
+            print(f"OK: {folder}: {len(manifest.files)} files match their SHA-256, manifest format "
+                  f"{manifest.format_version}, saved at DP={manifest.dp_world_size}")
+        elif args.command == "convert" and args.target == "universal":
+            _print_report(convert.to_universal(args.checkpoint, args.out, tag=args.tag, out_tag=args.out_tag,
+                                               progress=True))
+        elif args.command == "convert":
+            _print_report(_to_zero_bnb(args))
+        else:
+            _print_report(convert.export_fp32(args.checkpoint, args.out, tag=args.tag, moments_too=args.moments))
+    except (CheckpointError, UnsupportedOptimizerError, OSError) as error:
+        print(f"zero-bnb {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _to_zero_bnb(args: argparse.Namespace) -> dict[str, Any]:
+    kind = convert.detect(args.checkpoint, args.tag)
+    if kind == "universal":
+        return convert.from_universal(args.checkpoint, args.out, tag=args.tag, out_tag=args.out_tag,
+                                      optimizer=args.optimizer, progress=True)
+    if kind == "stock":
+        return convert.rescue_stock(args.checkpoint, args.out, tag=args.tag, out_tag=args.out_tag)
+    raise CheckpointError(f"{args.checkpoint} is already a zero_bnb checkpoint; it loads at any DP size as it is")

@@ -1,0 +1,196 @@
+"""Whole checkpoints in one process: read every group in full, write a zero_bnb checkpoint.
+
+The building blocks of the conversion and export tools (:mod:`zero_bnb.convert`). No
+collectives and no DeepSpeed engine: any single process may call these functions.
+
+A :class:`FullGroup` is one flat parameter group with every tensor whole (what a DP=1
+rank would hold, without padding). :func:`write_checkpoint` writes groups as a DP=1
+zero_bnb checkpoint, which - like every zero_bnb checkpoint - loads at any DP size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zero_bnb import quant, versions
+from zero_bnb.checkpoint_format import (
+    REPLICATED_NAME,
+    SUBDIR,
+    GroupEntry,
+    Manifest,
+    StateEntry,
+    jsonable,
+    shard_name,
+    write_manifest,
+)
+from zero_bnb.commit import prepare_staging, publish
+from zero_bnb.durable import FileRecord, copy_file, save_torch
+from zero_bnb.layout import ceil_div
+from zero_bnb.restore import MASTER_KEY, SavedState, gather_range
+from zero_bnb.state_spec import OptimizerSpec, StateKind
+
+__all__ = ["FullGroup", "QuantizationReport", "gather_full", "moments", "per_parameter", "quantize_moment",
+           "write_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FullGroup:
+    """One flat parameter group, every tensor whole.
+
+    ``state`` holds element-wise tensors of ``numel`` elements, block-wise ones of
+    ``ceil(numel / block_size)`` blocks, replicated tensors and counters; ``states`` says
+    which is which (as in a manifest).
+    """
+
+    numel: int
+    params: tuple  # tuple[ParamEntry, ...]
+    states: tuple[StateEntry, ...]
+    fp32: torch.Tensor
+    state: dict[str, Any]
+    param_group: dict[str, Any]
+
+
+def gather_full(saved: SavedState) -> list[FullGroup]:
+    """Every group of ``saved`` (a verified zero_bnb or stock checkpoint) merged into whole tensors."""
+    groups = []
+    block_size = saved.manifest.block_size
+    for index, entry in enumerate(saved.manifest.groups):
+        record = saved.replicated["groups"][index]
+        fp32 = torch.empty(entry.numel, dtype=torch.float32)
+        gather_range(saved, index, MASTER_KEY, entry.element_ranges, (0, entry.numel), fp32)
+        state: dict[str, Any] = {}
+        for item in entry.states:
+            dtype = getattr(torch, item.dtype, None)
+            if item.kind is StateKind.ELEMENTWISE:
+                state[item.key] = torch.empty(entry.numel, dtype=dtype)
+                gather_range(saved, index, item.key, entry.element_ranges, (0, entry.numel), state[item.key])
+            elif item.kind is StateKind.BLOCKWISE:
+                blocks = ceil_div(entry.numel, block_size)
+                state[item.key] = torch.empty(blocks, dtype=dtype)
+                gather_range(saved, index, item.key, entry.block_ranges, (0, blocks), state[item.key])
+            elif item.kind is StateKind.REPLICATED:
+                state[item.key] = record["replicated"][item.key]
+            else:
+                state[item.key] = record["counters"][item.key]
+        groups.append(FullGroup(entry.numel, entry.params, entry.states, fp32, state, dict(record["param_group"])))
+    return groups
+
+
+def moments(group: FullGroup, spec: OptimizerSpec, block_size: int) -> dict[str, torch.Tensor]:
+    """The group's moments as whole fp32 tensors under their universal names (``exp_avg``, ...).
+
+    8-bit states are dequantized with their own ``absmax`` and map (exact: the values the
+    optimizer itself would use).
+    """
+    result = {}
+    for key, name in spec.moment_names.items():
+        if key not in group.state:
+            continue
+        value = group.state[key]
+        triple = spec.triple_for(key)
+        if value.dtype == torch.uint8 and triple is not None:
+            result[name] = quant.dequantize(value, group.state[triple.absmax], group.state[triple.qmap], block_size)
+        else:
+            result[name] = value.float()
+    return result
+
+
+def per_parameter(group: FullGroup, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Cut a whole flat tensor of ``group`` into its parameters, in their shapes."""
+    return {p.name: flat[p.offset : p.offset + p.numel].view(p.shape) for p in group.params}
+
+
+@dataclass
+class QuantizationReport:
+    """Error introduced by quantizing fp32 moments once: per state key, worst over groups."""
+
+    max_abs_error: dict[str, float] = field(default_factory=dict)
+    relative_rms_error: dict[str, float] = field(default_factory=dict)
+    quantized_elements: int = 0
+
+    def add(self, key: str, original: torch.Tensor, restored: torch.Tensor) -> None:
+        difference = (restored - original).abs()
+        norm = float(original.norm())
+        self.max_abs_error[key] = max(self.max_abs_error.get(key, 0.0), float(difference.max()) if difference.numel() else 0.0)
+        relative = float(difference.norm()) / norm if norm > 0 else 0.0
+        self.relative_rms_error[key] = max(self.relative_rms_error.get(key, 0.0), relative)
+        self.quantized_elements += original.numel()
+
+
+def quantize_moment(values: torch.Tensor, qmap: torch.Tensor, block_size: int, key: str,
+                    report: QuantizationReport) -> tuple[torch.Tensor, torch.Tensor]:
+    """8-bit codes and absmax of fp32 ``values`` on the global block grid; the error goes to ``report``."""
+    codes, absmax = quant.quantize(values, qmap, block_size)
+    report.add(key, values, quant.dequantize(codes, absmax, qmap, block_size))
+    return codes, absmax
+
+
+def _dtype_name(value: Any) -> str:
+    return str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def write_checkpoint(
+    save_dir: str,
+    tag: str,
+    groups: list[FullGroup],
+    *,
+    spec: OptimizerSpec,
+    block_size: int,
+    optimizer_class: str,
+    wrapper: dict[str, Any],
+    extra_files: dict[str, str],
+    save_latest: bool = True,
+) -> str:
+    """Write ``groups`` as a DP=1 zero_bnb checkpoint ``save_dir/tag``, committed atomically.
+
+    Args:
+        extra_files: file name in the tag folder -> source path, copied byte for byte
+            (DeepSpeed's model-states file, so that ``engine.load_checkpoint`` finds the weights).
+        wrapper: the ZeRO wrapper's scalars (loss scaler, ...).
+
+    Returns:
+        The published tag folder.
+    """
+    staging = prepare_staging(save_dir, tag)
+    folder = os.path.join(staging, SUBDIR)
+    os.makedirs(folder)
+    shard_groups, replicated_groups, entries = [], [], []
+    for group in groups:
+        kinds = {item.key: item.kind for item in group.states}
+        sharded = {k: v for k, v in group.state.items() if kinds[k] in (StateKind.ELEMENTWISE, StateKind.BLOCKWISE)}
+        shard_groups.append({MASTER_KEY: group.fp32.contiguous(), "state": sharded})
+        replicated_groups.append({
+            "param_group": group.param_group,
+            "counters": {k: v for k, v in group.state.items() if kinds[k] is StateKind.COUNTER},
+            "replicated": {k: v for k, v in group.state.items() if kinds[k] is StateKind.REPLICATED},
+        })
+        states = tuple(StateEntry(item.key, item.kind, _dtype_name(group.state[item.key]), item.reason)
+                       for item in group.states)
+        entries.append(GroupEntry(
+            numel=group.numel, params=tuple(group.params), states=states,
+            element_ranges=((0, group.numel),), block_ranges=((0, ceil_div(group.numel, block_size)),),
+            hyperparameters={k: jsonable(v) for k, v in group.param_group.items() if k != "params"},
+        ))
+    files: list[FileRecord] = [
+        save_torch({"rank": 0, "dp": 1, "groups": shard_groups}, os.path.join(folder, shard_name(0, 1)), root=staging),
+        save_torch({"groups": replicated_groups, "zero_wrapper": wrapper}, os.path.join(folder, REPLICATED_NAME),
+                   root=staging),
+    ]
+    for name, source in extra_files.items():
+        files.append(copy_file(source, os.path.join(staging, name), root=staging))
+    manifest = Manifest(
+        dp_world_size=1, block_size=block_size, optimizer_class=optimizer_class, optimizer_spec=spec.name,
+        groups=tuple(entries), shards=(shard_name(0, 1),), files=tuple(sorted(files, key=lambda f: f.path)),
+        versions=versions.installed(),
+    )
+    write_manifest(manifest, folder, root=staging)
+    published = publish(save_dir, tag, latest_name="latest" if save_latest else None)
+    logger.info("zero_bnb: wrote %s (%d groups)", published, len(groups))
+    return published
