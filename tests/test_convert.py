@@ -134,6 +134,8 @@ def test_universal_back_to_zero_bnb_round_trips(work, dp):
     for name, saved in sources["zero_bnb_saved"]["params"].items():
         assert torch.equal(back["params"][name]["fp32"], saved["fp32"]), name  # weights: exact
         for key in ("state1", "state2"):  # moments: requantized once, within 8-bit precision
+            if name.endswith("bias"):  # the group kept in fp32: nothing was requantized, so exact
+                assert torch.equal(back["params"][name][key], saved[key]), (name, key)
             error = (back["params"][name][key] - saved[key]).norm() / saved[key].norm().clamp_min(1e-30)
             assert error < 1e-2, (name, key, float(error))
     assert [c["step"] for c in back["counters"]] == [3, 3, 3]

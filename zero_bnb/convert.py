@@ -335,7 +335,8 @@ def rescue_stock(path: str, out_dir: str, *, tag: str | None = None, out_tag: st
             "max_abs_error": report.max_abs_error, "relative_rms_error": report.relative_rms_error}
 
 
-def export_fp32(path: str, out_path: str, *, tag: str | None = None, moments_too: bool = False) -> dict[str, Any]:
+def export_fp32(path: str, out_path: str, *, tag: str | None = None, moments_too: bool = False,
+                progress: bool = False) -> dict[str, Any]:
     """Consolidated fp32 weights (like DeepSpeed's ``zero_to_fp32``) as one safetensors file.
 
     With ``moments_too``, also ``<name>.exp_avg`` / ``<name>.exp_avg_sq`` (8-bit moments
@@ -346,7 +347,7 @@ def export_fp32(path: str, out_path: str, *, tag: str | None = None, moments_too
     _, reader = _open_verified(path, tag)
     spec = spec_named(reader.manifest.optimizer_spec)
     tensors: dict[str, torch.Tensor] = {}
-    for group in gather_full(reader):
+    for group in tqdm(gather_full(reader), desc="groups", unit="group", disable=not progress):
         for name, value in per_parameter(group, group.fp32).items():
             tensors[name] = value.contiguous()
         if moments_too:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from tqdm import tqdm
+
 from zero_bnb.checkpoint_format import REPLICATED_NAME, SUBDIR, Manifest, read_manifest
 from zero_bnb.commit import resolve_tag
 from zero_bnb.durable import FileRecord, digest_file
@@ -54,7 +56,9 @@ def check_file_list(tag_folder: str, manifest: Manifest) -> None:
         )
 
 
-def verify_checksums(tag_folder: str, manifest: Manifest, rank: int = 0, world_size: int = 1) -> int:
+def verify_checksums(
+    tag_folder: str, manifest: Manifest, rank: int = 0, world_size: int = 1, *, progress: bool = False
+) -> int:
     """Compare the SHA-256 of this rank's share of the files (see :func:`checksum_shares`) with the manifest.
 
     Returns:
@@ -64,15 +68,19 @@ def verify_checksums(tag_folder: str, manifest: Manifest, rank: int = 0, world_s
         CheckpointCorruptError: names every file whose content differs from what was saved.
     """
     problems, read = [], 0
-    for index in checksum_shares(manifest.files, world_size)[rank]:
-        record = manifest.files[index]
-        size, digest = digest_file(os.path.join(tag_folder, record.path))
-        read += size
-        if (size, digest) != (record.size, record.sha256):
-            problems.append(
-                f"{record.path} (sha256 {digest[:16]}..., {size} bytes; saved as {record.sha256[:16]}..., "
-                f"{record.size} bytes)"
-            )
+    mine = checksum_shares(manifest.files, world_size)[rank]
+    total = sum(manifest.files[index].size for index in mine)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="sha256", disable=not progress) as bar:
+        for index in mine:
+            record = manifest.files[index]
+            size, digest = digest_file(os.path.join(tag_folder, record.path))
+            read += size
+            bar.update(size)
+            if (size, digest) != (record.size, record.sha256):
+                problems.append(
+                    f"{record.path} (sha256 {digest[:16]}..., {size} bytes; saved as {record.sha256[:16]}..., "
+                    f"{record.size} bytes)"
+                )
     if problems:
         raise CheckpointCorruptError(
             f"checkpoint {tag_folder} holds damaged files whose content differs from what was saved: "
@@ -81,7 +89,7 @@ def verify_checksums(tag_folder: str, manifest: Manifest, rank: int = 0, world_s
     return read
 
 
-def verify_checkpoint(load_dir: str, tag: str | None = None) -> tuple[str, Manifest]:
+def verify_checkpoint(load_dir: str, tag: str | None = None, *, progress: bool = False) -> tuple[str, Manifest]:
     """Run every consistency and checksum check on one zero_bnb checkpoint, in this process.
 
     Args:
@@ -101,5 +109,5 @@ def verify_checkpoint(load_dir: str, tag: str | None = None) -> tuple[str, Manif
     tag_folder = os.path.join(load_dir, folder_tag)
     manifest = read_manifest(os.path.join(tag_folder, SUBDIR))
     check_file_list(tag_folder, manifest)
-    verify_checksums(tag_folder, manifest)
+    verify_checksums(tag_folder, manifest, progress=progress)
     return tag_folder, manifest

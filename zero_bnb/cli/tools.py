@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
                 _print_summary(summary)
         elif args.command == "verify":
             save_dir, tag = convert.locate(args.checkpoint, args.tag)
-            folder, manifest = verify_checkpoint(save_dir, tag)
+            folder, manifest = verify_checkpoint(save_dir, tag, progress=True)
             print(f"OK: {folder}: {len(manifest.files)} files match their SHA-256, manifest format "
                   f"{manifest.format_version}, saved at DP={manifest.dp_world_size}")
         elif args.command == "convert" and args.target == "universal":
@@ -97,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         elif args.command == "convert":
             _print_report(_to_zero_bnb(args))
         else:
-            _print_report(convert.export_fp32(args.checkpoint, args.out, tag=args.tag, moments_too=args.moments))
+            _print_report(convert.export_fp32(args.checkpoint, args.out, tag=args.tag, moments_too=args.moments,
+                                              progress=True))
     except (CheckpointError, UnsupportedOptimizerError, OSError) as error:
         print(f"zero-bnb {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
