@@ -152,3 +152,11 @@ def test_rescued_stock_checkpoint_resumes_at_another_dp_size(work, dp):
         assert torch.equal(rescued["params"][name]["fp32"], weight), name
     assert [c["step"] for c in rescued["counters"]] == [3, 3, 3]
     assert resumed[dp]["rescued_after"] == pytest.approx(sources["stock_after"], rel=2e-4)
+
+
+def test_model_states_file_does_not_store_the_trained_weights_twice(work):
+    workdir, _, sources, _ = work
+    model_states = torch.load(workdir / "zero_bnb" / "s3" / "mp_rank_00_model_states.pt", weights_only=False)
+    trained = set(sources["zero_bnb_saved"]["params"])
+    assert not trained & set(model_states["module"]), "trained weights are in the shards already"
+    assert model_states["zero_bnb_derived_params"] == {name: [name, "float32"] for name in trained}

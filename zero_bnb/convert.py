@@ -21,7 +21,8 @@ from tqdm import tqdm
 
 from zero_bnb.checkpoint_format import SUBDIR, ParamEntry, StateEntry
 from zero_bnb.commit import prepare_staging, publish, resolve_tag
-from zero_bnb.durable import copy_file, save_torch
+from zero_bnb.derived import restore_derived
+from zero_bnb.durable import save_torch
 from zero_bnb.errors import CheckpointFormatError
 from zero_bnb.integrity import verify_checkpoint
 from zero_bnb.layout import GroupGeometry
@@ -204,8 +205,11 @@ def to_universal(path: str, out_dir: str, *, tag: str | None = None, out_tag: st
     optimizer_state.update({"ds_version": deepspeed.__version__, "zero_stage": 1,
                             "partition_count": manifest.dp_world_size, PARAM_GROUPS: param_groups})
     save_torch(optimizer_state, os.path.join(zero_folder, "optimizer_state.pt"), root=staging)
+    weights = {name: value for group in groups for name, value in per_parameter(group, group.fp32).items()}
     for name, source in _model_states_files(reader.tag_folder).items():
-        copy_file(source, os.path.join(staging, name), root=staging)
+        model_states = torch.load(source, map_location="cpu", weights_only=False)
+        restore_derived(model_states, weights.__getitem__)  # DeepSpeed reads the module weights from this file
+        save_torch(model_states, os.path.join(staging, name), root=staging)
     published = publish(out_dir, out_tag, latest_name=UNIVERSAL_LATEST)
     return {"output": published, "parameters": written, "moments": sorted(spec.moment_names.values()),
             "dropped_hyperparameters": sorted({k for g in groups for k in g.param_group} - {*_ADAM_HYPERPARAMETERS})}

@@ -32,9 +32,10 @@ from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from zero_bnb.collective import agree
 from zero_bnb.commit import SaveTransaction, resolve_tag
 from zero_bnb.config import ZeroBnbConfig
+from zero_bnb.derived import DERIVED_PARAMS_KEY, derived_entries, restore_derived
 from zero_bnb.durable import makedirs, save_torch
 from zero_bnb.load import open_for_load
-from zero_bnb.restore import SavedState, restore_optimizer
+from zero_bnb.restore import SavedState, master_weight, restore_optimizer
 from zero_bnb.save import build_manifest, write_local_files
 from zero_bnb.state_checks import find_non_finite, verify_replicated_state
 from zero_bnb.state_spec import StateRule, spec_for
@@ -182,9 +183,34 @@ class ZeroBnbEngine(DeepSpeedEngine):
         return True
 
     def _save_checkpoint(self, save_dir, tag, client_state=None, exclude_frozen_parameters=False):
-        with self.checkpoint_engine.transaction.guard():
-            super()._save_checkpoint(save_dir, tag, client_state={} if client_state is None else client_state,
-                                     exclude_frozen_parameters=exclude_frozen_parameters)
+        # Trained parameters are their master weights cast to the module dtype: stored once, in the shards.
+        trained = {p: self.param_names[p] for group in self.optimizer.bit16_groups for p in group}
+        derived = derived_entries(self.module, trained)
+        self._zero_bnb_dropped = set(derived)
+        try:
+            with self.checkpoint_engine.transaction.guard():
+                super()._save_checkpoint(save_dir, tag, client_state={**(client_state or {}), DERIVED_PARAMS_KEY: derived},
+                                         exclude_frozen_parameters=exclude_frozen_parameters)
+        finally:
+            self._zero_bnb_dropped = set()
+
+    def module_state_dict(self, destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False):
+        state = super().module_state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars,
+                                          exclude_frozen_parameters=exclude_frozen_parameters)
+        for key in getattr(self, "_zero_bnb_dropped", ()):
+            state.pop(prefix + key, None)
+        return state
+
+    def load_module_state_dict(self, checkpoint, strict=True, custom_load_fn=None, fetch_z3_params=False,
+                               z3_params_to_fetch=None, allowed_missing_keys=None):
+        saved: SavedState | None = getattr(self, "_zero_bnb_saved", None)
+        if DERIVED_PARAMS_KEY in checkpoint:
+            if saved is None:
+                raise ZeRORuntimeException("zero_bnb checkpoints load only through ZeroBnbEngine.load_checkpoint")
+            restore_derived(checkpoint, lambda name: master_weight(saved, name))
+        return super().load_module_state_dict(checkpoint, strict=strict, custom_load_fn=custom_load_fn,
+                                              fetch_z3_params=fetch_z3_params, z3_params_to_fetch=z3_params_to_fetch,
+                                              allowed_missing_keys=allowed_missing_keys)
 
     def _save_zero_checkpoint(self, save_path, tag):
         transaction = self.checkpoint_engine.transaction

@@ -19,7 +19,7 @@ from zero_bnb.layout import plan_copy
 from zero_bnb.state_spec import StateKind
 from zero_bnb.zero_optimizer import BlockAlignedZeroOptimizer
 
-__all__ = ["MASTER_KEY", "SavedState", "check_compatible", "gather_range", "restore_optimizer"]
+__all__ = ["MASTER_KEY", "SavedState", "check_compatible", "gather_range", "master_weight", "restore_optimizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,17 @@ def gather_range(saved: SavedState, group_index: int, key: str, ranges, target: 
         out[segment.dst_offset : segment.dst_offset + segment.length].copy_(
             source[segment.src_offset : segment.src_offset + segment.length]
         )
+
+
+def master_weight(saved: SavedState, name: str) -> torch.Tensor:
+    """The whole fp32 master weight of parameter ``name``, in its shape, from any saved DP size."""
+    for index, group in enumerate(saved.manifest.groups):
+        for param in group.params:
+            if param.name == name:
+                out = torch.empty(param.numel, dtype=torch.float32)
+                gather_range(saved, index, MASTER_KEY, group.element_ranges, (param.offset, param.offset + param.numel), out)
+                return out.view(param.shape)
+    raise CheckpointMismatchError(f"the checkpoint has no master weight for parameter {name!r}")
 
 
 class _GroupRestorer:

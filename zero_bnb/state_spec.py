@@ -148,25 +148,44 @@ def classify_state(
 # --------------------------------------------------------------------------- declarations
 
 
-def _is_bnb_adam(optimizer: torch.optim.Optimizer) -> bool:
-    try:
-        from bitsandbytes.optim.optimizer import Optimizer2State
-    except ImportError:  # bitsandbytes is a hard dependency, but keep torch-only use importable
-        return False
-    return isinstance(optimizer, Optimizer2State) and getattr(optimizer, "optimizer_name", None) == "adam"
+def _bnb_family(base_class: str, optimizer_name: str) -> Callable[[torch.optim.Optimizer], bool]:
+    """Matches bitsandbytes optimizers built on ``base_class`` with this ``optimizer_name``."""
+
+    def matches(optimizer: torch.optim.Optimizer) -> bool:
+        from bitsandbytes.optim import optimizer as bnb_optimizer
+
+        return (isinstance(optimizer, getattr(bnb_optimizer, base_class))
+                and getattr(optimizer, "optimizer_name", None) == optimizer_name)
+
+    return matches
 
 
 def _check_bnb(optimizer: torch.optim.Optimizer) -> None:
-    max_unorm = getattr(getattr(optimizer, "args", None), "max_unorm", 0.0)
+    args = getattr(optimizer, "args", None)
+    name = type(optimizer).__name__
+    max_unorm = getattr(args, "max_unorm", 0.0)
     if max_unorm and max_unorm > 0.0:
         raise UnsupportedOptimizerError(
-            f"{type(optimizer).__name__} was built with max_unorm={max_unorm}: its per-partition update norm "
+            f"{name} was built with max_unorm={max_unorm}: its per-partition update norm "
             f"(unorm_vec) is computed over one rank's partition and cannot be restored at another DP size. "
             f"Build the optimizer with max_unorm=0.0."
         )
+    if not getattr(args, "block_wise", True):
+        raise UnsupportedOptimizerError(
+            f"{name} was built with block_wise=False: its 8-bit state is scaled by one maximum per partition "
+            f"(max1/new_max1), which cannot be re-split at another DP size. Build it with block_wise=True "
+            f"(the default)."
+        )
+    clipping = getattr(args, "percentile_clipping", 100)
+    if clipping < 100:
+        raise UnsupportedOptimizerError(
+            f"{name} was built with percentile_clipping={clipping}: its gradient-norm history (gnorm_vec) is "
+            f"per partition and cannot be restored at another DP size. Build it with percentile_clipping=100 and "
+            f"use DeepSpeed's gradient_clipping instead."
+        )
     if optimizer.is_paged:
         raise UnsupportedOptimizerError(
-            f"{type(optimizer).__name__} is a paged optimizer, which zero_bnb does not support yet; "
+            f"{name} is a paged optimizer, which zero_bnb does not support yet; "
             f"use the non-paged class (for example bnb.optim.AdamW8bit)."
         )
 
@@ -187,18 +206,41 @@ _BNB_2STATE_KINDS = {
     "qmap2": StateKind.REPLICATED,
     "unorm_vec": StateKind.PARTITION_SCALAR,
 }
+_BNB_1STATE_KINDS = {key: kind for key, kind in _BNB_2STATE_KINDS.items() if not key.endswith("2")}
+_TRIPLE_1 = QuantizedTriple("state1", "absmax1", "qmap1")
 
 BNB_ADAM = OptimizerSpec(
     name="bitsandbytes Adam (Adam8bit, AdamW8bit, Adam32bit, AdamW32bit)",
-    matches=_is_bnb_adam,
+    matches=_bnb_family("Optimizer2State", "adam"),
     kinds=_BNB_2STATE_KINDS,
-    quantized=(QuantizedTriple("state1", "absmax1", "qmap1"), QuantizedTriple("state2", "absmax2", "qmap2")),
+    quantized=(_TRIPLE_1, QuantizedTriple("state2", "absmax2", "qmap2")),
     block_size=BNB_BLOCK_SIZE,
     replicated_by_default=("qmap1", "qmap2"),
     check=_check_bnb,
     init_state=_init_bnb_state,
     moment_names={"state1": "exp_avg", "state2": "exp_avg_sq"},
 )
+
+
+def _bnb_one_state(optimizer_name: str, classes: str, moment: str) -> OptimizerSpec:
+    """A bitsandbytes ``Optimizer1State`` family: ``state1`` (8-bit or fp32) and ``step``."""
+    return OptimizerSpec(
+        name=f"bitsandbytes {classes}",
+        matches=_bnb_family("Optimizer1State", optimizer_name),
+        kinds=_BNB_1STATE_KINDS,
+        quantized=(_TRIPLE_1,),
+        block_size=BNB_BLOCK_SIZE,
+        replicated_by_default=("qmap1",),
+        check=_check_bnb,
+        init_state=_init_bnb_state,
+        moment_names={"state1": moment},
+    )
+
+
+BNB_LION = _bnb_one_state("lion", "Lion (Lion8bit, Lion32bit)", "exp_avg")
+BNB_SGD = _bnb_one_state("momentum", "SGD with momentum (SGD8bit, SGD32bit)", "momentum_buffer")
+BNB_RMSPROP = _bnb_one_state("rmsprop", "RMSprop (RMSprop8bit, RMSprop32bit)", "square_avg")
+BNB_ADAGRAD = _bnb_one_state("adagrad", "Adagrad (Adagrad8bit, Adagrad32bit)", "sum")
 
 TORCH_ADAM = OptimizerSpec(
     name="torch.optim Adam/AdamW",
@@ -213,7 +255,7 @@ TORCH_ADAM = OptimizerSpec(
 )
 
 #: Every supported family, most specific first.
-SPECS: tuple[OptimizerSpec, ...] = (BNB_ADAM, TORCH_ADAM)
+SPECS: tuple[OptimizerSpec, ...] = (BNB_ADAM, BNB_LION, BNB_SGD, BNB_RMSPROP, BNB_ADAGRAD, TORCH_ADAM)
 
 
 def spec_named(name: str) -> OptimizerSpec:

@@ -1,0 +1,161 @@
+"""Turn raw benchmark measurements into figures, ratios against the targets, a markdown table and a plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import asdict
+
+__all__ = ["TARGETS", "summarise", "write_reports"]
+
+#: (figure, variant compared with, largest allowed ratio zero_bnb / that variant)
+TARGETS = (
+    ("step_s", "stock-adam8bit", 1.01),
+    ("state_bytes", "stock-adamw", 0.3),
+    ("checkpoint_bytes", "stock-adamw", 0.6),
+    ("resume_s", "stock-adamw", 0.5),
+)
+
+
+def _percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def summarise(raw: dict, *, model: str, config, args: dict, step_bytes_per_param: dict[str, int]) -> dict:
+    """Figures per variant and the target ratios for one model."""
+    variants = {}
+    dp = args["dp"]
+    for variant in ("stock-adamw", "stock-adam8bit", "zero_bnb"):
+        record = raw[variant]
+        step = statistics.median(record["step_s"])
+        optimizer_step = statistics.median(record["optimizer_step_s"])
+        figures = {
+            "step_s": step,
+            "step_s_p10": _percentile(record["step_s"], 0.1),
+            "step_s_p90": _percentile(record["step_s"], 0.9),
+            "samples_per_s": args["micro_batch"] * dp / step,
+            "optimizer_step_s": optimizer_step,
+            "memory_bytes_per_rank": statistics.median(record["memory_bytes"]),
+            "state_bytes": record["state_bytes"],
+            "parameters": record["parameters"],
+            "checkpoint_bytes": record["checkpoint_bytes"],
+            "checkpoint_bytes_per_param": record["checkpoint_bytes"] / record["parameters"],
+            "save_s": record["save_s"],
+            "load_s": record["load_s"],
+        }
+        if "copy_bandwidth_bytes_per_s" in raw:
+            moved = step_bytes_per_param[variant] * record["parameters"] / dp
+            figures["optimizer_bandwidth_bytes_per_s"] = moved / optimizer_step
+            figures["bandwidth_fraction_of_copy"] = moved / optimizer_step / raw["copy_bandwidth_bytes_per_s"]
+        variants[variant] = figures
+    resume = raw.get("resume")
+    if resume:
+        variants["stock-adamw"]["resume_s"] = resume["convert_s"] + statistics.median(resume["load_s"]["stock-adamw"])
+        variants["stock-adamw"]["resume_convert_s"] = resume["convert_s"]
+        variants["zero_bnb"]["resume_s"] = statistics.median(resume["load_s"]["zero_bnb"])
+        variants["stock-adam8bit"]["resume_s"] = "not possible"
+    targets = {}
+    for figure, baseline, limit in TARGETS:
+        ours, theirs = variants["zero_bnb"].get(figure), variants[baseline].get(figure)
+        if isinstance(ours, (int, float)) and isinstance(theirs, (int, float)) and theirs:
+            ratio = ours / theirs
+            targets[figure] = {"vs": baseline, "ratio": ratio, "target": limit, "met": ratio <= limit}
+        else:
+            targets[figure] = {"vs": baseline, "ratio": None, "target": limit, "met": None,
+                               "note": "not measured in this mode"}
+    return {"model": model, "config": asdict(config), "dp": dp, "resume_dp": resume["dp"] if resume else None,
+            "copy_bandwidth_bytes_per_s": raw.get("copy_bandwidth_bytes_per_s"), "variants": variants,
+            "targets": targets}
+
+
+def _cell(value, unit: str = "") -> str:
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return "-"
+    if unit == "B":
+        return f"{value / 2**20:,.1f} MiB"
+    if unit == "ms":
+        return f"{value * 1e3:,.1f} ms"
+    if unit == "s":
+        return f"{value:,.2f} s"
+    return f"{value:,.2f}"
+
+
+def _markdown(report: dict) -> str:
+    machine = report["machine"]
+    where = machine["gpu"] or f"{machine['processor']} ({machine['cpus']} CPUs)"
+    lines = [f"Benchmark `{report['mode']}` mode, {report['date']}, on {where}; "
+             + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + "."]
+    for row in report["results"]:
+        title = (f"**{row['model']}** ({row['variants']['zero_bnb']['parameters'] / 1e6:,.1f}M parameters, "
+                 f"DP={row['dp']}, resume at DP={row['resume_dp']})")
+        lines += ["", title, "",
+                  "| figure | stock DeepSpeed + AdamW | stock DeepSpeed + Adam8bit | zero_bnb + Adam8bit |",
+                  "| --- | --- | --- | --- |"]
+        figures = [("step time (median)", "step_s", "ms"), ("step time p10-p90", None, "ms"),
+                   ("samples/s", "samples_per_s", ""), ("optimizer step alone", "optimizer_step_s", "ms"),
+                   ("memory per rank", "memory_bytes_per_rank", "B"), ("optimizer state per rank", "state_bytes", "B"),
+                   ("checkpoint on disk", "checkpoint_bytes", "B"),
+                   ("checkpoint bytes / parameter", "checkpoint_bytes_per_param", ""),
+                   ("save", "save_s", "s"), ("load, same DP", "load_s", "s"),
+                   ("resume at another DP", "resume_s", "s")]
+        if row["copy_bandwidth_bytes_per_s"]:
+            figures.append(("optimizer step bandwidth / copy bandwidth", "bandwidth_fraction_of_copy", ""))
+        for label, key, unit in figures:
+            cells = []
+            for variant in ("stock-adamw", "stock-adam8bit", "zero_bnb"):
+                figures_of = row["variants"][variant]
+                if key is None:
+                    cells.append(f"{_cell(figures_of['step_s_p10'], unit)} - {_cell(figures_of['step_s_p90'], unit)}")
+                else:
+                    cells.append(_cell(figures_of.get(key), unit))
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines += ["", "| target (zero_bnb / baseline) | baseline | ratio | limit | met |", "| --- | --- | --- | --- | --- |"]
+        for figure, target in row["targets"].items():
+            met = {True: "yes", False: "**no**", None: "-"}[target["met"]]
+            lines.append(f"| {figure} | {target['vs']} | {_cell(target['ratio'])} | {target['target']} | {met} |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    keys = [("step_s", "step time"), ("optimizer_step_s", "optimizer step"), ("state_bytes", "optimizer state"),
+            ("checkpoint_bytes", "checkpoint bytes"), ("resume_s", "resume at other DP")]
+    figure, axes = plt.subplots(1, len(rows), figsize=(9 * len(rows), 4.5), squeeze=False)
+    for axis, row in zip(axes[0], rows):
+        base = row["variants"]["stock-adamw"]
+        width = 0.27
+        for offset, variant in enumerate(("stock-adamw", "stock-adam8bit", "zero_bnb")):
+            values = [row["variants"][variant].get(k) for k, _ in keys]
+            ratios = [v / base[k] if isinstance(v, (int, float)) and isinstance(base.get(k), (int, float)) else float("nan")
+                      for v, (k, _) in zip(values, keys)]
+            axis.bar([i + (offset - 1) * width for i in range(len(keys))], ratios, width, label=variant)
+        axis.set_xticks(range(len(keys)), [label for _, label in keys])
+        axis.axhline(1.0, color="grey", linewidth=0.8)
+        axis.set_yscale("log")
+        axis.set_ylabel("relative to stock DeepSpeed + AdamW (log scale)")
+        axis.set_title(f"{row['model']} ({report['mode']}, DP={row['dp']})")
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def write_reports(report: dict, stem: str) -> str:
+    """Write ``stem``.json, .md and .png; returns the markdown."""
+    os.makedirs(os.path.dirname(stem), exist_ok=True)
+    with open(f"{stem}.json", "w") as handle:
+        json.dump(report, handle, indent=1)
+    markdown = _markdown(report)
+    with open(f"{stem}.md", "w") as handle:
+        handle.write(markdown)
+    _plot(report, f"{stem}.png")
+    return markdown

@@ -1,0 +1,51 @@
+"""Model weights that zero_bnb does not store twice.
+
+DeepSpeed's model-states file holds every module parameter, although each one ZeRO trains
+is, bit for bit, its fp32 master weight cast to the module's dtype - and the master weights
+are already in the shards. zero_bnb drops those entries from the model-states file and
+records, under :data:`DERIVED_PARAMS_KEY`, which state-dict key is which master weight in
+which dtype; loading puts them back before DeepSpeed loads the module. Buffers and
+parameters ZeRO does not train stay in the file.
+
+Local functions, no collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["DERIVED_PARAMS_KEY", "derived_entries", "restore_derived"]
+
+#: Key, in DeepSpeed's model-states file, of ``{state-dict key: [master-weight name, dtype]}``.
+DERIVED_PARAMS_KEY = "zero_bnb_derived_params"
+
+
+def derived_entries(module: torch.nn.Module, trained: dict[torch.nn.Parameter, str]) -> dict[str, list[str]]:
+    """State-dict keys of ``module`` whose value is a trained parameter: key -> [its master name, dtype].
+
+    ``trained`` maps each parameter ZeRO trains to its name in the checkpoint's manifest; tied
+    parameters appear under every key that holds them.
+    """
+    by_id = {id(param): name for param, name in trained.items()}
+    return {
+        key: [by_id[id(value)], str(value.dtype).removeprefix("torch.")]
+        for key, value in module.state_dict(keep_vars=True).items()
+        if isinstance(value, torch.nn.Parameter) and id(value) in by_id
+    }
+
+
+def restore_derived(model_states: dict, master: Callable[[str], torch.Tensor]) -> None:
+    """Put the dropped parameters back into a loaded model-states dict, in place.
+
+    Args:
+        model_states: what ``torch.load`` returned for DeepSpeed's model-states file.
+        master: the fp32 master weight (in its parameter's shape) of a manifest name.
+    """
+    derived = model_states.pop(DERIVED_PARAMS_KEY, None) or {}
+    cache: dict[str, torch.Tensor] = {}
+    for key, (name, dtype) in derived.items():
+        if name not in cache:
+            cache[name] = master(name)
+        model_states["module"][key] = cache[name].to(getattr(torch, dtype))
