@@ -170,19 +170,6 @@ def _check_bnb(optimizer: torch.optim.Optimizer) -> None:
             f"(unorm_vec) is computed over one rank's partition and cannot be restored at another DP size. "
             f"Build the optimizer with max_unorm=0.0."
         )
-    if not getattr(args, "block_wise", True):
-        raise UnsupportedOptimizerError(
-            f"{name} was built with block_wise=False: its 8-bit state is scaled by one maximum per partition "
-            f"(max1/new_max1), which cannot be re-split at another DP size. Build it with block_wise=True "
-            f"(the default)."
-        )
-    clipping = getattr(args, "percentile_clipping", 100)
-    if clipping < 100:
-        raise UnsupportedOptimizerError(
-            f"{name} was built with percentile_clipping={clipping}: its gradient-norm history (gnorm_vec) is "
-            f"per partition and cannot be restored at another DP size. Build it with percentile_clipping=100 and "
-            f"use DeepSpeed's gradient_clipping instead."
-        )
     if optimizer.is_paged:
         raise UnsupportedOptimizerError(
             f"{name} is a paged optimizer, which zero_bnb does not support yet; "
