@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant per round")
     parser.add_argument("--micro-batch", type=int, default=None)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default=None,
-                        help="default: bf16 on GPU, fp32 on CPU (zero_bnb refuses bf16 until mixed precision lands)")
+                        help="default: bf16 on GPU, fp32 on CPU")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
     cpu = args.mode == "cpu"

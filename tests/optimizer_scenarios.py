@@ -1,20 +1,21 @@
-"""Every declared optimizer family: train and save at DP=2, load at DP=3 (one launch per side)."""
+"""The optimizer x precision x ZeRO-stage matrix: train and save at DP=2, load at DP=3 (one launch per side)."""
 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 
 import bitsandbytes as bnb
 import torch
-from scenarios import _save_result
+from scenarios import _error, _save_result
 
 from zero_bnb.consolidate import consolidated_state
 from zero_bnb.toy import DEFAULT_RUN as RUN
 from zero_bnb.toy import build_engine, train_steps
 
 #: name -> optimizer class (with its required arguments); lr is the toy's.
-MATRIX = {
+OPTIMIZERS = {
     "Adam8bit": bnb.optim.Adam8bit,
     "AdamW8bit": bnb.optim.AdamW8bit,
     "Adam32bit": bnb.optim.Adam32bit,
@@ -26,23 +27,52 @@ MATRIX = {
     "torch.AdamW": torch.optim.AdamW,
     "torch.Adam": torch.optim.Adam,
 }
+PRECISIONS = ("fp32", "bf16", "fp16")
+STAGES = (1, 2)
+CASES = [f"{o}-{p}-zero{s}" for o, p, s in itertools.product(OPTIMIZERS, PRECISIONS, STAGES)]
 STEPS = 2
+
+
+def runnable(case: str) -> bool:
+    """fp16 needs a CUDA device: DeepSpeed's CPU accelerator refuses it."""
+    return "-fp16-" not in case or torch.cuda.is_available()
+
+
+def _engine(world: int, case: str):
+    optimizer, precision, stage = case.rsplit("-", 2)
+    config = {"zero_optimization": {"stage": int(stage.removeprefix("zero"))}}
+    if precision != "fp32":
+        config[precision] = {"enabled": True}
+    return build_engine(world, OPTIMIZERS[optimizer], **config)
 
 
 def save_all(rank, world, workdir):
     out = {}
-    for name, optimizer in MATRIX.items():
-        engine = build_engine(world, optimizer)
+    for case in filter(runnable, CASES):
+        engine = _engine(world, case)
         train_steps(engine, RUN, 0, STEPS)
-        engine.save_checkpoint(os.path.join(workdir, name), tag="a")
-        out[name] = consolidated_state(engine)
+        engine.save_checkpoint(os.path.join(workdir, case), tag="a")
+        out[case] = consolidated_state(engine)
+    out["bf16_fp32_accumulation"] = _error(
+        lambda: build_engine(world, bnb.optim.Adam8bit, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}))
+    offload = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+    out["offload_stock_check"] = _error(lambda: build_engine(world, bnb.optim.Adam8bit, **offload))
+    out["offload"] = _error(lambda: build_engine(world, bnb.optim.Adam8bit, zero_force_ds_cpu_optimizer=False,
+                                                 **offload))
+    out["stage3"] = _error(lambda: build_engine(world, bnb.optim.Adam8bit, zero_optimization={"stage": 3}))
     _save_result(os.path.join(workdir, f"saved_dp{world}.pt"), out)
 
 
 def load_all(rank, world, workdir):
     out = {}
-    for name, optimizer in MATRIX.items():
-        engine = build_engine(world, optimizer)
-        engine.load_checkpoint(os.path.join(workdir, name))
-        out[name] = {"state": consolidated_state(engine), "loss": train_steps(engine, RUN, STEPS, 1)[0]}
+    for case in filter(runnable, CASES):
+        engine = _engine(world, case)
+        engine.load_checkpoint(os.path.join(workdir, case))
+        state = consolidated_state(engine)
+        module_is_master = all(
+            rank != 0 or torch.equal(p.detach(), state["params"][n]["fp32"].to(p.dtype))
+            for n, p in engine.module.named_parameters()
+        )
+        out[case] = {"state": state, "module_is_master": module_is_master,
+                     "loss": train_steps(engine, RUN, STEPS, 1)[0]}
     _save_result(os.path.join(workdir, f"loaded_dp{world}.pt"), out)

@@ -92,7 +92,7 @@ class DurableCheckpointEngine(TorchCheckpointEngine):
 
 
 class ZeroBnbEngine(DeepSpeedEngine):
-    """A ``DeepSpeedEngine`` (ZeRO stage 1) whose checkpoints load at any DP size.
+    """A ``DeepSpeedEngine`` (ZeRO stage 1 or 2) whose checkpoints load at any DP size.
 
     Built by :func:`zero_bnb.initialize`; takes ``DeepSpeedEngine``'s arguments plus the
     parsed :class:`~zero_bnb.config.ZeroBnbConfig`.
@@ -119,9 +119,9 @@ class ZeroBnbEngine(DeepSpeedEngine):
 
     def _configure_zero_optimizer(self, optimizer):
         stage = self.zero_optimization_stage()
-        if stage != 1:
+        if stage not in (1, 2):
             raise ZeRORuntimeException(
-                f"zero_bnb supports ZeRO stage 1, but zero_optimization.stage is {stage}; set it to 1"
+                f"zero_bnb supports ZeRO stages 1 and 2, but zero_optimization.stage is {stage}; set it to 1 or 2"
             )
         spec = spec_for(optimizer)
         factory = functools.partial(BlockAlignedZeroOptimizer, zero_bnb_spec=spec, zero_bnb_rule=self._state_rule(spec))
@@ -134,6 +134,13 @@ class ZeroBnbEngine(DeepSpeedEngine):
             )
         verify_replicated_state(zero_optimizer)
         return zero_optimizer
+
+    def _configure_bf16_optimizer(self, optimizer):
+        raise ZeRORuntimeException(
+            "bf16 with data_types.grad_accum_dtype=\"fp32\" makes DeepSpeed use its BF16_Optimizer, which zero_bnb does "
+            "not support yet; remove data_types.grad_accum_dtype (gradients then accumulate in bf16 inside "
+            "DeepSpeed's ZeRO optimizer, which zero_bnb supports)"
+        )
 
     def _configure_checkpointing(self):
         super()._configure_checkpointing()

@@ -51,7 +51,7 @@ def initialize(
     mesh_param=None,
     config_params=None,
 ):
-    """Initialize a DeepSpeed engine whose ZeRO-1 checkpoints resume at any DP size.
+    """Initialize a DeepSpeed engine (ZeRO stage 1 or 2) whose checkpoints resume at any DP size.
 
     Same arguments and same 4-tuple ``(engine, optimizer, training_dataloader, lr_scheduler)``
     as ``deepspeed.initialize``. The engine is a :class:`~zero_bnb.engine.ZeroBnbEngine`, a real
@@ -65,17 +65,11 @@ def initialize(
     raw_config, args = _resolve_config(args, config, config_params)
     zero_bnb_config, ds_config = split_config(load_ds_config(raw_config))
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    if stage != 1:
+    if stage not in (1, 2):
         raise ZeroBnbConfigError(
-            f"zero_bnb wraps ZeRO stage 1, but the config has zero_optimization.stage={stage}; "
-            f"set \"zero_optimization\": {{\"stage\": 1}}"
+            f"zero_bnb wraps ZeRO stages 1 and 2, but the config has zero_optimization.stage={stage}; "
+            f"set \"zero_optimization\": {{\"stage\": 1}} (or 2)"
         )
-    for precision in ("fp16", "bf16", "bfloat16"):
-        if ds_config.get(precision, {}).get("enabled", False):
-            raise ZeroBnbConfigError(
-                f"{precision} training is not supported by this zero_bnb release (fp32 only); "
-                f"remove \"{precision}\": {{\"enabled\": true}} from the config"
-            )
     if optimizer is not None and "zero_allow_untested_optimizer" not in ds_config:
         ds_config["zero_allow_untested_optimizer"] = True
 

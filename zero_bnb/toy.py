@@ -82,9 +82,10 @@ def train_steps(engine, run: ToyRun, first_step: int, count: int) -> list[float]
     """
     dp, rank = dist.get_world_size(), dist.get_rank()
     accum = run.grad_accum(dp)
+    dtype = next(engine.module.parameters()).dtype  # fp32, or bf16/fp16 under mixed precision
     losses = []
     for step in range(first_step, first_step + count):
-        inputs, targets = global_batch(step, run.global_batch_size)
+        inputs, targets = (t.to(dtype) for t in global_batch(step, run.global_batch_size))
         total = torch.zeros(())
         for micro in range(accum):
             start = (micro * dp + rank) * run.micro_batch
@@ -92,7 +93,7 @@ def train_steps(engine, run: ToyRun, first_step: int, count: int) -> list[float]
             loss = torch.nn.functional.mse_loss(engine(inputs[rows]), targets[rows])
             engine.backward(loss)
             engine.step()
-            total += loss.detach()
+            total += loss.detach().float()
         dist.all_reduce(total)
         losses.append(total.item() / (accum * dp))
     return losses

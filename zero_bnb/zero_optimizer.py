@@ -1,4 +1,4 @@
-"""DeepSpeed's ZeRO stage-1 optimizer with partitions that start on quantization blocks.
+"""DeepSpeed's ZeRO stage 1/2 optimizer with partitions that start on quantization blocks.
 
 The only change to DeepSpeed's partitioning: each flat group is padded to a multiple of
 ``lcm(block_size, 2) * dp`` instead of ``2 * dp`` (see :mod:`zero_bnb.layout`). Everything
