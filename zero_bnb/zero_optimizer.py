@@ -15,6 +15,7 @@ import torch.distributed as dist
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from zero_bnb.checkpoint_format import ParamEntry
+from zero_bnb.chunked import ChunkedUpdate
 from zero_bnb.layout import DEEPSPEED_START_ALIGNMENT, GroupGeometry
 from zero_bnb.state_spec import OptimizerSpec, StateRule
 
@@ -41,6 +42,8 @@ class BlockAlignedZeroOptimizer(DeepSpeedZeroOptimizer):
         self.zero_bnb_spec = zero_bnb_spec
         self.zero_bnb_rule = zero_bnb_rule
         self._zero_bnb_dp = dist.get_world_size(group=kwargs.get("dp_process_group"))
+        if callable(getattr(init_optimizer, "update_step", None)):  # bitsandbytes: partitions may exceed 2^31
+            init_optimizer.update_step = ChunkedUpdate(init_optimizer, zero_bnb_spec)
         self._zero_bnb_flattening_params = True
         try:
             super().__init__(init_optimizer, *args, **kwargs)
