@@ -46,8 +46,32 @@ def _engine(world: int, case: str):
     return build_engine(world, OPTIMIZERS[optimizer], **config)
 
 
+def _override_engine(world: int):
+    """Adam8bit with a 32-bit override for the first layer's weight (9600 elements: 8-bit without it)."""
+    import zero_bnb
+    from zero_bnb.toy import LEARNING_RATE, build_model, param_groups
+
+    model = build_model()
+    bnb.optim.GlobalOptimManager.get_instance().register_module_override(model[0], "weight", {"optim_bits": 32})
+    optimizer = bnb.optim.Adam8bit(param_groups(model), lr=LEARNING_RATE)
+    engine, *_ = zero_bnb.initialize(model=model, optimizer=optimizer, config=RUN.ds_config(world))
+    return engine
+
+
+def _state_dtypes(engine) -> list[str | None]:
+    """dtype of ``state1`` of each flat group (what the override decides)."""
+    return [str(engine.optimizer.optimizer.state[flat].get("state1", torch.empty(0)).dtype)
+            for flat in engine.optimizer.single_partition_of_fp32_groups]
+
+
 def save_all(rank, world, workdir):
     out = {}
+    engine = _override_engine(world)
+    train_steps(engine, RUN, 0, STEPS)
+    engine.save_checkpoint(os.path.join(workdir, "override"), tag="a")
+    out["override"] = consolidated_state(engine)
+    out["override_dtypes"] = _state_dtypes(engine)
+    out["override_groups"] = [[engine.param_names[p] for p in group] for group in engine.optimizer.bit16_groups]
     for case in filter(runnable, CASES):
         engine = _engine(world, case)
         train_steps(engine, RUN, 0, STEPS)
@@ -65,6 +89,9 @@ def save_all(rank, world, workdir):
 
 def load_all(rank, world, workdir):
     out = {}
+    engine = _override_engine(world)
+    engine.load_checkpoint(os.path.join(workdir, "override"))
+    out["override"] = {"state": consolidated_state(engine), "dtypes": _state_dtypes(engine)}
     for case in filter(runnable, CASES):
         engine = _engine(world, case)
         engine.load_checkpoint(os.path.join(workdir, case))

@@ -58,7 +58,8 @@ def test_inspect_summarises_the_checkpoint(work):
     text = _ok(runs, "inspect")
     for part in ("saved at DP=2", "block size 256", "33,946 parameters", "Adam8bit", "group 0: 24,960 elements",
                  "0.weight", "(160, 60)", "state state1", "elementwise", "uint8", "state qmap1", "replicated",
-                 "state 8-bit", "state fp32", "bitsandbytes 0.50.2"):
+                 "state 8-bit", "state fp32", "bitsandbytes 0.50.2", "min_8bit_size 4,096",
+                 "8-bit while DP <= 6", "8-bit while DP <= 2"):
         assert part in text, part
     summary = json.loads(_ok(runs, "inspect_json"))
     assert summary["saved_dp_size"] == 2 and summary["parameters"] == 33946 and len(summary["groups"]) == 3

@@ -39,6 +39,15 @@ def test_save_at_dp2_load_at_dp3_is_exact(matrix, case):
     assert math.isfinite(loaded[case]["loss"])
 
 
+def test_bitsandbytes_override_gets_its_own_flat_group_and_survives_resume(matrix):
+    saved, loaded = matrix
+    assert saved["override_groups"] == [["2.weight"], ["0.bias", "2.bias", "4.bias"], ["4.weight"], ["0.weight"]]
+    # 0.weight (9600 elements) would be 8-bit; its 32-bit override holds, alone in its group, at DP=2 and DP=3.
+    assert saved["override_dtypes"] == ["torch.uint8", "torch.float32", "torch.uint8", "torch.float32"]
+    assert loaded["override"]["dtypes"][3] == "torch.float32"
+    assert not state_differences(saved["override"], loaded["override"]["state"])[1]
+
+
 def test_unsupported_zero_modes_are_refused_with_the_setting_named(matrix):
     saved, _ = matrix
     assert "BF16_Optimizer" in saved["bf16_fp32_accumulation"]

@@ -133,6 +133,17 @@ class ZeroBnbEngine(DeepSpeedEngine):
                 f"replace it (zenflow, bf16 with fp32 gradient accumulation) are not supported by zero_bnb yet"
             )
         verify_replicated_state(zero_optimizer)
+        if self.global_rank == 0:
+            for index in range(zero_optimizer.num_groups):
+                plan = zero_optimizer.state_precision(index)
+                if plan is not None:
+                    logger.info(
+                        "zero_bnb: group %d: partition of %d elements at DP=%d -> %s state (optim_bits=%d, "
+                        "min_8bit_size=%d is decided per partition; 8-bit while DP <= %s)",
+                        index, plan["partition_numel"], zero_optimizer.dp_size,
+                        "8-bit" if plan["eight_bit"] else "fp32", plan["optim_bits"], plan["min_8bit_size"],
+                        plan["eight_bit_up_to_dp"],
+                    )
         return zero_optimizer
 
     def _configure_bf16_optimizer(self, optimizer):

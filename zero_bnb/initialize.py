@@ -12,6 +12,7 @@ from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
 from zero_bnb.config import ZeroBnbConfigError, load_ds_config, split_config
 from zero_bnb.engine import ZeroBnbEngine, swapped_attribute
+from zero_bnb.overrides import attach_overrides, isolate_overridden_parameters
 
 __all__ = ["initialize"]
 
@@ -72,6 +73,9 @@ def initialize(
         )
     if optimizer is not None and "zero_allow_untested_optimizer" not in ds_config:
         ds_config["zero_allow_untested_optimizer"] = True
+    overridden = {}
+    if optimizer is not None and model is not None:
+        overridden = isolate_overridden_parameters(optimizer, {id(p): name for name, p in model.named_parameters()})
 
     engine_factory = functools.partial(ZeroBnbEngine, zero_bnb_config=zero_bnb_config)
     with swapped_attribute(deepspeed, "DeepSpeedEngine", engine_factory):
@@ -89,6 +93,9 @@ def initialize(
             config=ds_config,
             mesh_param=mesh_param,
         )
+    if overridden:
+        zero_optimizer = result[0].optimizer
+        attach_overrides(zero_optimizer.optimizer, zero_optimizer.single_partition_of_fp32_groups, overridden)
     if not isinstance(result[0], ZeroBnbEngine):
         raise ZeroBnbConfigError(
             f"DeepSpeed built a {type(result[0]).__name__} (pipeline or hybrid engine), which zero_bnb does not "

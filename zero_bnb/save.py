@@ -105,7 +105,11 @@ def build_manifest(
                 states=tuple(item.entry for item in classify_group_state(optimizer, group_index)),
                 element_ranges=tuple(geometry.element_ranges()),
                 block_ranges=tuple(geometry.block_ranges()),
-                hyperparameters={k: jsonable(v) for k, v in _hyperparameters(optimizer, group_index).items()},
+                hyperparameters={
+                    **{k: jsonable(v) for k, v in _hyperparameters(optimizer, group_index).items()},
+                    **({"state_precision": optimizer.state_precision(group_index)}
+                       if optimizer.state_precision(group_index) else {}),
+                },
             )
         )
     base = optimizer.optimizer

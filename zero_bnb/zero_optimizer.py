@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -104,6 +105,31 @@ class BlockAlignedZeroOptimizer(DeepSpeedZeroOptimizer):
         It is also the parameter the base optimizer keys its state by.
         """
         return self.single_partition_of_fp32_groups[group_index]
+
+    def state_precision(self, group_index: int) -> dict[str, Any] | None:
+        """How bitsandbytes decides 8-bit vs fp32 state for group ``group_index`` (``None`` for other optimizers).
+
+        bitsandbytes keeps 8-bit state only for tensors of at least ``min_8bit_size`` elements,
+        and under ZeRO the tensor is this rank's *partition*: the same group can be 8-bit at
+        DP=2 and fp32 at DP=64. ``eight_bit_up_to_dp`` is the largest DP size that keeps it 8-bit.
+        """
+        base = self.optimizer
+        if not callable(getattr(base, "get_config", None)):
+            return None
+        config = base.get_config(group_index, 0, base.param_groups[group_index])
+        geometry = self.geometry(group_index)
+        limit = config["min_8bit_size"]
+        up_to = None
+        if config["optim_bits"] == 8:
+            up_to = max((dp for dp in range(1, 4097)
+                         if GroupGeometry(geometry.numel, dp, geometry.block_size).partition_numel >= limit), default=None)
+        return {
+            "optim_bits": config["optim_bits"],
+            "min_8bit_size": limit,
+            "partition_numel": geometry.partition_numel,
+            "eight_bit": config["optim_bits"] == 8 and geometry.partition_numel >= limit,
+            "eight_bit_up_to_dp": up_to,
+        }
 
     def _check_layout(self) -> None:
         if self.round_robin_gradients:

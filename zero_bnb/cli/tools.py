@@ -63,8 +63,13 @@ def _print_summary(summary: dict[str, Any]) -> None:
         print(f"  WARNING: saved with NaN/Inf in {summary['non_finite']}")
     for index, group in enumerate(summary["groups"]):
         precision = "8-bit" if any(s["8bit"] for s in group["states"]) else "fp32"
+        hyper = dict(group["hyperparameters"])
+        plan = hyper.pop("state_precision", None)
+        if plan:
+            precision += (f" (partition {plan['partition_numel']:,} elements vs min_8bit_size {plan['min_8bit_size']:,}"
+                          f", optim_bits {plan['optim_bits']}; 8-bit while DP <= {plan['eight_bit_up_to_dp']})")
         print(f"  group {index}: {group['numel']:,} elements, {len(group['parameters'])} parameters, "
-              f"state {precision}, hyper-parameters {group['hyperparameters']}")
+              f"state {precision}, hyper-parameters {hyper}")
         for param in group["parameters"]:
             print(f"    {param['name']:<40} {tuple(param['shape'])!s:<18} offset {param['offset']:,}")
         for state in group["states"]:

@@ -1,0 +1,87 @@
+"""Keep bitsandbytes' per-parameter overrides working when ZeRO flattens parameter groups.
+
+bitsandbytes looks overrides up by parameter identity (``register_module_override``,
+``override_config``) or by ``(group, index)`` position (``register_parameters``). ZeRO gives
+the optimizer one flat tensor per group instead of the module's parameters, so identity
+lookups find nothing (the override is silently lost) and position ``(g, 0)`` would apply one
+parameter's override to its whole group - worse, DeepSpeed steps the base optimizer one group
+at a time with that group presented as group 0, so every position-based override lands on
+``(0, 0)`` for every group. :func:`isolate_overridden_parameters` runs before DeepSpeed builds
+its flat groups: each overridden parameter moves into a group of its own (same
+hyper-parameters) and position-based entries are removed; :func:`attach_overrides` then
+registers each override by the identity of that group's flat tensor, which is how
+bitsandbytes finds it whichever position DeepSpeed presents the group at.
+
+Local; call it on every rank (it only edits this process's optimizer and bitsandbytes' manager).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+__all__ = ["attach_overrides", "isolate_overridden_parameters"]
+
+logger = logging.getLogger(__name__)
+
+
+def _overrides(optimizer: Any) -> dict[int, dict[str, Any]]:
+    """Parameter id -> override config, from every way bitsandbytes lets users register one."""
+    manager = optimizer.mng
+    found: dict[int, dict[str, Any]] = {}
+    for group_index, group in enumerate(optimizer.param_groups):
+        for index, param in enumerate(group["params"]):
+            if (group_index, index) in manager.index2config:
+                found[id(param)] = dict(manager.index2config[(group_index, index)])
+            if id(param) in manager.pid2config:
+                found.setdefault(id(param), {}).update(manager.pid2config[id(param)])
+    for module, attribute, config in manager.module_weight_config_triple:
+        found.setdefault(id(getattr(module, attribute)), {}).update(config)
+    return found
+
+
+def isolate_overridden_parameters(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[int, dict]:
+    """Give every parameter with a bitsandbytes override a param group of its own.
+
+    Args:
+        optimizer: the client optimizer, before ``deepspeed.initialize`` sees it.
+        names: parameter id -> name, for the log.
+
+    Returns:
+        Group index -> override config, for :func:`attach_overrides`.
+    """
+    if getattr(optimizer, "mng", None) is None:
+        return {}
+    found = _overrides(optimizer)
+    if not found:
+        return {}
+    manager = optimizer.mng
+    kept_groups, isolated = [], []
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        rest = [p for p in group["params"] if id(p) not in found]
+        isolated += [({**hyper, "params": [p]}, p) for p in group["params"] if id(p) in found]
+        if rest:
+            kept_groups.append({**hyper, "params": rest})
+    optimizer.param_groups[:] = kept_groups + [group for group, _ in isolated]
+    handled = {id(p) for _, p in isolated}
+    manager.index2config.clear()
+    manager.module_weight_config_triple[:] = [
+        triple for triple in manager.module_weight_config_triple if id(getattr(triple[0], triple[1])) not in handled
+    ]
+    for param_id in handled:
+        manager.pid2config.pop(param_id, None)
+    groups = {}
+    for offset, (_, param) in enumerate(isolated):
+        groups[len(kept_groups) + offset] = found[id(param)]
+        logger.info("zero_bnb: %s keeps its bitsandbytes override %s in flat group %d",
+                    names.get(id(param), f"parameter {tuple(param.shape)}"), found[id(param)], len(kept_groups) + offset)
+    return groups
+
+
+def attach_overrides(optimizer: torch.optim.Optimizer, flat_params: list[torch.Tensor], groups: dict[int, dict]) -> None:
+    """Register each isolated group's override for its flat tensor (after DeepSpeed built them)."""
+    for group_index, config in groups.items():
+        optimizer.mng.pid2config[id(flat_params[group_index])] = config
