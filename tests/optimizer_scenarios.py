@@ -27,7 +27,8 @@ OPTIMIZERS = {
     "torch.AdamW": torch.optim.AdamW,
     "torch.Adam": torch.optim.Adam,
 }
-PRECISIONS = ("fp32", "bf16", "fp16")
+#: bf16acc: bf16 weights, fp32 gradient accumulation (DeepSpeed's BF16_Optimizer at stage 1).
+PRECISIONS = ("fp32", "bf16", "bf16acc", "fp16")
 STAGES = (1, 2)
 CASES = [f"{o}-{p}-zero{s}" for o, p, s in itertools.product(OPTIMIZERS, PRECISIONS, STAGES)]
 STEPS = 2
@@ -41,7 +42,9 @@ def runnable(case: str) -> bool:
 def _engine(world: int, case: str):
     optimizer, precision, stage = case.rsplit("-", 2)
     config = {"zero_optimization": {"stage": int(stage.removeprefix("zero"))}}
-    if precision != "fp32":
+    if precision == "bf16acc":
+        config.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
+    elif precision != "fp32":
         config[precision] = {"enabled": True}
     return build_engine(world, OPTIMIZERS[optimizer], **config)
 
@@ -61,7 +64,7 @@ def _override_engine(world: int):
 def _state_dtypes(engine) -> list[str | None]:
     """dtype of ``state1`` of each flat group (what the override decides)."""
     return [str(engine.optimizer.optimizer.state[flat].get("state1", torch.empty(0)).dtype)
-            for flat in engine.optimizer.single_partition_of_fp32_groups]
+            for flat in map(engine.optimizer.master_partition, range(engine.optimizer.num_groups))]
 
 
 def save_all(rank, world, workdir):
@@ -71,14 +74,15 @@ def save_all(rank, world, workdir):
     engine.save_checkpoint(os.path.join(workdir, "override"), tag="a")
     out["override"] = consolidated_state(engine)
     out["override_dtypes"] = _state_dtypes(engine)
-    out["override_groups"] = [[engine.param_names[p] for p in group] for group in engine.optimizer.bit16_groups]
+    out["override_groups"] = [[engine.param_names[p] for p in engine.optimizer.group_params(index)]
+                              for index in range(engine.optimizer.num_groups)]
     for case in filter(runnable, CASES):
         engine = _engine(world, case)
         train_steps(engine, RUN, 0, STEPS)
         engine.save_checkpoint(os.path.join(workdir, case), tag="a")
         out[case] = consolidated_state(engine)
-    out["bf16_fp32_accumulation"] = _error(
-        lambda: build_engine(world, bnb.optim.Adam8bit, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}))
+    out["wrappers"] = {case: type(_engine(world, case).optimizer).__name__
+                       for case in ("Adam8bit-bf16acc-zero1", "Adam8bit-bf16acc-zero2", "Adam8bit-bf16-zero1")}
     offload = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
     out["offload_stock_check"] = _error(lambda: build_engine(world, bnb.optim.Adam8bit, **offload))
     out["offload"] = _error(lambda: build_engine(world, bnb.optim.Adam8bit, zero_force_ds_cpu_optimizer=False,

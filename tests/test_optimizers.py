@@ -48,10 +48,15 @@ def test_bitsandbytes_override_gets_its_own_flat_group_and_survives_resume(matri
     assert not state_differences(saved["override"], loaded["override"]["state"])[1]
 
 
+def test_each_precision_runs_through_the_deepspeed_wrapper_it_selects(matrix):
+    saved, _ = matrix
+    assert saved["wrappers"]["Adam8bit-bf16acc-zero1"] == "BlockAlignedBF16Optimizer"
+    assert saved["wrappers"]["Adam8bit-bf16acc-zero2"] == "BlockAlignedZeroOptimizer"
+    assert saved["wrappers"]["Adam8bit-bf16-zero1"] == "BlockAlignedZeroOptimizer"
+
+
 def test_unsupported_zero_modes_are_refused_with_the_setting_named(matrix):
     saved, _ = matrix
-    assert "BF16_Optimizer" in saved["bf16_fp32_accumulation"]
-    assert "remove data_types.grad_accum_dtype" in saved["bf16_fp32_accumulation"]
     assert "zero_optimization.stage=3" in saved["stage3"] and "ZeroBnbConfigError" in saved["stage3"]
     # Offload: DeepSpeed itself refuses a client optimizer (no silent swap to its CPU Adam); forced, zero_bnb refuses.
     assert "ZeRO-Offload with a client provided optimizer" in saved["offload_stock_check"]

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from zero_bnb import quant
+from zero_bnb.aligned import BlockAligned
 from zero_bnb.state_spec import StateKind, classify_state
-from zero_bnb.zero_optimizer import BlockAlignedZeroOptimizer
 
 __all__ = ["consolidated_state", "state_differences"]
 
@@ -30,7 +30,7 @@ def consolidated_state(engine, dst: int = 0) -> dict[str, Any] | None:
         codes appear in ``"params"`` dequantized (as the optimizer sees them) and, with their
         ``absmax``, unchanged in ``"raw"`` (real elements and blocks only, padding removed).
     """
-    optimizer: BlockAlignedZeroOptimizer = engine.optimizer
+    optimizer: BlockAligned = engine.optimizer
     spec = optimizer.zero_bnb_spec
     local = []
     for index in range(optimizer.num_groups):

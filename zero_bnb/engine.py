@@ -3,7 +3,7 @@
 This module and :mod:`zero_bnb.zero_optimizer` are the only code that touches DeepSpeed
 internals. The engine is a real ``DeepSpeedEngine``; it differs only in
 
-* the ZeRO optimizer it builds (:class:`~zero_bnb.zero_optimizer.BlockAlignedZeroOptimizer`),
+* the ZeRO optimizer it builds (:mod:`zero_bnb.zero_optimizer`: DeepSpeed's, block-aligned),
 * the optimizer files it writes (:mod:`zero_bnb.save`) and reads (:mod:`zero_bnb.restore`),
   so that ``load_checkpoint`` works at any DP size,
 * how a checkpoint is committed (:mod:`zero_bnb.commit`: staged, fsynced, checksummed,
@@ -39,7 +39,7 @@ from zero_bnb.restore import SavedState, master_weight, restore_optimizer
 from zero_bnb.save import build_manifest, write_local_files
 from zero_bnb.state_checks import find_non_finite, verify_replicated_state
 from zero_bnb.state_spec import StateRule, spec_for
-from zero_bnb.zero_optimizer import BlockAlignedZeroOptimizer
+from zero_bnb.zero_optimizer import BlockAlignedBF16Optimizer, BlockAlignedZeroOptimizer
 
 __all__ = ["DurableCheckpointEngine", "ZeroBnbEngine", "swapped_attribute"]
 
@@ -123,35 +123,37 @@ class ZeroBnbEngine(DeepSpeedEngine):
             raise ZeRORuntimeException(
                 f"zero_bnb supports ZeRO stages 1 and 2, but zero_optimization.stage is {stage}; set it to 1 or 2"
             )
+        return self._block_aligned("DeepSpeedZeroOptimizer", BlockAlignedZeroOptimizer, optimizer,
+                                   super()._configure_zero_optimizer)
+
+    def _configure_bf16_optimizer(self, optimizer):
+        return self._block_aligned("BF16_Optimizer", BlockAlignedBF16Optimizer, optimizer,
+                                   super()._configure_bf16_optimizer)
+
+    def _block_aligned(self, ds_name: str, cls: type, optimizer, build):
+        """Let DeepSpeed build its optimizer wrapper ``ds_name`` as zero_bnb's block-aligned ``cls``."""
         spec = spec_for(optimizer)
-        factory = functools.partial(BlockAlignedZeroOptimizer, zero_bnb_spec=spec, zero_bnb_rule=self._state_rule(spec))
-        with swapped_attribute(ds_engine_module, "DeepSpeedZeroOptimizer", factory):
-            zero_optimizer = super()._configure_zero_optimizer(optimizer)
-        if not isinstance(zero_optimizer, BlockAlignedZeroOptimizer):
+        factory = functools.partial(cls, zero_bnb_spec=spec, zero_bnb_rule=self._state_rule(spec))
+        with swapped_attribute(ds_engine_module, ds_name, factory):
+            wrapper = build(optimizer)
+        if not isinstance(wrapper, cls):
             raise ZeRORuntimeException(
-                f"DeepSpeed built {type(zero_optimizer).__name__} instead of zero_bnb's ZeRO optimizer; features that "
-                f"replace it (zenflow, bf16 with fp32 gradient accumulation) are not supported by zero_bnb yet"
+                f"DeepSpeed built {type(wrapper).__name__} instead of zero_bnb's {cls.__name__}; features that "
+                f"replace it (zenflow, Muon) are not supported by zero_bnb"
             )
-        verify_replicated_state(zero_optimizer)
+        verify_replicated_state(wrapper)
         if self.global_rank == 0:
-            for index in range(zero_optimizer.num_groups):
-                plan = zero_optimizer.state_precision(index)
+            for index in range(wrapper.num_groups):
+                plan = wrapper.state_precision(index)
                 if plan is not None:
                     logger.info(
                         "zero_bnb: group %d: partition of %d elements at DP=%d -> %s state (optim_bits=%d, "
                         "min_8bit_size=%d is decided per partition; 8-bit while DP <= %s)",
-                        index, plan["partition_numel"], zero_optimizer.dp_size,
+                        index, plan["partition_numel"], wrapper.dp_size,
                         "8-bit" if plan["eight_bit"] else "fp32", plan["optim_bits"], plan["min_8bit_size"],
                         plan["eight_bit_up_to_dp"],
                     )
-        return zero_optimizer
-
-    def _configure_bf16_optimizer(self, optimizer):
-        raise ZeRORuntimeException(
-            "bf16 with data_types.grad_accum_dtype=\"fp32\" makes DeepSpeed use its BF16_Optimizer, which zero_bnb does "
-            "not support yet; remove data_types.grad_accum_dtype (gradients then accumulate in bf16 inside "
-            "DeepSpeed's ZeRO optimizer, which zero_bnb supports)"
-        )
+        return wrapper
 
     def _configure_checkpointing(self):
         super()._configure_checkpointing()
@@ -202,7 +204,7 @@ class ZeroBnbEngine(DeepSpeedEngine):
 
     def _save_checkpoint(self, save_dir, tag, client_state=None, exclude_frozen_parameters=False):
         # Trained parameters are their master weights cast to the module dtype: stored once, in the shards.
-        trained = {p: self.param_names[p] for group in self.optimizer.bit16_groups for p in group}
+        trained = {p: self.param_names[p] for p in self.optimizer.trained_params()}
         derived = derived_entries(self.module, trained)
         self._zero_bnb_dropped = set(derived)
         try:

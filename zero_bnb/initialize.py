@@ -95,7 +95,8 @@ def initialize(
         )
     if overridden:
         zero_optimizer = result[0].optimizer
-        attach_overrides(zero_optimizer.optimizer, zero_optimizer.single_partition_of_fp32_groups, overridden)
+        flat = [zero_optimizer.master_partition(index) for index in range(zero_optimizer.num_groups)]
+        attach_overrides(zero_optimizer.optimizer, flat, overridden)
     if not isinstance(result[0], ZeroBnbEngine):
         raise ZeroBnbConfigError(
             f"DeepSpeed built a {type(result[0]).__name__} (pipeline or hybrid engine), which zero_bnb does not "

@@ -1,4 +1,4 @@
-"""Fill a :class:`~zero_bnb.zero_optimizer.BlockAlignedZeroOptimizer` from a saved checkpoint at any DP size.
+"""Fill a :class:`~zero_bnb.aligned.BlockAligned` optimizer from a saved checkpoint at any DP size.
 
 Each rank reads only the saved ranges that overlap its new partition. No collectives are
 needed: :func:`restore_optimizer` may be called on every rank independently, and must be
@@ -13,11 +13,11 @@ from typing import Any, Protocol
 import torch
 
 from zero_bnb import quant
+from zero_bnb.aligned import BlockAligned
 from zero_bnb.checkpoint_format import GroupEntry, Manifest
 from zero_bnb.errors import CheckpointMismatchError
 from zero_bnb.layout import plan_copy
 from zero_bnb.state_spec import StateKind
-from zero_bnb.zero_optimizer import BlockAlignedZeroOptimizer
 
 __all__ = ["MASTER_KEY", "SavedState", "check_compatible", "gather_range", "master_weight", "restore_optimizer"]
 
@@ -37,7 +37,7 @@ class SavedState(Protocol):
 
 
 def check_compatible(
-    optimizer: BlockAlignedZeroOptimizer, manifest: Manifest, names: dict, *, optimizer_states: bool = True
+    optimizer: BlockAligned, manifest: Manifest, names: dict, *, optimizer_states: bool = True
 ) -> None:
     """Refuse a checkpoint whose groups, parameters or (with ``optimizer_states``) optimizer differ.
 
@@ -108,7 +108,7 @@ def master_weight(saved: SavedState, name: str) -> torch.Tensor:
 class _GroupRestorer:
     """Restores one flat group of one rank; a helper of :func:`restore_optimizer`."""
 
-    def __init__(self, optimizer: BlockAlignedZeroOptimizer, saved: SavedState, group_index: int) -> None:
+    def __init__(self, optimizer: BlockAligned, saved: SavedState, group_index: int) -> None:
         self.optimizer = optimizer
         self.saved = saved
         self.index = group_index
@@ -250,7 +250,7 @@ class _GroupRestorer:
 
 
 def restore_optimizer(
-    optimizer: BlockAlignedZeroOptimizer, saved: SavedState, names: dict, *, load_optimizer_states: bool = True
+    optimizer: BlockAligned, saved: SavedState, names: dict, *, load_optimizer_states: bool = True
 ) -> None:
     """Load master weights (and, unless told not to, optimizer state) into this rank's partitions.
 

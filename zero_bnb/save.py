@@ -1,4 +1,4 @@
-"""Write a :class:`~zero_bnb.zero_optimizer.BlockAlignedZeroOptimizer` as DP-independent files.
+"""Write a :class:`~zero_bnb.aligned.BlockAligned` optimizer as DP-independent files.
 
 :func:`write_local_files` is local (each rank writes its own shard, rank 0 also the
 replicated file); :func:`build_manifest` describes the whole checkpoint and is called on
@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from zero_bnb import versions
+from zero_bnb.aligned import BlockAligned
 from zero_bnb.checkpoint_format import (
     REPLICATED_NAME,
     SUBDIR,
@@ -25,7 +26,6 @@ from zero_bnb.checkpoint_format import (
 from zero_bnb.durable import FileRecord, makedirs, save_torch
 from zero_bnb.state_checks import classify_group_state
 from zero_bnb.state_spec import StateKind
-from zero_bnb.zero_optimizer import BlockAlignedZeroOptimizer
 
 __all__ = ["WRAPPER_SCALARS", "build_manifest", "write_local_files"]
 
@@ -38,11 +38,11 @@ def _valid_slice(value: torch.Tensor, count: int) -> torch.Tensor:
     return value.detach()[:count].to("cpu", copy=True).contiguous()
 
 
-def _hyperparameters(optimizer: BlockAlignedZeroOptimizer, group_index: int) -> dict[str, Any]:
+def _hyperparameters(optimizer: BlockAligned, group_index: int) -> dict[str, Any]:
     return {k: v for k, v in optimizer.optimizer.param_groups[group_index].items() if k != "params"}
 
 
-def write_local_files(optimizer: BlockAlignedZeroOptimizer, tag_folder: str) -> list[FileRecord]:
+def write_local_files(optimizer: BlockAligned, tag_folder: str) -> list[FileRecord]:
     """Write this rank's shard, and on rank 0 the replicated-state file, durably.
 
     Local: no collectives. Each shard holds, per flat group, the fp32 master weights and the
@@ -79,14 +79,14 @@ def write_local_files(optimizer: BlockAlignedZeroOptimizer, tag_folder: str) -> 
     records = [save_torch({"rank": rank, "dp": dp, "groups": shard_groups}, os.path.join(folder, shard_name(rank, dp)),
                           root=tag_folder)]
     if rank == 0:
-        wrapper = {name: getattr(optimizer, name) for name in WRAPPER_SCALARS}
+        wrapper = {name: getattr(optimizer, name) for name in WRAPPER_SCALARS if hasattr(optimizer, name)}
         records.append(save_torch({"groups": replicated_groups, "zero_wrapper": wrapper},
                                   os.path.join(folder, REPLICATED_NAME), root=tag_folder))
     return records
 
 
 def build_manifest(
-    optimizer: BlockAlignedZeroOptimizer,
+    optimizer: BlockAligned,
     names: dict[torch.nn.Parameter, str],
     files: list[FileRecord],
     non_finite: dict[str, list[str]],

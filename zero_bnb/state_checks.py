@@ -21,10 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zero_bnb.aligned import BlockAligned
 from zero_bnb.checkpoint_format import StateEntry
 from zero_bnb.errors import NonFiniteStateError, ReplicatedStateMismatch
 from zero_bnb.state_spec import StateKind, UnsupportedOptimizerError, classify_state
-from zero_bnb.zero_optimizer import BlockAlignedZeroOptimizer
 
 __all__ = ["Classified", "classify_group_state", "find_non_finite", "verify_replicated_state"]
 
@@ -41,11 +41,11 @@ class Classified:
     value: Any
 
 
-def _base_state(optimizer: BlockAlignedZeroOptimizer, group_index: int) -> dict[str, Any]:
+def _base_state(optimizer: BlockAligned, group_index: int) -> dict[str, Any]:
     return dict(optimizer.optimizer.state.get(optimizer.master_partition(group_index), {}))
 
 
-def classify_group_state(optimizer: BlockAlignedZeroOptimizer, group_index: int) -> list[Classified]:
+def classify_group_state(optimizer: BlockAligned, group_index: int) -> list[Classified]:
     """Kind of every state entry of this rank's partition of group ``group_index`` (local, no collectives)."""
     partition_numel = optimizer.geometry(group_index).partition_numel
     classified = []
@@ -70,7 +70,7 @@ def _digest(value: Any) -> str:
     return repr(value)
 
 
-def verify_replicated_state(optimizer: BlockAlignedZeroOptimizer) -> None:
+def verify_replicated_state(optimizer: BlockAligned) -> None:
     """Check that replicated tensors, counters and state layouts agree on every rank.
 
     Collective over the data-parallel group; every rank raises the same error.
@@ -117,7 +117,7 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(chunk).all()) for chunk in tensor.split(_SCAN_CHUNK))
 
 
-def _local_non_finite(optimizer: BlockAlignedZeroOptimizer, names: dict) -> dict[str, list[str]]:
+def _local_non_finite(optimizer: BlockAligned, names: dict) -> dict[str, list[str]]:
     """Parameter name -> saved tensors holding NaN/Inf, for this rank's partitions only."""
     found: dict[str, set[str]] = {}
     rank = optimizer.dp_rank
@@ -150,7 +150,7 @@ def _local_non_finite(optimizer: BlockAlignedZeroOptimizer, names: dict) -> dict
     return {name: sorted(keys) for name, keys in found.items()}
 
 
-def find_non_finite(optimizer: BlockAlignedZeroOptimizer, names: dict, mode: str) -> dict[str, list[str]]:
+def find_non_finite(optimizer: BlockAligned, names: dict, mode: str) -> dict[str, list[str]]:
     """Report NaN/Inf in master weights and float optimizer state, by parameter name.
 
     Collective over the data-parallel group (except with ``mode="off"``, which returns ``{}``
