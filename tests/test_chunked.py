@@ -78,3 +78,12 @@ def test_a_partition_above_the_limit_is_really_split():
     optimizer.step()
     assert sizes == [1024, 1024, 1024, 1024, 904]
     assert next(iter(optimizer.state.values()))["step"] == 1
+
+
+def test_stacked_moments_cannot_be_split_and_say_why():
+    param = torch.nn.Parameter(torch.randn(5000))
+    optimizer = bnb.optim.AdEMAMix8bit([param], lr=1e-3)
+    optimizer.update_step = ChunkedUpdate(optimizer, spec_for(optimizer), 1024)
+    param.grad = torch.randn(5000)
+    with pytest.raises(ValueError, match=r"state '(state1|absmax1)' has shape \(2, .*use a larger DP size"):
+        optimizer.step()

@@ -13,8 +13,9 @@ from zero_bnb.consolidate import state_differences
 from zero_bnb.launch import run_distributed
 from zero_bnb.state_spec import UnsupportedOptimizerError, spec_for
 
-FP16_SKIP = ("fp16 needs CUDA devices (DeepSpeed's CPU accelerator raises 'Type fp16 is not supported on your "
-             "device'); the matrix saves at DP=2 and loads at DP=3, so the rows need a machine with 3 GPUs")
+GPU_ONLY = ("needs CUDA devices: DeepSpeed's CPU accelerator raises 'Type fp16 is not supported on your device', and "
+            "bitsandbytes 0.50.2's CPU backend cannot step AdEMAMix32bit ('output with shape [] doesn't match the "
+            "broadcast shape'); the matrix saves at DP=2 and loads at DP=3, so these rows need a machine with 3 GPUs")
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def matrix(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", [
-    pytest.param(case, marks=pytest.mark.skipif(not runnable(case), reason=FP16_SKIP)) for case in CASES
+    pytest.param(case, marks=pytest.mark.skipif(not runnable(case), reason=GPU_ONLY)) for case in CASES
 ])
 def test_save_at_dp2_load_at_dp3_is_exact(matrix, case):
     saved, loaded = matrix
@@ -66,7 +67,6 @@ def test_unsupported_zero_modes_are_refused_with_the_setting_named(matrix):
 @pytest.mark.parametrize(("make", "message"), [
     (lambda p: bnb.optim.LAMB8bit(p), "no state declaration"),
     (lambda p: bnb.optim.LARS8bit(p, lr=0.1, momentum=0.9), "no state declaration"),
-    (lambda p: bnb.optim.AdEMAMix8bit(p), "no state declaration"),
 ])
 def test_optimizers_whose_state_cannot_move_are_refused_with_the_setting_named(make, message):
     with pytest.raises(UnsupportedOptimizerError, match=message):

@@ -83,12 +83,17 @@ class ParamEntry:
 
 @dataclass(frozen=True, slots=True)
 class StateEntry:
-    """One optimizer-state key of a flat group: its kind, dtype and why it got that kind."""
+    """One optimizer-state key of a flat group: its kind, dtype and why it got that kind.
+
+    ``lead`` is the shape before the partition axis, which is always the last one (``(2,)``
+    for AdEMAMix's two moments in one ``state1`` buffer; ``()`` for most states).
+    """
 
     key: str
     kind: StateKind
     dtype: str
     reason: str
+    lead: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +199,7 @@ class Manifest:
                 GroupEntry(
                     numel=g["numel"],
                     params=tuple(ParamEntry(p["name"], tuple(p["shape"]), p["offset"]) for p in g["params"]),
-                    states=tuple(StateEntry(s["key"], StateKind(s["kind"]), s["dtype"], s["reason"]) for s in g["states"]),
+                    states=tuple(StateEntry(s["key"], StateKind(s["kind"]), s["dtype"], s["reason"], tuple(s.get("lead", ()))) for s in g["states"]),
                     element_ranges=tuple(tuple(r) for r in g["element_ranges"]),
                     block_ranges=tuple(tuple(r) for r in g["block_ranges"]),
                     hyperparameters=dict(g["hyperparameters"]),

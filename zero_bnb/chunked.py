@@ -45,10 +45,15 @@ class ChunkedUpdate:
         piece = {}
         for key, value in state.items():
             kind = self.spec.kinds.get(key)
+            if kind in (StateKind.ELEMENTWISE, StateKind.BLOCKWISE) and value.dim() > 1:
+                raise ValueError(
+                    f"state {key!r} has shape {tuple(value.shape)}: pieces of its last axis are not contiguous, so a "
+                    f"partition above {self.limit} elements cannot be updated in pieces; use a larger DP size"
+                )
             if kind is StateKind.ELEMENTWISE:
-                piece[key] = value[start:end]
+                piece[key] = value[..., start:end]
             elif kind is StateKind.BLOCKWISE:
-                piece[key] = value[start // block : ceil_div(end, block)]
+                piece[key] = value[..., start // block : ceil_div(end, block)]
             elif kind is StateKind.PARTITION_SCALAR:
                 raise ValueError(f"state {key!r} holds one value for the whole partition; it cannot be updated in pieces")
             else:

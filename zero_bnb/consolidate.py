@@ -56,9 +56,9 @@ def consolidated_state(engine, dst: int = 0) -> dict[str, Any] | None:
                 key, value, spec=spec, rule=optimizer.zero_bnb_rule, partition_numel=geometry.partition_numel
             )
             if kind is StateKind.ELEMENTWISE:
-                raw[key] = torch.cat([p["state"][key] for p in parts])[: geometry.numel]
+                raw[key] = torch.cat([p["state"][key] for p in parts], dim=-1)[..., : geometry.numel]
             elif kind is StateKind.BLOCKWISE:
-                raw[key] = torch.cat([p["state"][key] for p in parts])[: geometry.num_blocks]
+                raw[key] = torch.cat([p["state"][key] for p in parts], dim=-1)[..., : geometry.num_blocks]
             elif kind is StateKind.REPLICATED:
                 raw[key] = value
             else:
@@ -68,13 +68,13 @@ def consolidated_state(engine, dst: int = 0) -> dict[str, Any] | None:
             triple = spec.triple_for(key)
             if triple is not None and key == triple.codes and tensor.dtype == torch.uint8:
                 values[key] = quant.dequantize(tensor, raw[triple.absmax], raw[triple.qmap], geometry.block_size)
-            elif triple is None and tensor.numel() == geometry.numel or triple is not None and key == triple.codes:
+            elif triple is None and tensor.shape[-1:] == (geometry.numel,) or triple is not None and key == triple.codes:
                 values[key] = tensor
         for entry in optimizer.param_entries(index, engine.param_names):
             window = slice(entry.offset, entry.offset + entry.numel)
             result["params"][entry.name] = {
                 "fp32": master[window].view(entry.shape),
-                **{key: v[window].view(entry.shape) for key, v in values.items()},
+                **{key: v[..., window].reshape(*v.shape[:-1], *entry.shape) for key, v in values.items()},
             }
         result["counters"].append(counters)
         result["raw"].append(raw)

@@ -69,11 +69,11 @@ def gather_full(saved: SavedState) -> list[FullGroup]:
         for item in entry.states:
             dtype = getattr(torch, item.dtype, None)
             if item.kind is StateKind.ELEMENTWISE:
-                state[item.key] = torch.empty(entry.numel, dtype=dtype)
+                state[item.key] = torch.empty(*item.lead, entry.numel, dtype=dtype)
                 gather_range(saved, index, item.key, entry.element_ranges, (0, entry.numel), state[item.key])
             elif item.kind is StateKind.BLOCKWISE:
                 blocks = ceil_div(entry.numel, block_size)
-                state[item.key] = torch.empty(blocks, dtype=dtype)
+                state[item.key] = torch.empty(*item.lead, blocks, dtype=dtype)
                 gather_range(saved, index, item.key, entry.block_ranges, (0, blocks), state[item.key])
             elif item.kind is StateKind.REPLICATED:
                 state[item.key] = record["replicated"][item.key]
@@ -103,8 +103,9 @@ def moments(group: FullGroup, spec: OptimizerSpec, block_size: int) -> dict[str,
 
 
 def per_parameter(group: FullGroup, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Cut a whole flat tensor of ``group`` into its parameters, in their shapes."""
-    return {p.name: flat[p.offset : p.offset + p.numel].view(p.shape) for p in group.params}
+    """Cut a whole flat tensor of ``group`` into its parameters, in their shapes (leading axes kept)."""
+    return {p.name: flat[..., p.offset : p.offset + p.numel].reshape(*flat.shape[:-1], *p.shape)
+            for p in group.params}
 
 
 @dataclass
@@ -171,7 +172,9 @@ def write_checkpoint(
             "counters": {k: v for k, v in group.state.items() if kinds[k] is StateKind.COUNTER},
             "replicated": {k: v for k, v in group.state.items() if kinds[k] is StateKind.REPLICATED},
         })
-        states = tuple(StateEntry(item.key, item.kind, _dtype_name(group.state[item.key]), item.reason)
+        states = tuple(StateEntry(item.key, item.kind, _dtype_name(group.state[item.key]), item.reason,
+                                  tuple(group.state[item.key].shape[:-1])
+                                  if item.kind in (StateKind.ELEMENTWISE, StateKind.BLOCKWISE) else ())
                        for item in group.states)
         entries.append(GroupEntry(
             numel=group.numel, params=tuple(group.params), states=states,

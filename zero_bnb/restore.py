@@ -86,11 +86,14 @@ def check_compatible(
 
 
 def gather_range(saved: SavedState, group_index: int, key: str, ranges, target: tuple[int, int], out: torch.Tensor) -> None:
-    """Copy the global ``target`` range of saved ``key`` (held in pieces at ``ranges``) into ``out[: target length]``."""
+    """Copy the global ``target`` range of saved ``key`` (held in pieces at ``ranges``) into ``out[..., : length]``.
+
+    Ranges run along the last axis (the partition axis); leading axes are copied whole.
+    """
     for segment in plan_copy(ranges, target):
         source = saved.piece(segment.source, group_index, key)
-        out[segment.dst_offset : segment.dst_offset + segment.length].copy_(
-            source[segment.src_offset : segment.src_offset + segment.length]
+        out[..., segment.dst_offset : segment.dst_offset + segment.length].copy_(
+            source[..., segment.src_offset : segment.src_offset + segment.length]
         )
 
 
@@ -143,9 +146,10 @@ class _GroupRestorer:
         for saved in self.entry.states:
             dtype = getattr(torch, saved.dtype, None)
             if saved.kind is StateKind.ELEMENTWISE:
-                state[saved.key] = torch.zeros(self.param.numel(), dtype=dtype, device=self.param.device)
+                state[saved.key] = torch.zeros(*saved.lead, self.param.numel(), dtype=dtype, device=self.param.device)
             elif saved.kind is StateKind.BLOCKWISE:
-                state[saved.key] = torch.zeros(self.param.numel() // self.block_size, dtype=dtype, device=self.param.device)
+                state[saved.key] = torch.zeros(*saved.lead, self.param.numel() // self.block_size, dtype=dtype,
+                                               device=self.param.device)
         return state
 
     def restore_state(self) -> list[str]:
@@ -224,24 +228,25 @@ class _GroupRestorer:
 
     def _dequantize_into(self, triple, current: torch.Tensor) -> None:
         n = self.elements[1] - self.elements[0]
-        codes = torch.empty(n, dtype=torch.uint8)
-        absmax = torch.empty(self.blocks[1] - self.blocks[0], dtype=torch.float32)
+        lead = tuple(current.shape[:-1])
+        codes = torch.empty(*lead, n, dtype=torch.uint8)
+        absmax = torch.empty(*lead, self.blocks[1] - self.blocks[0], dtype=torch.float32)
         self.gather_elements(triple.codes, codes)
         self.gather_blocks(triple.absmax, absmax)
         qmap = self.record["replicated"][triple.qmap]
         current.zero_()
-        current[:n].copy_(quant.dequantize(codes, absmax, qmap, self.block_size))
+        current[..., :n].copy_(quant.dequantize(codes, absmax, qmap, self.block_size))
 
     def _quantize_into(self, triple, state: dict[str, Any]) -> None:
         n = self.elements[1] - self.elements[0]
-        values = torch.empty(n, dtype=torch.float32)
+        values = torch.empty(*state[triple.codes].shape[:-1], n, dtype=torch.float32)
         self.gather_elements(triple.codes, values)
         qmap = state[triple.qmap]
         codes, absmax = quant.quantize(values, qmap.to("cpu"), self.block_size)
         state[triple.codes].fill_(quant.zero_code(qmap))
-        state[triple.codes][:n].copy_(codes)
+        state[triple.codes][..., :n].copy_(codes)
         state[triple.absmax].zero_()
-        state[triple.absmax][: absmax.numel()].copy_(absmax)
+        state[triple.absmax][..., : absmax.shape[-1]].copy_(absmax)
 
     def restore_hyperparameters(self) -> None:
         group = self.optimizer.optimizer.param_groups[self.index]

@@ -34,8 +34,8 @@ WRAPPER_SCALARS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
 
 
 def _valid_slice(value: torch.Tensor, count: int) -> torch.Tensor:
-    """The real-element part of a partition-local state tensor, as a compact CPU copy."""
-    return value.detach()[:count].to("cpu", copy=True).contiguous()
+    """The real-element part (along the last, partition axis) of a partition-local tensor, as a compact CPU copy."""
+    return value.detach()[..., :count].to("cpu", copy=True).contiguous()
 
 
 def _hyperparameters(optimizer: BlockAligned, group_index: int) -> dict[str, Any]:

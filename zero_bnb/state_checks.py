@@ -59,7 +59,9 @@ def classify_group_state(optimizer: BlockAligned, group_index: int) -> list[Clas
                 f"re-split at another DP size; change the optimizer settings that create it"
             )
         dtype = str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else type(value).__name__
-        classified.append(Classified(StateEntry(key, kind, dtype, reason), value))
+        partitioned = kind in (StateKind.ELEMENTWISE, StateKind.BLOCKWISE) and isinstance(value, torch.Tensor)
+        lead = tuple(value.shape[:-1]) if partitioned else ()
+        classified.append(Classified(StateEntry(key, kind, dtype, reason, lead), value))
     return classified
 
 
@@ -125,15 +127,15 @@ def _local_non_finite(optimizer: BlockAligned, names: dict) -> dict[str, list[st
         geometry = optimizer.geometry(group_index)
         e_start, e_end = geometry.element_range(rank)
         b_start, b_end = geometry.block_range(rank)
-        tensors = [("fp32", optimizer.master_partition(group_index).detach()[: e_end - e_start], False)]
+        tensors = [("fp32", optimizer.master_partition(group_index).detach()[..., : e_end - e_start], False)]
         for item in classify_group_state(optimizer, group_index):
             value = item.value
             if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
                 continue
             if item.entry.kind is StateKind.ELEMENTWISE:
-                tensors.append((item.entry.key, value.detach()[: e_end - e_start], False))
+                tensors.append((item.entry.key, value.detach()[..., : e_end - e_start], False))
             elif item.entry.kind is StateKind.BLOCKWISE:
-                tensors.append((item.entry.key, value.detach()[: b_end - b_start], True))
+                tensors.append((item.entry.key, value.detach()[..., : b_end - b_start], True))
         for key, tensor, per_block in tensors:
             if _all_finite(tensor):
                 continue
@@ -141,10 +143,10 @@ def _local_non_finite(optimizer: BlockAligned, names: dict) -> dict[str, list[st
                 start, end = param.offset, param.offset + param.numel
                 if per_block:
                     lo, hi = max(start // geometry.block_size, b_start), min(-(-end // geometry.block_size), b_end)
-                    piece = tensor[lo - b_start : hi - b_start] if lo < hi else tensor[:0]
+                    piece = tensor[..., lo - b_start : hi - b_start] if lo < hi else tensor[..., :0]
                 else:
                     lo, hi = max(start, e_start), min(end, e_end)
-                    piece = tensor[lo - e_start : hi - e_start] if lo < hi else tensor[:0]
+                    piece = tensor[..., lo - e_start : hi - e_start] if lo < hi else tensor[..., :0]
                 if not _all_finite(piece):
                     found.setdefault(param.name, set()).add(key)
     return {name: sorted(keys) for name, keys in found.items()}

@@ -224,6 +224,18 @@ def _bnb_one_state(optimizer_name: str, classes: str, moment: str) -> OptimizerS
     )
 
 
+BNB_ADEMAMIX = OptimizerSpec(
+    name="bitsandbytes AdEMAMix (AdEMAMix8bit, AdEMAMix32bit)",
+    matches=_bnb_family("Optimizer2State", "ademamix"),
+    kinds=_BNB_2STATE_KINDS,  # state1 is (2, partition): the fast and slow moments, split on the last axis
+    quantized=BNB_ADAM.quantized,
+    block_size=BNB_BLOCK_SIZE,
+    replicated_by_default=("qmap1", "qmap2"),
+    check=_check_bnb,
+    init_state=_init_bnb_state,
+    moment_names={"state1": "exp_avg_fast_slow", "state2": "exp_avg_sq"},
+)
+
 BNB_LION = _bnb_one_state("lion", "Lion (Lion8bit, Lion32bit)", "exp_avg")
 BNB_SGD = _bnb_one_state("momentum", "SGD with momentum (SGD8bit, SGD32bit)", "momentum_buffer")
 BNB_RMSPROP = _bnb_one_state("rmsprop", "RMSprop (RMSprop8bit, RMSprop32bit)", "square_avg")
@@ -242,7 +254,7 @@ TORCH_ADAM = OptimizerSpec(
 )
 
 #: Every supported family, most specific first.
-SPECS: tuple[OptimizerSpec, ...] = (BNB_ADAM, BNB_LION, BNB_SGD, BNB_RMSPROP, BNB_ADAGRAD, TORCH_ADAM)
+SPECS: tuple[OptimizerSpec, ...] = (BNB_ADAM, BNB_ADEMAMIX, BNB_LION, BNB_SGD, BNB_RMSPROP, BNB_ADAGRAD, TORCH_ADAM)
 
 
 def spec_named(name: str) -> OptimizerSpec:

@@ -184,7 +184,7 @@ class StockCheckpoint:
                     for r, n in enumerate(lengths):
                         state = states_per_rank[r][g]
                         pieces[(r, g, key)] = quant.dequantize(
-                            state[key][:n], state[triple.absmax][: ceil_div(n, block)], state[triple.qmap], block
+                            state[key][..., :n], state[triple.absmax][..., : ceil_div(n, block)], state[triple.qmap], block
                         )
                     entries.append(StateEntry(key, StateKind.ELEMENTWISE, "float32", f"{reason}; dequantized"))
                     requantized.append(key)
@@ -194,9 +194,9 @@ class StockCheckpoint:
                 for r, n in enumerate(lengths):
                     value_r = states_per_rank[r][g][key]
                     if kind is StateKind.ELEMENTWISE:
-                        pieces[(r, g, key)] = value_r[:n]
+                        pieces[(r, g, key)] = value_r[..., :n]
                     elif kind is StateKind.BLOCKWISE:
-                        pieces[(r, g, key)] = value_r[: block_ranges[r][1] - block_ranges[r][0]]
+                        pieces[(r, g, key)] = value_r[..., : block_ranges[r][1] - block_ranges[r][0]]
                 if kind is StateKind.COUNTER:
                     counters[key] = value
                 elif kind is StateKind.REPLICATED:
