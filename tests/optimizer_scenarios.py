@@ -18,6 +18,8 @@ from zero_bnb.toy import build_engine, train_steps
 OPTIMIZERS = {
     "Adam8bit": bnb.optim.Adam8bit,
     "AdamW8bit": bnb.optim.AdamW8bit,
+    # On CPU bitsandbytes falls back to non-paged buffers (with a warning); on GPU they are paged.
+    "PagedAdamW8bit": bnb.optim.PagedAdamW8bit,
     "Adam32bit": bnb.optim.Adam32bit,
     # bitsandbytes 0.50.2's CPU backend cannot step AdEMAMix's 32-bit state, so on CPU every group stays 8-bit.
     "AdEMAMix8bit": functools.partial(bnb.optim.AdEMAMix8bit, min_8bit_size=1),

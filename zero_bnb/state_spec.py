@@ -170,11 +170,6 @@ def _check_bnb(optimizer: torch.optim.Optimizer) -> None:
             f"(unorm_vec) is computed over one rank's partition and cannot be restored at another DP size. "
             f"Build the optimizer with max_unorm=0.0."
         )
-    if optimizer.is_paged:
-        raise UnsupportedOptimizerError(
-            f"{name} is a paged optimizer, which zero_bnb does not support yet; "
-            f"use the non-paged class (for example bnb.optim.AdamW8bit)."
-        )
 
 
 def _init_bnb_state(optimizer: torch.optim.Optimizer, group_index: int, param: torch.Tensor) -> None:
