@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from zero_bnb import durable
 from zero_bnb.consolidate import consolidated_state, state_differences
+from zero_bnb.launch import init_worker
 from zero_bnb.toy import DEFAULT_RUN as RUN
 from zero_bnb.toy import train_steps
 
@@ -91,12 +92,7 @@ def _kill_at(index: int):
 
 
 def _trial_child(rank: int, folder: str, store: str, trial: dict) -> None:
-    import deepspeed
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1")
-    deepspeed.init_distributed(dist_backend="gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                               auto_mpi_discovery=False, verbose=False)
+    init_worker(rank, 2, store)
     engine = _engine(2)
     engine.load_checkpoint(folder)
     train_steps(engine, RUN, STEPS_TO_A, 1)

@@ -7,26 +7,23 @@ Used by the elastic demo and the tests; real training launches use ``deepspeed``
 from __future__ import annotations
 
 import os
-import socket
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_distributed"]
+__all__ = ["init_worker", "run_distributed"]
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def init_worker(rank: int, world_size: int, store: str) -> None:
+    """Join a gloo process group through ``deepspeed.init_distributed``, rendezvous by file.
 
-
-def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+    A file rendezvous (``store``: a path no process group has used) avoids picking a TCP port
+    that another process may take before the group binds it.
+    """
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -35,10 +32,16 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
     )
     import deepspeed
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    deepspeed.init_distributed(dist_backend="gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
+                               auto_mpi_discovery=False, verbose=False)
+
+
+def _worker(rank: int, world_size: int, store: str, fn: Callable[..., Any], args: tuple) -> None:
+    import torch.distributed as dist
+
+    init_worker(rank, world_size, store)
     try:
         fn(rank, world_size, *args)
         dist.barrier()
@@ -52,4 +55,6 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> None
     ``fn`` must be importable (a module-level function). Each process joins a gloo process
     group through ``deepspeed.init_distributed``; a child's exception is re-raised here.
     """
-    mp.start_processes(_worker, args=(world_size, free_port(), fn, args), nprocs=world_size, start_method="spawn")
+    with tempfile.TemporaryDirectory(prefix="zero_bnb_rendezvous_") as folder:
+        store = os.path.join(folder, "store")
+        mp.start_processes(_worker, args=(world_size, store, fn, args), nprocs=world_size, start_method="spawn")
