@@ -1,6 +1,6 @@
-"""Checkpoint tools as Python functions: inspect, convert (universal <-> zero_bnb, stock rescue), export.
+"""Checkpoint conversion as Python functions: zero_bnb <-> DeepSpeed universal, and stock DeepSpeed rescue.
 
-All functions run in one process, without a DeepSpeed engine or ``torch.distributed``. The
+(``inspect`` and ``export`` live in :mod:`zero_bnb.views`.) All functions run in one process, without a DeepSpeed engine or ``torch.distributed``. The
 command line (``zero-bnb inspect|verify|convert|export``) is a thin layer over them.
 
 Paths: ``path`` may be a save folder (holding ``latest`` / ``latest_universal`` and tag
@@ -10,7 +10,6 @@ folders: the result goes to ``out_dir/<tag>`` and the pointer file is updated, a
 
 from __future__ import annotations
 
-import glob
 import os
 from typing import Any
 
@@ -19,14 +18,20 @@ import torch
 from deepspeed.checkpoint.constants import CAT_DIM, PARAM, PARAM_GROUPS
 from tqdm import tqdm
 
-from zero_bnb.checkpoint_format import SUBDIR, ParamEntry, StateEntry
-from zero_bnb.commit import prepare_staging, publish, resolve_tag
+from zero_bnb.checkpoint_format import ParamEntry, StateEntry
+from zero_bnb.checkpoint_paths import (
+    MODEL_STATES,
+    UNIVERSAL_LATEST,
+    locate,
+    model_states_files,
+    open_verified,
+    param_entries,
+)
+from zero_bnb.commit import prepare_staging, publish
 from zero_bnb.derived import restore_derived
 from zero_bnb.durable import save_torch
 from zero_bnb.errors import CheckpointFormatError
-from zero_bnb.integrity import verify_checkpoint
 from zero_bnb.layout import GroupGeometry
-from zero_bnb.load import CheckpointReader
 from zero_bnb.offline import (
     FullGroup,
     QuantizationReport,
@@ -37,7 +42,7 @@ from zero_bnb.offline import (
     write_checkpoint,
 )
 from zero_bnb.save import WRAPPER_SCALARS
-from zero_bnb.state_spec import BNB_ADAM, StateKind, StateRule, spec_named
+from zero_bnb.state_spec import BNB_ADAM, StateRule, spec_named
 from zero_bnb.stock_import import (
     StockCheckpoint,
     group_states,
@@ -45,126 +50,11 @@ from zero_bnb.stock_import import (
     zero_file_names,
 )
 
-__all__ = ["detect", "export_fp32", "from_universal", "inspect_checkpoint", "locate", "rescue_stock", "to_universal"]
+__all__ = ["TARGET_OPTIMIZERS", "from_universal", "rescue_stock", "to_universal"]
 
-UNIVERSAL_LATEST = "latest_universal"
-MODEL_STATES = "mp_rank_00_model_states.pt"
 #: bitsandbytes optimizers a universal checkpoint can be converted to.
 TARGET_OPTIMIZERS = ("AdamW8bit", "Adam8bit")
 _ADAM_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
-
-
-def locate(path: str, tag: str | None = None, *, latest: str = "latest") -> tuple[str, str]:
-    """``(save_dir, folder_tag)`` of the checkpoint at ``path`` (a save folder or a tag folder).
-
-    Raises:
-        CheckpointFormatError: ``path`` does not exist, or names no checkpoint.
-    """
-    path = os.path.normpath(path)
-    if not os.path.isdir(path):
-        raise CheckpointFormatError(f"{path} is not a folder; pass a checkpoint save folder or one of its tag folders")
-    is_tag_folder = os.path.isdir(os.path.join(path, SUBDIR)) or glob.glob(os.path.join(path, "mp_rank_*_model_states.pt"))
-    if tag is None and is_tag_folder:
-        return os.path.dirname(path) or ".", os.path.basename(path)
-    if tag is None and not os.path.isfile(os.path.join(path, latest)):
-        raise CheckpointFormatError(
-            f"{path} holds no '{latest}' file and is not a tag folder; pass the tag folder (for example "
-            f"{os.path.join(path, 'global_step100')}) or --tag"
-        )
-    if latest == "latest":
-        folder_tag = resolve_tag(path, tag)
-    else:
-        with open(os.path.join(path, latest)) as handle:
-            folder_tag = tag or handle.read().strip()
-        if not os.path.isdir(os.path.join(path, folder_tag)):
-            raise CheckpointFormatError(f"{os.path.join(path, folder_tag)} does not exist (named by {latest})")
-    return path, folder_tag
-
-
-def detect(path: str, tag: str | None = None) -> str:
-    """What the checkpoint at ``path`` is: ``"zero_bnb"``, ``"universal"`` or ``"stock"`` (DeepSpeed ZeRO).
-
-    A save folder holding only ``latest_universal`` is universal; a tag folder is judged by its content.
-
-    Raises:
-        CheckpointFormatError: none of them.
-    """
-    path = os.path.normpath(path)
-    if os.path.isfile(os.path.join(path, UNIVERSAL_LATEST)) and not os.path.isfile(os.path.join(path, "latest")):
-        save_dir, folder_tag = locate(path, tag, latest=UNIVERSAL_LATEST)
-    else:
-        save_dir, folder_tag = locate(path, tag)
-    tag_folder = os.path.join(save_dir, folder_tag)
-    if os.path.isfile(os.path.join(tag_folder, "zero", "optimizer_state.pt")):
-        return "universal"
-    if os.path.isdir(os.path.join(tag_folder, SUBDIR)):
-        return "zero_bnb"
-    if zero_file_names(tag_folder):
-        return "stock"
-    raise CheckpointFormatError(
-        f"{tag_folder} is neither a zero_bnb, a DeepSpeed universal nor a stock DeepSpeed ZeRO checkpoint"
-    )
-
-
-def _open_verified(path: str, tag: str | None) -> tuple[str, CheckpointReader]:
-    save_dir, folder_tag = locate(path, tag)
-    tag_folder, _ = verify_checkpoint(save_dir, folder_tag)
-    reader = CheckpointReader(tag_folder)
-    reader.preload()
-    return folder_tag, reader
-
-
-def inspect_checkpoint(path: str, tag: str | None = None) -> dict[str, Any]:
-    """A JSON-friendly summary of a zero_bnb checkpoint (verified first).
-
-    Per group: its parameters, and per state key the kind, dtype, bytes on disk, and whether it
-    is 8-bit; plus the saved DP size, block size, optimizer, versions and total bytes.
-    """
-    folder_tag, reader = _open_verified(path, tag)
-    manifest = reader.manifest
-    groups = []
-    for index, entry in enumerate(manifest.groups):
-        states = []
-        for item in entry.states:
-            if item.kind in (StateKind.ELEMENTWISE, StateKind.BLOCKWISE):
-                nbytes = sum(reader.piece(r, index, item.key).nbytes for r in range(len(manifest.shards)))
-            elif item.kind is StateKind.REPLICATED:
-                nbytes = reader.replicated["groups"][index]["replicated"][item.key].nbytes
-            else:
-                nbytes = 0
-            states.append({"key": item.key, "kind": item.kind.value, "dtype": item.dtype, "bytes": nbytes,
-                           "8bit": item.dtype == "uint8", "reason": item.reason})
-        groups.append({
-            "numel": entry.numel,
-            "parameters": [{"name": p.name, "shape": list(p.shape), "offset": p.offset} for p in entry.params],
-            "states": states,
-            "hyperparameters": entry.hyperparameters,
-        })
-    return {
-        "path": reader.tag_folder,
-        "tag": folder_tag,
-        "saved_dp_size": manifest.dp_world_size,
-        "block_size": manifest.block_size,
-        "optimizer_class": manifest.optimizer_class,
-        "optimizer_family": manifest.optimizer_spec,
-        "parameters": sum(entry.numel for entry in manifest.groups),
-        "bytes": sum(record.size for record in manifest.files),
-        "files": [{"path": f.path, "bytes": f.size, "sha256": f.sha256} for f in manifest.files],
-        "non_finite": manifest.non_finite,
-        "versions": manifest.versions,
-        "format_version": manifest.format_version,
-        "groups": groups,
-    }
-
-
-def _model_states_files(tag_folder: str) -> dict[str, str]:
-    files = sorted(glob.glob(os.path.join(tag_folder, "*model_states.pt")))
-    if [os.path.basename(f) for f in files] != [MODEL_STATES]:
-        raise CheckpointFormatError(
-            f"{tag_folder} holds model-states files {[os.path.basename(f) for f in files]}; the tools handle one "
-            f"{MODEL_STATES} (no tensor or pipeline parallelism)"
-        )
-    return {MODEL_STATES: files[0]}
 
 
 def to_universal(path: str, out_dir: str, *, tag: str | None = None, out_tag: str | None = None,
@@ -176,7 +66,7 @@ def to_universal(path: str, out_dir: str, *, tag: str | None = None, out_tag: st
     scaler. Stock DeepSpeed loads it with ``checkpoint.load_universal: true`` into
     ``torch.optim.AdamW`` (or ``Adam``) at any DP size.
     """
-    folder_tag, reader = _open_verified(path, tag)
+    folder_tag, reader = open_verified(path, tag)
     manifest = reader.manifest
     spec = spec_named(manifest.optimizer_spec)
     out_tag = out_tag or folder_tag
@@ -206,26 +96,13 @@ def to_universal(path: str, out_dir: str, *, tag: str | None = None, out_tag: st
                             "partition_count": manifest.dp_world_size, PARAM_GROUPS: param_groups})
     save_torch(optimizer_state, os.path.join(zero_folder, "optimizer_state.pt"), root=staging)
     weights = {name: value for group in groups for name, value in per_parameter(group, group.fp32).items()}
-    for name, source in _model_states_files(reader.tag_folder).items():
+    for name, source in model_states_files(reader.tag_folder).items():
         model_states = torch.load(source, map_location="cpu", weights_only=False)
         restore_derived(model_states, weights.__getitem__)  # DeepSpeed reads the module weights from this file
         save_torch(model_states, os.path.join(staging, name), root=staging)
     published = publish(out_dir, out_tag, latest_name=UNIVERSAL_LATEST)
     return {"output": published, "parameters": written, "moments": sorted(spec.moment_names.values()),
             "dropped_hyperparameters": sorted({k for g in groups for k in g.param_group} - {*_ADAM_HYPERPARAMETERS})}
-
-
-def _param_entries(model_file: str) -> list[tuple[ParamEntry, ...]]:
-    """Per flat group, its parameters with offsets, from DeepSpeed's ``param_shapes`` record."""
-    shapes = torch.load(model_file, map_location="cpu", weights_only=False)["param_shapes"]
-    params = []
-    for group_shapes in shapes:
-        offset, entries = 0, []
-        for name, shape in group_shapes.items():
-            entries.append(ParamEntry(name, tuple(shape), offset))
-            offset += entries[-1].numel
-        params.append(tuple(entries))
-    return params
 
 
 def _load_universal(path: str, tag: str | None) -> tuple[str, str, dict, list[tuple[ParamEntry, ...]]]:
@@ -235,7 +112,7 @@ def _load_universal(path: str, tag: str | None) -> tuple[str, str, dict, list[tu
     if not os.path.isfile(state_path):
         raise CheckpointFormatError(f"{tag_folder} is not a DeepSpeed universal checkpoint: {state_path} is missing")
     optimizer_state = torch.load(state_path, map_location="cpu", weights_only=False)
-    params = _param_entries(_model_states_files(tag_folder)[MODEL_STATES])
+    params = param_entries(model_states_files(tag_folder)[MODEL_STATES])
     return tag_folder, folder_tag, optimizer_state, params
 
 
@@ -297,7 +174,7 @@ def from_universal(path: str, out_dir: str, *, tag: str | None = None, out_tag: 
     wrapper = {name: optimizer_state.get(name) for name in WRAPPER_SCALARS if name in optimizer_state}
     published = write_checkpoint(out_dir, out_tag, groups, spec=BNB_ADAM, block_size=BNB_ADAM.block_size,
                                  optimizer_class=f"bitsandbytes.optim.{optimizer}", wrapper=wrapper,
-                                 extra_files=_model_states_files(tag_folder))
+                                 extra_files=model_states_files(tag_folder))
     return {"output": published, "quantized_elements": report.quantized_elements,
             "max_abs_error": report.max_abs_error, "relative_rms_error": report.relative_rms_error}
 
@@ -314,11 +191,11 @@ def rescue_stock(path: str, out_dir: str, *, tag: str | None = None, out_tag: st
     names = zero_file_names(tag_folder)
     if not names:
         raise CheckpointFormatError(f"{tag_folder} holds no stock DeepSpeed ZeRO optimizer files (zero_pp_rank_*)")
-    model_file = _model_states_files(tag_folder)[MODEL_STATES]
+    model_file = model_states_files(tag_folder)[MODEL_STATES]
     rank_sds = read_rank_files(names)
     stock = StockCheckpoint.from_rank_states(
         rank_sds, spec=BNB_ADAM, rule=StateRule(unsharded_keys=frozenset(BNB_ADAM.replicated_by_default)),
-        params=_param_entries(model_file), optimizer_class="stock DeepSpeed checkpoint", log=False)
+        params=param_entries(model_file), optimizer_class="stock DeepSpeed checkpoint", log=False)
     report = QuantizationReport()
     groups = gather_full(stock)
     for index, group in enumerate(groups):
@@ -339,27 +216,3 @@ def rescue_stock(path: str, out_dir: str, *, tag: str | None = None, out_tag: st
             "max_abs_error": report.max_abs_error, "relative_rms_error": report.relative_rms_error}
 
 
-def export_fp32(path: str, out_path: str, *, tag: str | None = None, moments_too: bool = False,
-                progress: bool = False) -> dict[str, Any]:
-    """Consolidated fp32 weights (like DeepSpeed's ``zero_to_fp32``) as one safetensors file.
-
-    With ``moments_too``, also ``<name>.exp_avg`` / ``<name>.exp_avg_sq`` (8-bit moments
-    dequantized exactly).
-    """
-    from safetensors.torch import save_file
-
-    _, reader = _open_verified(path, tag)
-    spec = spec_named(reader.manifest.optimizer_spec)
-    tensors: dict[str, torch.Tensor] = {}
-    for group in tqdm(gather_full(reader), desc="groups", unit="group", disable=not progress):
-        for name, value in per_parameter(group, group.fp32).items():
-            tensors[name] = value.contiguous()
-        if moments_too:
-            for moment, flat in moments(group, spec, reader.manifest.block_size).items():
-                for name, value in per_parameter(group, flat).items():
-                    tensors[f"{name}.{moment}"] = value.contiguous()
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    temporary = f"{out_path}.zero_bnb-tmp"
-    save_file(tensors, temporary, metadata={"format": "pt", "source": reader.tag_folder})
-    os.replace(temporary, out_path)
-    return {"output": out_path, "tensors": len(tensors), "bytes": os.path.getsize(out_path)}

@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from zero_bnb import convert
+from zero_bnb import checkpoint_paths, convert, views
 from zero_bnb.errors import CheckpointError
 from zero_bnb.integrity import verify_checkpoint
 from zero_bnb.state_spec import UnsupportedOptimizerError
@@ -86,13 +86,13 @@ def run(args: argparse.Namespace) -> int:
     """Run one checkpoint command; returns the exit code."""
     try:
         if args.command == "inspect":
-            summary = convert.inspect_checkpoint(args.checkpoint, args.tag)
+            summary = views.inspect_checkpoint(args.checkpoint, args.tag)
             if args.json:
                 print(json.dumps(summary, indent=1))
             else:
                 _print_summary(summary)
         elif args.command == "verify":
-            save_dir, tag = convert.locate(args.checkpoint, args.tag)
+            save_dir, tag = checkpoint_paths.locate(args.checkpoint, args.tag)
             folder, manifest = verify_checkpoint(save_dir, tag, progress=True)
             print(f"OK: {folder}: {len(manifest.files)} files match their SHA-256, manifest format "
                   f"{manifest.format_version}, saved at DP={manifest.dp_world_size}")
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         elif args.command == "convert":
             _print_report(_to_zero_bnb(args))
         else:
-            _print_report(convert.export_fp32(args.checkpoint, args.out, tag=args.tag, moments_too=args.moments,
+            _print_report(views.export_fp32(args.checkpoint, args.out, tag=args.tag, moments_too=args.moments,
                                               progress=True))
     except (CheckpointError, UnsupportedOptimizerError, OSError) as error:
         print(f"zero-bnb {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _to_zero_bnb(args: argparse.Namespace) -> dict[str, Any]:
-    kind = convert.detect(args.checkpoint, args.tag)
+    kind = checkpoint_paths.detect(args.checkpoint, args.tag)
     if kind == "universal":
         return convert.from_universal(args.checkpoint, args.out, tag=args.tag, out_tag=args.out_tag,
                                       optimizer=args.optimizer, progress=True)

@@ -1,0 +1,109 @@
+"""Finding checkpoints on disk: save folders, tag folders, pointer files and their kind.
+
+Local, single-process helpers of the checkpoint tools (:mod:`zero_bnb.convert`, the CLI).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+
+from zero_bnb.checkpoint_format import SUBDIR, ParamEntry
+from zero_bnb.commit import resolve_tag
+from zero_bnb.errors import CheckpointFormatError
+from zero_bnb.integrity import verify_checkpoint
+from zero_bnb.load import CheckpointReader
+from zero_bnb.stock_import import zero_file_names
+
+__all__ = ["MODEL_STATES", "UNIVERSAL_LATEST", "detect", "locate", "model_states_files", "open_verified",
+           "param_entries"]
+
+UNIVERSAL_LATEST = "latest_universal"
+MODEL_STATES = "mp_rank_00_model_states.pt"
+
+
+def locate(path: str, tag: str | None = None, *, latest: str = "latest") -> tuple[str, str]:
+    """``(save_dir, folder_tag)`` of the checkpoint at ``path`` (a save folder or a tag folder).
+
+    Raises:
+        CheckpointFormatError: ``path`` does not exist, or names no checkpoint.
+    """
+    path = os.path.normpath(path)
+    if not os.path.isdir(path):
+        raise CheckpointFormatError(f"{path} is not a folder; pass a checkpoint save folder or one of its tag folders")
+    is_tag_folder = os.path.isdir(os.path.join(path, SUBDIR)) or glob.glob(os.path.join(path, "mp_rank_*_model_states.pt"))
+    if tag is None and is_tag_folder:
+        return os.path.dirname(path) or ".", os.path.basename(path)
+    if tag is None and not os.path.isfile(os.path.join(path, latest)):
+        raise CheckpointFormatError(
+            f"{path} holds no '{latest}' file and is not a tag folder; pass the tag folder (for example "
+            f"{os.path.join(path, 'global_step100')}) or --tag"
+        )
+    if latest == "latest":
+        folder_tag = resolve_tag(path, tag)
+    else:
+        with open(os.path.join(path, latest)) as handle:
+            folder_tag = tag or handle.read().strip()
+        if not os.path.isdir(os.path.join(path, folder_tag)):
+            raise CheckpointFormatError(f"{os.path.join(path, folder_tag)} does not exist (named by {latest})")
+    return path, folder_tag
+
+
+def detect(path: str, tag: str | None = None) -> str:
+    """What the checkpoint at ``path`` is: ``"zero_bnb"``, ``"universal"`` or ``"stock"`` (DeepSpeed ZeRO).
+
+    A save folder holding only ``latest_universal`` is universal; a tag folder is judged by its content.
+
+    Raises:
+        CheckpointFormatError: none of them.
+    """
+    path = os.path.normpath(path)
+    if os.path.isfile(os.path.join(path, UNIVERSAL_LATEST)) and not os.path.isfile(os.path.join(path, "latest")):
+        save_dir, folder_tag = locate(path, tag, latest=UNIVERSAL_LATEST)
+    else:
+        save_dir, folder_tag = locate(path, tag)
+    tag_folder = os.path.join(save_dir, folder_tag)
+    if os.path.isfile(os.path.join(tag_folder, "zero", "optimizer_state.pt")):
+        return "universal"
+    if os.path.isdir(os.path.join(tag_folder, SUBDIR)):
+        return "zero_bnb"
+    if zero_file_names(tag_folder):
+        return "stock"
+    raise CheckpointFormatError(
+        f"{tag_folder} is neither a zero_bnb, a DeepSpeed universal nor a stock DeepSpeed ZeRO checkpoint"
+    )
+
+
+def open_verified(path: str, tag: str | None) -> tuple[str, CheckpointReader]:
+    """``(folder_tag, reader)`` of the zero_bnb checkpoint at ``path``, every check passed, files opened."""
+    save_dir, folder_tag = locate(path, tag)
+    tag_folder, _ = verify_checkpoint(save_dir, folder_tag)
+    reader = CheckpointReader(tag_folder)
+    reader.preload()
+    return folder_tag, reader
+
+
+def model_states_files(tag_folder: str) -> dict[str, str]:
+    """``{file name: path}`` of DeepSpeed's model-states file in ``tag_folder`` (exactly one is supported)."""
+    files = sorted(glob.glob(os.path.join(tag_folder, "*model_states.pt")))
+    if [os.path.basename(f) for f in files] != [MODEL_STATES]:
+        raise CheckpointFormatError(
+            f"{tag_folder} holds model-states files {[os.path.basename(f) for f in files]}; the tools handle one "
+            f"{MODEL_STATES} (no tensor or pipeline parallelism)"
+        )
+    return {MODEL_STATES: files[0]}
+
+
+def param_entries(model_file: str) -> list[tuple[ParamEntry, ...]]:
+    """Per flat group, its parameters with offsets, from DeepSpeed's ``param_shapes`` record."""
+    shapes = torch.load(model_file, map_location="cpu", weights_only=False)["param_shapes"]
+    params = []
+    for group_shapes in shapes:
+        offset, entries = 0, []
+        for name, shape in group_shapes.items():
+            entries.append(ParamEntry(name, tuple(shape), offset))
+            offset += entries[-1].numel
+        params.append(tuple(entries))
+    return params
