@@ -20,7 +20,8 @@ variant 1 (``ds_to_universal`` + ``checkpoint.load_universal``), a direct load f
 possible" for variant 2. On GPU also the optimizer step's achieved memory bandwidth against the
 device's copy bandwidth measured in the same run.
 
-Writes ``benchmarks/results/<mode>.json`` (with machine, versions, date), ``<mode>.md`` and ``<mode>.png``.
+Writes ``benchmarks/results/<mode>.json`` (with machine, versions, date), ``<mode>.md`` and ``<mode>.png``
+(``<mode>-<precision>.*`` when ``--precision`` is not the mode's default).
 """
 
 from __future__ import annotations
@@ -312,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {k: v for k, v in vars(args).items() if k not in ("model", "out")},
         "results": rows,
     }
-    markdown = write_reports(report, os.path.join(args.out, args.mode))
+    default_precision = "fp32" if cpu else "bf16"
+    stem = args.mode if args.precision == default_precision else f"{args.mode}-{args.precision}"
+    markdown = write_reports(report, os.path.join(args.out, stem))
     print(markdown)
     return 0
 
