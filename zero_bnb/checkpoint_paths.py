@@ -13,7 +13,6 @@ import torch
 from zero_bnb.checkpoint_format import SUBDIR, ParamEntry
 from zero_bnb.commit import resolve_tag
 from zero_bnb.errors import CheckpointFormatError
-from zero_bnb.integrity import verify_checkpoint
 from zero_bnb.load import CheckpointReader
 from zero_bnb.stock_import import zero_file_names
 
@@ -79,8 +78,8 @@ def detect(path: str, tag: str | None = None) -> str:
 def open_verified(path: str, tag: str | None) -> tuple[str, CheckpointReader]:
     """``(folder_tag, reader)`` of the zero_bnb checkpoint at ``path``, every check passed, files opened."""
     save_dir, folder_tag = locate(path, tag)
-    tag_folder, _ = verify_checkpoint(save_dir, folder_tag)
-    reader = CheckpointReader(tag_folder)
+    reader = CheckpointReader(os.path.join(save_dir, folder_tag))  # manifest, file list and sizes
+    reader.verify()  # every file's SHA-256
     reader.preload()
     return folder_tag, reader
 

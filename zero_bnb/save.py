@@ -98,6 +98,7 @@ def build_manifest(
     groups = []
     for group_index in range(optimizer.num_groups):
         geometry = optimizer.geometry(group_index)
+        precision = optimizer.state_precision(group_index)
         groups.append(
             GroupEntry(
                 numel=geometry.numel,
@@ -107,8 +108,7 @@ def build_manifest(
                 block_ranges=tuple(geometry.block_ranges()),
                 hyperparameters={
                     **{k: jsonable(v) for k, v in _hyperparameters(optimizer, group_index).items()},
-                    **({"state_precision": optimizer.state_precision(group_index)}
-                       if optimizer.state_precision(group_index) else {}),
+                    **({"state_precision": precision} if precision else {}),
                 },
             )
         )
