@@ -7,6 +7,7 @@ ranks' records to ``integrity.pt`` for the tests to assert on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 
@@ -21,7 +22,7 @@ from zero_bnb.checkpoint_format import SUBDIR, read_manifest, write_manifest
 from zero_bnb.consolidate import consolidated_state, state_differences
 from zero_bnb.toy import DEFAULT_RUN as RUN
 from zero_bnb.toy import LEARNING_RATE as LR
-from zero_bnb.toy import param_groups, train_steps
+from zero_bnb.toy import build_engine, param_groups, train_steps
 
 SHARD_1 = os.path.join("A", SUBDIR, "shard_00001-of-00002.pt")
 REPLICATED = os.path.join("A", SUBDIR, "replicated.pt")
@@ -125,6 +126,11 @@ def integrity(rank, world, workdir):
         dist.barrier()
         out[name] = _error(lambda folder=folder: engine.load_checkpoint(folder))
     out["wrong_model"] = _error(lambda: _wrong_shape_engine(world).load_checkpoint(good))
+    adamw = build_engine(world, torch.optim.AdamW)
+    train_steps(adamw, RUN, 0, 1)
+    adamw.save_checkpoint(os.path.join(workdir, "adamw"), tag="A")
+    amsgrad = build_engine(world, functools.partial(torch.optim.AdamW, amsgrad=True))
+    out["amsgrad_mismatch"] = _error(lambda: amsgrad.load_checkpoint(os.path.join(workdir, "adamw")))
     after = consolidated_state(engine)
     if rank == 0:
         out["state_unchanged"] = not state_differences(before, after)[1]

@@ -19,6 +19,7 @@ EXPECTED = {
     "unknown_format_version": ("CheckpointFormatError", "format_version=2", "reads version 1"),
     "other_block_size": ("CheckpointMismatchError", "block size is 128, the optimizer's 256"),
     "wrong_model": ("CheckpointMismatchError", "4.weight: saved (90, 96), model (91, 96)", "4.bias"),
+    "amsgrad_mismatch": ("CheckpointMismatchError", "group 0 was saved with amsgrad=False", "amsgrad=True"),
 }
 
 
@@ -35,7 +36,7 @@ def _same_on_every_rank(ranks, key):
     return values[0]
 
 
-@pytest.mark.parametrize("case", [*DAMAGES, "wrong_model"])
+@pytest.mark.parametrize("case", [*DAMAGES, "wrong_model", "amsgrad_mismatch"])
 def test_bad_checkpoints_are_refused_on_every_rank_with_a_clear_error(ranks, case):
     message = _same_on_every_rank(ranks, case)
     assert message is not None, f"{case} was loaded silently"

@@ -78,6 +78,13 @@ def check_compatible(
                         f"the running optimizer is {type(optimizer.optimizer).__name__} ({spec.name})")
     if optimizer_states and manifest.block_size != spec.block_size:
         problems.append(f"the checkpoint's block size is {manifest.block_size}, the optimizer's {spec.block_size}")
+    if optimizer_states and manifest.optimizer_spec == spec.name:
+        for index, saved in enumerate(manifest.groups[: optimizer.num_groups]):
+            current = optimizer.optimizer.param_groups[index]
+            for key in spec.layout_hyperparameters:
+                if key in saved.hyperparameters and saved.hyperparameters[key] != current.get(key):
+                    problems.append(f"group {index} was saved with {key}={saved.hyperparameters[key]!r}, which "
+                                    f"changes the optimizer's state keys, but the optimizer has {key}={current.get(key)!r}")
     if problems:
         raise CheckpointMismatchError(
             "cannot load this checkpoint into the running engine: " + "; ".join(problems)

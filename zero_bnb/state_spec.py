@@ -80,6 +80,8 @@ class OptimizerSpec:
             checkpoint's dtypes). Called as ``init_state(optimizer, group_index, param)``.
         moment_names: state key -> the name DeepSpeed's universal checkpoint (and
             ``torch.optim.Adam``) gives the same quantity, e.g. ``state1`` -> ``exp_avg``.
+        layout_hyperparameters: param-group keys that decide which state keys exist (such as
+            ``amsgrad``); a checkpoint must match them, checked before anything is loaded.
     """
 
     name: str
@@ -91,6 +93,7 @@ class OptimizerSpec:
     check: Callable[[torch.optim.Optimizer], None] = _no_check
     init_state: Callable[[torch.optim.Optimizer, int, torch.Tensor], None] | None = None
     moment_names: Mapping[str, str] = field(default_factory=dict)
+    layout_hyperparameters: tuple[str, ...] = ()
 
     def triple_for(self, key: str) -> QuantizedTriple | None:
         """The 8-bit triple in which ``key`` is the codes, absmax or map, if any."""
@@ -246,6 +249,7 @@ TORCH_ADAM = OptimizerSpec(
         "max_exp_avg_sq": StateKind.ELEMENTWISE,
     },
     moment_names={"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
+    layout_hyperparameters=("amsgrad",),
 )
 
 #: Every supported family, most specific first.
