@@ -35,7 +35,7 @@ from zero_bnb.config import ZeroBnbConfig
 from zero_bnb.derived import DERIVED_PARAMS_KEY, derived_entries, restore_derived
 from zero_bnb.durable import makedirs, save_torch
 from zero_bnb.load import open_for_load
-from zero_bnb.restore import SavedState, master_weight, restore_optimizer
+from zero_bnb.restore import SavedState, master_weights, restore_optimizer
 from zero_bnb.save import build_manifest, write_local_files
 from zero_bnb.state_checks import find_non_finite, verify_replicated_state
 from zero_bnb.state_spec import StateRule, spec_for
@@ -227,7 +227,7 @@ class ZeroBnbEngine(DeepSpeedEngine):
         if DERIVED_PARAMS_KEY in checkpoint:
             if saved is None:
                 raise ZeRORuntimeException("zero_bnb checkpoints load only through ZeroBnbEngine.load_checkpoint")
-            restore_derived(checkpoint, lambda name: master_weight(saved, name))
+            restore_derived(checkpoint, master_weights(saved))
         return super().load_module_state_dict(checkpoint, strict=strict, custom_load_fn=custom_load_fn,
                                               fetch_z3_params=fetch_z3_params, z3_params_to_fetch=z3_params_to_fetch,
                                               allowed_missing_keys=allowed_missing_keys)

@@ -8,6 +8,7 @@ called on all of them for the engine to be consistent.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -19,7 +20,7 @@ from zero_bnb.errors import CheckpointMismatchError
 from zero_bnb.layout import plan_copy
 from zero_bnb.state_spec import StateKind
 
-__all__ = ["MASTER_KEY", "SavedState", "check_compatible", "gather_range", "master_weight", "restore_optimizer"]
+__all__ = ["MASTER_KEY", "SavedState", "check_compatible", "gather_range", "master_weights", "restore_optimizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,15 +105,23 @@ def gather_range(saved: SavedState, group_index: int, key: str, ranges, target: 
         )
 
 
-def master_weight(saved: SavedState, name: str) -> torch.Tensor:
-    """The whole fp32 master weight of parameter ``name``, in its shape, from any saved DP size."""
-    for index, group in enumerate(saved.manifest.groups):
-        for param in group.params:
-            if param.name == name:
-                out = torch.empty(param.numel, dtype=torch.float32)
-                gather_range(saved, index, MASTER_KEY, group.element_ranges, (param.offset, param.offset + param.numel), out)
-                return out.view(param.shape)
-    raise CheckpointMismatchError(f"the checkpoint has no master weight for parameter {name!r}")
+def master_weights(saved: SavedState) -> Callable[[str], torch.Tensor]:
+    """A lookup: parameter name -> its whole fp32 master weight, in its shape, from any saved DP size.
+
+    The name index is built once; each call reads only that parameter's saved ranges.
+    """
+    where = {param.name: (index, group, param) for index, group in enumerate(saved.manifest.groups)
+             for param in group.params}
+
+    def master_weight(name: str) -> torch.Tensor:
+        if name not in where:
+            raise CheckpointMismatchError(f"the checkpoint has no master weight for parameter {name!r}")
+        index, group, param = where[name]
+        out = torch.empty(param.numel, dtype=torch.float32)
+        gather_range(saved, index, MASTER_KEY, group.element_ranges, (param.offset, param.offset + param.numel), out)
+        return out.view(param.shape)
+
+    return master_weight
 
 
 class _GroupRestorer:
