@@ -25,7 +25,7 @@ from zero_bnb.errors import (
     ReplicatedStateMismatch,
 )
 from zero_bnb.initialize import initialize
-from zero_bnb.integrity import verify_checkpoint
+from zero_bnb.load import verify_checkpoint
 from zero_bnb.state_spec import StateKind, UnsupportedOptimizerError
 
 try:

@@ -13,7 +13,7 @@ import torch
 from zero_bnb.checkpoint_format import SUBDIR, ParamEntry
 from zero_bnb.commit import resolve_tag
 from zero_bnb.errors import CheckpointFormatError
-from zero_bnb.load import CheckpointReader
+from zero_bnb.load import CheckpointReader, verify_checkpoint
 from zero_bnb.stock_import import zero_file_names
 
 __all__ = ["MODEL_STATES", "UNIVERSAL_LATEST", "detect", "locate", "model_states_files", "open_verified",
@@ -40,14 +40,7 @@ def locate(path: str, tag: str | None = None, *, latest: str = "latest") -> tupl
             f"{path} holds no '{latest}' file and is not a tag folder; pass the tag folder (for example "
             f"{os.path.join(path, 'global_step100')}) or --tag"
         )
-    if latest == "latest":
-        folder_tag = resolve_tag(path, tag)
-    else:
-        with open(os.path.join(path, latest)) as handle:
-            folder_tag = tag or handle.read().strip()
-        if not os.path.isdir(os.path.join(path, folder_tag)):
-            raise CheckpointFormatError(f"{os.path.join(path, folder_tag)} does not exist (named by {latest})")
-    return path, folder_tag
+    return path, resolve_tag(path, tag, latest_name=latest)
 
 
 def detect(path: str, tag: str | None = None) -> str:
@@ -77,11 +70,9 @@ def detect(path: str, tag: str | None = None) -> str:
 
 def open_verified(path: str, tag: str | None) -> tuple[str, CheckpointReader]:
     """``(folder_tag, reader)`` of the zero_bnb checkpoint at ``path``, every check passed, files opened."""
-    save_dir, folder_tag = locate(path, tag)
-    reader = CheckpointReader(os.path.join(save_dir, folder_tag))  # manifest, file list and sizes
-    reader.verify()  # every file's SHA-256
+    reader = verify_checkpoint(*locate(path, tag))
     reader.preload()
-    return folder_tag, reader
+    return os.path.basename(reader.tag_folder), reader
 
 
 def model_states_files(tag_folder: str) -> dict[str, str]:

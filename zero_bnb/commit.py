@@ -196,11 +196,12 @@ def _tags_in(load_dir: str) -> list[str]:
         return []
 
 
-def resolve_tag(load_dir: str, tag: str | None) -> str | None:
-    """The folder name under ``load_dir`` to load for ``tag`` (``None``: the one ``latest`` names).
+def resolve_tag(load_dir: str, tag: str | None, *, latest_name: str = LATEST_NAME) -> str | None:
+    """The folder name under ``load_dir`` to load for ``tag`` (``None``: the one ``latest_name`` names).
 
-    Local; reads only names, no file content beyond ``latest``. Returns ``None`` when ``tag`` is
-    ``None`` and there is no ``latest`` file (DeepSpeed then loads nothing and warns).
+    Local; reads only names, no file content beyond the pointer file (``latest``, or
+    ``latest_universal`` for DeepSpeed universal checkpoints). Returns ``None`` when ``tag`` is
+    ``None`` and there is no pointer file (DeepSpeed then loads nothing and warns).
 
     Raises:
         CheckpointFormatError: ``latest`` is damaged or names a missing folder, or ``tag`` does
@@ -208,7 +209,7 @@ def resolve_tag(load_dir: str, tag: str | None) -> str | None:
     """
     source = "the tag argument"
     if tag is None:
-        latest = os.path.join(load_dir, LATEST_NAME)
+        latest = os.path.join(load_dir, latest_name)
         if not os.path.isfile(latest):
             return None
         with open(latest, "rb") as handle:

@@ -1,7 +1,7 @@
 """Check a zero_bnb checkpoint's files against its manifest: presence, sizes and SHA-256.
 
 Local functions, no collectives; the engine splits :func:`verify_checksums` across ranks,
-and :func:`verify_checkpoint` does every check in one process (for tools and tests).
+and :func:`zero_bnb.load.verify_checkpoint` runs them all in one process (for tools and tests).
 """
 
 from __future__ import annotations
@@ -10,12 +10,11 @@ import os
 
 from tqdm import tqdm
 
-from zero_bnb.checkpoint_format import REPLICATED_NAME, SUBDIR, Manifest, read_manifest
-from zero_bnb.commit import resolve_tag
+from zero_bnb.checkpoint_format import REPLICATED_NAME, SUBDIR, Manifest
 from zero_bnb.durable import FileRecord, digest_file
-from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
+from zero_bnb.errors import CheckpointCorruptError
 
-__all__ = ["check_file_list", "checksum_shares", "verify_checkpoint", "verify_checksums"]
+__all__ = ["check_file_list", "checksum_shares", "verify_checksums"]
 
 
 def checksum_shares(files: tuple[FileRecord, ...], world_size: int) -> list[list[int]]:
@@ -87,27 +86,3 @@ def verify_checksums(
             f"{'; '.join(problems)}. Restore them from a copy or load an earlier tag."
         )
     return read
-
-
-def verify_checkpoint(load_dir: str, tag: str | None = None, *, progress: bool = False) -> tuple[str, Manifest]:
-    """Run every consistency and checksum check on one zero_bnb checkpoint, in this process.
-
-    Args:
-        load_dir: the folder passed to ``save_checkpoint``.
-        tag: the checkpoint tag; ``None`` reads it from ``latest``.
-
-    Returns:
-        The tag folder checked and its manifest.
-
-    Raises:
-        CheckpointFormatError: no such checkpoint, no ``latest``, or not a zero_bnb checkpoint.
-        CheckpointCorruptError: a file is missing, truncated or damaged.
-    """
-    folder_tag = resolve_tag(load_dir, tag)
-    if folder_tag is None:
-        raise CheckpointFormatError(f"{load_dir} has no 'latest' file; pass the checkpoint tag explicitly")
-    tag_folder = os.path.join(load_dir, folder_tag)
-    manifest = read_manifest(os.path.join(tag_folder, SUBDIR))
-    check_file_list(tag_folder, manifest)
-    verify_checksums(tag_folder, manifest, progress=progress)
-    return tag_folder, manifest

@@ -23,11 +23,13 @@ from zero_bnb.checkpoint_format import (
     read_shard,
 )
 from zero_bnb.collective import agree
+from zero_bnb.commit import resolve_tag
+from zero_bnb.errors import CheckpointFormatError
 from zero_bnb.integrity import check_file_list, verify_checksums
 from zero_bnb.restore import MASTER_KEY, SavedState, check_compatible
 from zero_bnb.stock_import import StockCheckpoint
 
-__all__ = ["CheckpointReader", "open_for_load"]
+__all__ = ["CheckpointReader", "open_for_load", "verify_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +49,9 @@ class CheckpointReader:
         self._replicated: dict[str, Any] | None = None
         self._shards: dict[int, dict[str, Any]] = {}
 
-    def verify(self, rank: int = 0, world_size: int = 1) -> int:
+    def verify(self, rank: int = 0, world_size: int = 1, *, progress: bool = False) -> int:
         """Check this rank's share of the files' SHA-256; returns the bytes read."""
-        return verify_checksums(self.tag_folder, self.manifest, rank, world_size)
+        return verify_checksums(self.tag_folder, self.manifest, rank, world_size, progress=progress)
 
     @property
     def replicated(self) -> dict[str, Any]:
@@ -80,6 +82,30 @@ class CheckpointReader:
     def piece(self, rank: int, group_index: int, key: str) -> torch.Tensor:
         group = self._shard(rank)["groups"][group_index]
         return group[MASTER_KEY] if key == MASTER_KEY else group["state"][key]
+
+
+def verify_checkpoint(load_dir: str, tag: str | None = None, *, progress: bool = False) -> CheckpointReader:
+    """Run every consistency and checksum check on one zero_bnb checkpoint, in this process.
+
+    Local: no collectives. Nothing is unpickled; shards and the replicated file stay unopened.
+
+    Args:
+        load_dir: the folder passed to ``save_checkpoint``.
+        tag: the checkpoint tag; ``None`` reads it from ``latest``.
+
+    Returns:
+        The verified checkpoint (its ``tag_folder`` and ``manifest``).
+
+    Raises:
+        CheckpointFormatError: no such checkpoint, no ``latest``, or not a zero_bnb checkpoint.
+        CheckpointCorruptError: a file is missing, truncated or damaged.
+    """
+    folder_tag = resolve_tag(load_dir, tag)
+    if folder_tag is None:
+        raise CheckpointFormatError(f"{load_dir} has no 'latest' file; pass the checkpoint tag explicitly")
+    reader = CheckpointReader(os.path.join(load_dir, folder_tag))
+    reader.verify(progress=progress)
+    return reader
 
 
 def _open_zero_bnb(engine, tag_folder: str, optimizer_states: bool) -> CheckpointReader:

@@ -14,7 +14,7 @@ from typing import Any
 
 from zero_bnb import checkpoint_paths, convert, views
 from zero_bnb.errors import CheckpointError
-from zero_bnb.integrity import verify_checkpoint
+from zero_bnb.load import verify_checkpoint
 from zero_bnb.state_spec import UnsupportedOptimizerError
 
 __all__ = ["add_commands", "run"]
@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
                 _print_summary(summary)
         elif args.command == "verify":
             save_dir, tag = checkpoint_paths.locate(args.checkpoint, args.tag)
-            folder, manifest = verify_checkpoint(save_dir, tag, progress=True)
+            reader = verify_checkpoint(save_dir, tag, progress=True)
+            folder, manifest = reader.tag_folder, reader.manifest
             print(f"OK: {folder}: {len(manifest.files)} files match their SHA-256, manifest format "
                   f"{manifest.format_version}, saved at DP={manifest.dp_world_size}")
         elif args.command == "convert" and args.target == "universal":
