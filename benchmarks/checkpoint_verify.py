@@ -3,6 +3,13 @@
 Reproduce (CPU, from the repository root, after `bash scripts/setup.sh`):
 
     python benchmarks/checkpoint_verify.py --params 100e6 --dp 1 2 --repeats 5
+    python benchmarks/checkpoint_verify.py --params 100e6 --dp 1 2 --repeats 5 --compare-ref eeba390 --rounds 3
+
+The second form compares the loader of this working tree with the one of git revision
+``--compare-ref`` (extracted with ``git archive`` into a temporary folder): each round runs
+both, in alternating order, as separate processes with ``PYTHONPATH`` pointing at their code;
+each saves and loads its own checkpoint (formats may differ). Writes
+``benchmarks/results/safe_loader.json``.
 
 Trains one step of a ``--params``-parameter MLP with ``bnb.optim.Adam8bit`` under zero_bnb
 (ZeRO-1, gloo, fp32), saves it, then loads it ``--repeats`` times with checksum verification
@@ -21,6 +28,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -91,13 +99,73 @@ def _measure(rank, world, params, repeats, workdir, result_path):
             json.dump(result, handle)
 
 
+def _compare(args) -> int:
+    """Run this benchmark for the working tree and for git revision ``args.compare_ref``, alternating."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    scratch = tempfile.mkdtemp(prefix="zero_bnb_loader_compare_")
+    try:
+        baseline = os.path.join(scratch, "baseline")
+        os.makedirs(baseline)
+        archive = subprocess.run(["git", "-C", root, "archive", args.compare_ref, "zero_bnb"], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", baseline], input=archive, check=True)
+        trees = {f"baseline ({args.compare_ref})": baseline, "this tree": root}
+        runs: dict[str, list[list[dict]]] = {name: [] for name in trees}
+        for round_index in range(args.rounds):
+            order = list(trees) if round_index % 2 == 0 else list(reversed(trees))
+            for name in order:
+                out = os.path.join(scratch, "run.json")
+                print(f"round {round_index + 1}/{args.rounds}: {name}", flush=True)
+                subprocess.run([sys.executable, os.path.abspath(__file__), "--params", str(args.params), "--dp",
+                                *map(str, args.dp), "--repeats", str(args.repeats), "--out", out], check=True,
+                               env={**os.environ, "PYTHONPATH": trees[name]}, stdout=subprocess.DEVNULL)
+                with open(out) as handle:
+                    runs[name].append(json.load(handle)["results"])
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    rows = []
+    for index, dp in enumerate(args.dp):
+        row = {"dp": dp}
+        for name, rounds in runs.items():
+            row[name] = {key: statistics.median(r[index][key] for r in rounds)
+                         for key in ("median_verified_s", "median_unverified_s", "save_s", "checkpoint_bytes")}
+            row[name]["parameters"] = rounds[0][index]["parameters"]
+        row["ratio_verified"] = row["this tree"]["median_verified_s"] / row[f"baseline ({args.compare_ref})"]["median_verified_s"]
+        row["ratio_unverified"] = (row["this tree"]["median_unverified_s"]
+                                   / row[f"baseline ({args.compare_ref})"]["median_unverified_s"])
+        rows.append(row)
+    report = {"benchmark": f"checkpoint load: this tree vs {args.compare_ref} (median of {args.rounds} alternating "
+                           f"rounds, each the median of {args.repeats} loads)",
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
+              "results": rows}
+    out = os.path.join(os.path.dirname(args.out), "safe_loader.json")
+    with open(out, "w") as handle:
+        json.dump(report, handle, indent=1)
+    base = f"baseline ({args.compare_ref})"
+    print("| DP | parameters | checkpoint MB (base / this) | load verified s (base / this) | ratio | "
+          "load unverified s (base / this) | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        b, t = row[base], row["this tree"]
+        print(f"| {row['dp']} | {t['parameters'] / 1e6:.1f}M | {b['checkpoint_bytes'] / 1e6:.0f} / "
+              f"{t['checkpoint_bytes'] / 1e6:.0f} | {b['median_verified_s']:.2f} / {t['median_verified_s']:.2f} | "
+              f"{row['ratio_verified']:.2f}x | {b['median_unverified_s']:.2f} / {t['median_unverified_s']:.2f} | "
+              f"{row['ratio_unverified']:.2f}x |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=float, default=100e6, help="model size in parameters (default 100e6)")
     parser.add_argument("--dp", type=int, nargs="+", default=[1, 2], help="DP sizes to measure (default 1 2)")
     parser.add_argument("--repeats", type=int, default=5, help="loads per variant (default 5)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "checkpoint_verify.json"))
+    parser.add_argument("--compare-ref", help="git revision whose loader to compare with (see the module docstring)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds with --compare-ref (default 3)")
     args = parser.parse_args(argv)
+    if args.compare_ref:
+        return _compare(args)
 
     import bitsandbytes
     import deepspeed

@@ -48,6 +48,14 @@ def _rewrite_manifest(folder: str, **changes) -> None:
     write_manifest(manifest, zero_folder, root=os.path.join(folder, "A"))
 
 
+def _rewrite_block_size(folder: str, block_size: int) -> None:
+    """A consistent manifest for another block size (block ranges re-derived), as another bnb release would write."""
+    manifest = read_manifest(os.path.join(folder, "A", SUBDIR))
+    groups = tuple(dataclasses.replace(group, block_ranges=tuple(
+        (start // block_size, -(-end // block_size)) for start, end in group.element_ranges)) for group in manifest.groups)
+    _rewrite_manifest(folder, block_size=block_size, groups=groups)
+
+
 def _write(path: str, text: str) -> None:
     with open(path, "w") as handle:
         handle.write(text)
@@ -61,8 +69,8 @@ DAMAGES = {
     "missing_rank_file": lambda f: os.remove(os.path.join(f, SHARD_1)),
     "damaged_latest": lambda f: _write(os.path.join(f, "latest"), "A\x00\x17"),
     "latest_names_missing_tag": lambda f: _write(os.path.join(f, "latest"), "global_step99"),
-    "unknown_format_version": lambda f: _rewrite_manifest(f, format_version=2),
-    "other_block_size": lambda f: _rewrite_manifest(f, block_size=128),
+    "unknown_format_version": lambda f: _rewrite_manifest(f, format_version=99),
+    "other_block_size": lambda f: _rewrite_block_size(f, 128),
 }
 
 

@@ -32,7 +32,7 @@ def work(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("convert")
     run_distributed(write_sources, 2, str(workdir))
     runs = {
-        "to_universal": cli("convert", workdir / "zero_bnb", "--to", "universal", workdir / "universal"),
+        "to_universal": cli("convert", workdir / "zero_bnb", "--to", "universal", workdir / "universal" / "s3"),
         "from_universal": cli("convert", workdir / "universal", "--to", "zero_bnb", workdir / "back",
                               "--optimizer", "Adam8bit"),
         "rescue": cli("convert", workdir / "stock" / "s3", "--to", "zero_bnb", workdir / "rescued"),
@@ -85,17 +85,26 @@ def test_verify_exit_codes(work, tmp_path):
 
 def test_bad_paths_and_requests_give_clear_errors(work, tmp_path):
     workdir, _, _, _ = work
-    cases = [
-        (("inspect", tmp_path / "nowhere"), "is not a folder"),
-        (("verify", tmp_path), "holds no 'latest' file and is not a tag folder"),
-        (("inspect", workdir / "zero_bnb", "--tag", "s99"), "'s99'"),
-        (("convert", workdir / "zero_bnb", "--to", "zero_bnb", tmp_path / "x"), "already a zero_bnb checkpoint"),
-        (("convert", workdir / "stock", "--to", "universal", tmp_path / "x"), "zero_bnb/manifest.json does not exist"),
-        (("export", workdir / "universal", "--to", "fp32", tmp_path / "w.safetensors"), "holds no 'latest' file"),
+    cases = [  # exit 1: the checkpoint fails a check; exit 2: the request cannot work as given
+        (("inspect", tmp_path / "nowhere"), 1, "is not a folder"),
+        (("verify", tmp_path), 1, "holds no 'latest' file and is not a tag folder"),
+        (("inspect", workdir / "zero_bnb", "--tag", "s99"), 1, "'s99'"),
+        (("convert", workdir / "zero_bnb", "--to", "zero_bnb", tmp_path / "x"), 2, "already a zero_bnb checkpoint"),
+        (("convert", workdir / "stock", "--to", "universal", tmp_path / "x"), 2,
+         "is a stock DeepSpeed checkpoint, not a zero_bnb one; convert reads"),
+        (("export", workdir / "universal", "--to", "fp32", tmp_path / "w.safetensors"), 2,
+         "is a DeepSpeed universal checkpoint, not a zero_bnb one; export reads zero_bnb checkpoints. Convert it "
+         "first: zero-bnb convert"),
+        (("inspect", workdir / "stock"), 2, "stock DeepSpeed checkpoint, not a zero_bnb one; inspect reads"),
+        (("verify", workdir / "stock" / "s3"), 2, "Convert it first: zero-bnb convert"),
+        (("inspect", workdir / "zero_bnb", "--tag", "../zero_bnb/s3"), 2, "cannot name a checkpoint folder"),
+        (("inspect", workdir / "zero_bnb", "--tag", "latest"), 2, "name of the pointer file"),
+        (("convert", workdir / "zero_bnb", "--to", "universal", tmp_path / "u", "--out-tag", "x"), 2,
+         "--out-tag applies to --to zero_bnb"),
     ]
-    for args, message in cases:
+    for args, expected_code, message in cases:
         code, out, err = cli(*args)
-        assert code == 1 and message in err, (args, out, err)
+        assert code == expected_code and message in err, (args, out, err)
         assert err.count("\n") == 1, err  # one line
     with pytest.raises(SystemExit) as usage, contextlib.redirect_stderr(io.StringIO()):
         main(["convert", str(workdir / "zero_bnb"), "--to", "onnx", str(tmp_path / "x")])

@@ -21,6 +21,7 @@ from zero_bnb.errors import (
     CheckpointFormatError,
     CheckpointMismatchError,
     CheckpointSaveError,
+    CheckpointUsageError,
     NonFiniteStateError,
     ReplicatedStateMismatch,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointMismatchError",
     "CheckpointSaveError",
+    "CheckpointUsageError",
     "NonFiniteStateError",
     "ReplicatedStateMismatch",
     "StateKind",

@@ -29,11 +29,17 @@ import torch
 
 from zero_bnb.durable import FileRecord, write_text
 from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
+from zero_bnb.layout import ceil_div
+from zero_bnb.paths import check_name, check_relative_path
 from zero_bnb.state_spec import StateKind
+from zero_bnb.unpickle import safe_load
 
 __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
+    "MASTER_KEY",
+    "READABLE_VERSIONS",
+    "TENSOR_DTYPES",
     "REPLICATED_NAME",
     "SUBDIR",
     "GroupEntry",
@@ -45,14 +51,21 @@ __all__ = [
     "read_replicated",
     "read_shard",
     "shard_name",
+    "check_replicated",
+    "check_shard",
     "write_manifest",
 ]
 
 FORMAT_NAME = "zero_bnb"
-FORMAT_VERSION = 1
+#: Version 2 stores the loss scaler as plain data (every file loads with ``weights_only=True``).
+FORMAT_VERSION = 2
+#: Versions this release reads (version 1 files hold DeepSpeed's pickled loss scaler, an allowed class).
+READABLE_VERSIONS = (1, 2)
 SUBDIR = "zero_bnb"
 MANIFEST_NAME = "manifest.json"
 REPLICATED_NAME = "replicated.pt"
+#: Key of the fp32 master weights in each shard group (beside ``"state"``).
+MASTER_KEY = "fp32"
 
 
 _CHECKSUM_FIELD = "manifest_sha256"
@@ -188,12 +201,13 @@ class Manifest:
             raise CheckpointFormatError(f"{source} is not valid JSON ({error}); the checkpoint is damaged") from error
         if data.get("format_name") != FORMAT_NAME:
             raise CheckpointFormatError(f"{source} is not a zero_bnb manifest (format_name={data.get('format_name')!r})")
-        if data.get("format_version") != FORMAT_VERSION:
+        if data.get("format_version") not in READABLE_VERSIONS:
             raise CheckpointFormatError(
-                f"{source} has format_version={data.get('format_version')!r}, but this zero_bnb reads version "
-                f"{FORMAT_VERSION}; load it with the zero_bnb release that wrote it "
-                f"(versions recorded: {data.get('versions')})"
+                f"{source} has format_version={data.get('format_version')!r}, but this zero_bnb reads versions "
+                f"{list(READABLE_VERSIONS)}; load it with the zero_bnb release that wrote it "
+                f"(versions recorded: {data.get('versions')!r:.200})"
             )
+        _check_types(data, source)
         try:
             groups = tuple(
                 GroupEntry(
@@ -206,7 +220,7 @@ class Manifest:
                 )
                 for g in data["groups"]
             )
-            return cls(
+            manifest = cls(
                 dp_world_size=data["dp_world_size"],
                 block_size=data["block_size"],
                 optimizer_class=data["optimizer_class"],
@@ -220,7 +234,116 @@ class Manifest:
                 format_name=data["format_name"],
             )
         except (KeyError, TypeError, ValueError, AttributeError) as error:
-            raise CheckpointFormatError(f"{source} is missing or has a malformed field ({error!r})") from error
+            raise CheckpointFormatError(f"{source} is missing or has a malformed field ({error!r:.300})") from error
+        manifest.validate(source)
+        return manifest
+
+    def validate(self, source: str = "manifest") -> None:
+        """Check that every name is a safe path component and every range tiles its group.
+
+        Runs before any file the manifest names is opened or any tensor is allocated, so a
+        crafted manifest can neither reach outside its folder nor ask for absurd memory.
+
+        Raises:
+            CheckpointFormatError: names the field, its value and what it must be.
+        """
+        def fail(field_name: str, value: Any, rule: str) -> None:
+            raise CheckpointFormatError(f"{source}: {field_name}={value!r:.200} is invalid: {rule}; the manifest was "
+                                        f"not written by zero_bnb or was edited")
+
+        if not 1 <= self.dp_world_size <= _MAX_DP:
+            fail("dp_world_size", self.dp_world_size, f"it must lie in [1, {_MAX_DP}]")
+        if not 1 <= self.block_size <= _MAX_BLOCK:
+            fail("block_size", self.block_size, f"it must lie in [1, {_MAX_BLOCK}]")
+        expected_shards = tuple(shard_name(r, self.dp_world_size) for r in range(self.dp_world_size))
+        if self.shards != expected_shards:
+            fail("shards", self.shards, f"a save at DP={self.dp_world_size} writes {list(expected_shards)[:4]}...")
+        for index, record in enumerate(self.files):
+            check_relative_path(record.path, f"{source}: files[{index}].path")
+            if record.size < 0 or not _SHA256.fullmatch(record.sha256):
+                fail(f"files[{index}]", record, "size must be >= 0 and sha256 64 lowercase hex digits")
+        for g, group in enumerate(self.groups):
+            where = f"groups[{g}]"
+            if not 0 <= group.numel <= _MAX_NUMEL:
+                fail(f"{where}.numel", group.numel, f"it must lie in [0, {_MAX_NUMEL}]")
+            offset = 0
+            for p, param in enumerate(group.params):
+                check_name(param.name, f"{source}: {where}.params[{p}].name")
+                if param.offset != offset or any(size < 0 for size in param.shape):
+                    fail(f"{where}.params[{p}]", param, f"parameters are stored back to back: offset must be {offset}")
+                offset += param.numel
+            if offset != group.numel:
+                fail(f"{where}.numel", group.numel, f"its parameters hold {offset} elements")
+            blocks = ceil_div(group.numel, self.block_size)
+            for name, ranges, end in (("element_ranges", group.element_ranges, group.numel),
+                                      ("block_ranges", group.block_ranges, blocks)):
+                bounds = [0] + [bound for pair in ranges for bound in pair] + [end]
+                if len(ranges) != self.dp_world_size or any(len(pair) != 2 for pair in ranges) or any(
+                        bounds[i] != bounds[i + 1] for i in range(0, len(bounds), 2)) or any(
+                        bounds[i] > bounds[i + 1] for i in range(1, len(bounds) - 1, 2)):
+                    fail(f"{where}.{name}", ranges, f"{self.dp_world_size} ranges [start, end) in order must tile "
+                                                    f"[0, {end}) without gaps or overlaps")
+            for s, state in enumerate(group.states):
+                check_name(state.key, f"{source}: {where}.states[{s}].key")
+                if state.kind in (StateKind.ELEMENTWISE, StateKind.BLOCKWISE, StateKind.REPLICATED) and \
+                        state.dtype not in TENSOR_DTYPES:
+                    fail(f"{where}.states[{s}].dtype", state.dtype, f"tensor states have one of {sorted(TENSOR_DTYPES)}")
+                lead = 1
+                for size in state.lead:
+                    lead *= size
+                if not all(1 <= size for size in state.lead) or lead > _MAX_LEAD:
+                    fail(f"{where}.states[{s}].lead", state.lead, f"leading axes hold 1 to {_MAX_LEAD} rows")
+
+
+#: dtype names a saved tensor state may have (what bitsandbytes and torch optimizers keep).
+TENSOR_DTYPES = frozenset({"uint8", "int8", "int32", "int64", "float16", "bfloat16", "float32", "float64", "bool"})
+_MAX_DP = 1 << 20
+_MAX_BLOCK = 1 << 24
+_MAX_NUMEL = 1 << 50
+_MAX_LEAD = 64
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "dp_world_size": int, "block_size": int, "optimizer_class": str, "optimizer_spec": str, "groups": list,
+    "shards": list, "files": list, "non_finite": dict, "versions": dict, "format_version": int,
+}
+
+
+def _is(value: Any, kind: type | tuple[type, ...]) -> bool:
+    """``isinstance`` where a JSON ``true`` is not an int."""
+    return isinstance(value, kind) and not (isinstance(value, bool) and kind is int)
+
+
+def _check_types(data: dict[str, Any], source: str) -> None:
+    """Every field the readers index or compute with has its JSON type (bools are not ints)."""
+    problems = [f"{name} must be {getattr(kind, '__name__', kind)}" for name, kind in _FIELD_TYPES.items()
+                if not _is(data.get(name), kind)]
+    for g, group in enumerate(data.get("groups") or []):
+        if not isinstance(group, dict):
+            problems.append(f"groups[{g}] must be an object")
+            continue
+        ints = [("numel", group.get("numel"))]
+        ints += [(f"params[{p}].offset", param.get("offset")) for p, param in enumerate(group.get("params") or [])
+                 if isinstance(param, dict)]
+        ints += [(f"params[{p}].shape", size) for p, param in enumerate(group.get("params") or [])
+                 if isinstance(param, dict) for size in (param.get("shape") if isinstance(param.get("shape"), list) else [None])]
+        ints += [(name, bound) for name in ("element_ranges", "block_ranges")
+                 for pair in (group.get(name) if isinstance(group.get(name), list) else [[None]])
+                 for bound in (pair if isinstance(pair, list) else [None])]
+        ints += [(f"states[{s}].lead", size) for s, state in enumerate(group.get("states") or [])
+                 if isinstance(state, dict) for size in (state.get("lead", []) if isinstance(state.get("lead", []), list) else [None])]
+        problems += [f"groups[{g}].{name} must hold integers" for name, value in ints if not _is(value, int)]
+        strings = [(f"params[{p}].name", param.get("name")) for p, param in enumerate(group.get("params") or [])
+                   if isinstance(param, dict)]
+        strings += [(f"states[{s}].{key}", state.get(key)) for s, state in enumerate(group.get("states") or [])
+                    if isinstance(state, dict) for key in ("key", "dtype", "reason")]
+        problems += [f"groups[{g}].{name} must be a string" for name, value in strings if not isinstance(value, str)]
+    for f, record in enumerate(data.get("files") or []):
+        if not (isinstance(record, dict) and isinstance(record.get("path"), str) and _is(record.get("size"), int)
+                and isinstance(record.get("sha256"), str)):
+            problems.append(f"files[{f}] must be {{path: string, size: integer, sha256: string}}")
+    if problems:
+        raise CheckpointFormatError(f"{source} has malformed fields: {'; '.join(problems[:8])}; the manifest was not "
+                                    f"written by zero_bnb or was edited")
 
 
 def write_manifest(manifest: Manifest, folder: str, *, root: str) -> FileRecord:
@@ -248,26 +371,81 @@ def read_manifest(folder: str) -> Manifest:
     return Manifest.from_json(text, source=path)
 
 
-def _load(path: str, what: str, **kwargs: Any) -> Any:
-    if not os.path.isfile(path):
-        raise CheckpointCorruptError(f"{what} {path} is missing; the checkpoint is incomplete")
-    try:
-        return torch.load(path, map_location="cpu", **kwargs)
-    except Exception as error:  # torch raises many types for damaged archives
-        raise CheckpointCorruptError(
-            f"{what} {path} cannot be read ({type(error).__name__}: {error}); the file is damaged"
-        ) from error
-
-
 def read_shard(folder: str, name: str) -> dict[str, Any]:
-    """Open one shard lazily (memory-mapped): only the slices a loader touches are read."""
-    return _load(os.path.join(folder, name), "shard file", mmap=True, weights_only=True)
+    """Open one shard lazily (memory-mapped, ``weights_only``): only the slices a loader touches are read."""
+    return safe_load(os.path.join(folder, name), "shard file", mmap=True)
 
 
-def read_replicated(folder: str) -> dict[str, Any]:
-    """Read ``replicated.pt`` (hyper-parameters, counters, replicated tensors, loss scaler).
+def read_replicated(folder: str, format_version: int = FORMAT_VERSION) -> dict[str, Any]:
+    """Read ``replicated.pt`` (hyper-parameters, counters, replicated tensors, loss scaler), ``weights_only``.
 
-    Check the file's checksum first: it holds a pickled DeepSpeed loss scaler, as DeepSpeed's
-    own files do, so it is loaded with ``weights_only=False``.
+    Version 1 files hold DeepSpeed's pickled loss scaler, which is then allowed by name.
     """
-    return _load(os.path.join(folder, REPLICATED_NAME), "replicated-state file", weights_only=False)
+    return safe_load(os.path.join(folder, REPLICATED_NAME), "replicated-state file",
+                     deepspeed_classes=format_version < 2)
+
+
+def _tensor_problem(value: Any, dtype: str, shape: tuple[int, ...]) -> str | None:
+    if not isinstance(value, torch.Tensor):
+        return f"is a {type(value).__name__}, not a tensor"
+    if str(value.dtype).removeprefix("torch.") != dtype or tuple(value.shape) != shape:
+        return f"is {str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}, the manifest says {dtype} {shape}"
+    return None
+
+
+def check_shard(shard: Any, manifest: Manifest, rank: int, source: str) -> None:
+    """Every tensor of shard ``rank`` has the dtype and shape the manifest's ranges give it.
+
+    Cheap on a memory-mapped shard (reads no tensor data). Raises ``CheckpointFormatError``
+    naming the group, key and both shapes.
+    """
+    groups = shard.get("groups") if isinstance(shard, dict) else None
+    if not isinstance(groups, list) or len(groups) != len(manifest.groups):
+        raise CheckpointFormatError(f"{source} does not hold the {len(manifest.groups)} groups its manifest lists")
+    problems = []
+    for index, (entry, group) in enumerate(zip(manifest.groups, groups)):
+        if not isinstance(group, dict) or not isinstance(group.get("state"), dict):
+            problems.append(f"group {index} is not {{'{MASTER_KEY}': tensor, 'state': {{...}}}}")
+            continue
+        start, end = entry.element_ranges[rank]
+        block_start, block_end = entry.block_ranges[rank]
+        problem = _tensor_problem(group.get(MASTER_KEY), "float32", (end - start,))
+        if problem:
+            problems.append(f"group {index} {MASTER_KEY} {problem}")
+        for state in entry.states:
+            if state.kind is StateKind.ELEMENTWISE:
+                length = end - start
+            elif state.kind is StateKind.BLOCKWISE:
+                length = block_end - block_start
+            else:
+                continue
+            problem = _tensor_problem(group["state"].get(state.key), state.dtype, (*state.lead, length))
+            if problem:
+                problems.append(f"group {index} state {state.key!r} {problem}")
+    if problems:
+        raise CheckpointFormatError(f"{source} does not match its manifest: {'; '.join(problems[:6])}; the checkpoint "
+                                    f"was edited or not written by zero_bnb")
+
+
+def check_replicated(replicated: Any, manifest: Manifest, source: str) -> None:
+    """The replicated-state file holds, per group, the counters and replicated tensors the manifest lists."""
+    groups = replicated.get("groups") if isinstance(replicated, dict) else None
+    if not isinstance(groups, list) or len(groups) != len(manifest.groups) or not isinstance(
+            replicated.get("zero_wrapper", {}), dict):
+        raise CheckpointFormatError(f"{source} does not hold the {len(manifest.groups)} groups its manifest lists")
+    problems = []
+    for index, (entry, group) in enumerate(zip(manifest.groups, groups)):
+        if not isinstance(group, dict) or not all(isinstance(group.get(k), dict)
+                                                  for k in ("param_group", "counters", "replicated")):
+            problems.append(f"group {index} is not {{'param_group': {{}}, 'counters': {{}}, 'replicated': {{}}}}")
+            continue
+        for state in entry.states:
+            if state.kind is StateKind.COUNTER and state.key not in group["counters"]:
+                problems.append(f"group {index} has no counter {state.key!r}")
+            elif state.kind is StateKind.REPLICATED:
+                value = group["replicated"].get(state.key)
+                if not isinstance(value, torch.Tensor) or str(value.dtype).removeprefix("torch.") != state.dtype:
+                    problems.append(f"group {index} replicated {state.key!r} is not a {state.dtype} tensor")
+    if problems:
+        raise CheckpointFormatError(f"{source} does not match its manifest: {'; '.join(problems[:6])}; the checkpoint "
+                                    f"was edited or not written by zero_bnb")

@@ -8,16 +8,16 @@ from __future__ import annotations
 import glob
 import os
 
-import torch
-
 from zero_bnb.checkpoint_format import SUBDIR, ParamEntry
 from zero_bnb.commit import resolve_tag
-from zero_bnb.errors import CheckpointFormatError
+from zero_bnb.errors import CheckpointFormatError, CheckpointUsageError, malformed
 from zero_bnb.load import CheckpointReader, verify_checkpoint
+from zero_bnb.paths import check_name, check_tag
 from zero_bnb.stock_import import zero_file_names
+from zero_bnb.unpickle import safe_load
 
 __all__ = ["MODEL_STATES", "UNIVERSAL_LATEST", "detect", "locate", "model_states_files", "open_verified",
-           "param_entries"]
+           "param_entries", "require_zero_bnb"]
 
 UNIVERSAL_LATEST = "latest_universal"
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -32,9 +32,11 @@ def locate(path: str, tag: str | None = None, *, latest: str = "latest") -> tupl
     path = os.path.normpath(path)
     if not os.path.isdir(path):
         raise CheckpointFormatError(f"{path} is not a folder; pass a checkpoint save folder or one of its tag folders")
-    is_tag_folder = os.path.isdir(os.path.join(path, SUBDIR)) or glob.glob(os.path.join(path, "mp_rank_*_model_states.pt"))
+    is_tag_folder = os.path.isdir(os.path.join(path, SUBDIR)) or glob.glob(
+        os.path.join(glob.escape(path), "mp_rank_*_model_states.pt"))
     if tag is None and is_tag_folder:
-        return os.path.dirname(path) or ".", os.path.basename(path)
+        absolute = os.path.abspath(path)
+        return os.path.dirname(absolute), check_tag(os.path.basename(absolute))
     if tag is None and not os.path.isfile(os.path.join(path, latest)):
         raise CheckpointFormatError(
             f"{path} holds no '{latest}' file and is not a tag folder; pass the tag folder (for example "
@@ -68,8 +70,35 @@ def detect(path: str, tag: str | None = None) -> str:
     )
 
 
-def open_verified(path: str, tag: str | None) -> tuple[str, CheckpointReader]:
-    """``(folder_tag, reader)`` of the zero_bnb checkpoint at ``path``, every check passed, files opened."""
+def require_zero_bnb(path: str, tag: str | None, command: str) -> None:
+    """Refuse a stock or universal checkpoint given to a command that reads zero_bnb checkpoints.
+
+    Raises:
+        CheckpointUsageError: names what ``path`` is and the command that reads it.
+    """
+    kind = detect(path, tag)
+    if kind == "stock":
+        raise CheckpointUsageError(
+            f"{path} is a stock DeepSpeed checkpoint, not a zero_bnb one; {command} reads zero_bnb checkpoints. "
+            f"Convert it first: zero-bnb convert {path} --to zero_bnb OUT"
+        )
+    if kind == "universal":
+        raise CheckpointUsageError(
+            f"{path} is a DeepSpeed universal checkpoint, not a zero_bnb one; {command} reads zero_bnb checkpoints. "
+            f"Convert it first: zero-bnb convert {path} --to zero_bnb OUT (or load it in DeepSpeed with "
+            f"checkpoint.load_universal: true)"
+        )
+
+
+def open_verified(path: str, tag: str | None, *, command: str = "this tool") -> tuple[str, CheckpointReader]:
+    """``(folder_tag, reader)`` of the zero_bnb checkpoint at ``path``, every check passed, files opened.
+
+    Raises:
+        CheckpointUsageError: ``path`` is a stock or universal checkpoint (the message names
+            the conversion).
+        zero_bnb.errors.CheckpointError: any check failed.
+    """
+    require_zero_bnb(path, tag, command)
     reader = verify_checkpoint(*locate(path, tag))
     reader.preload()
     return os.path.basename(reader.tag_folder), reader
@@ -77,7 +106,7 @@ def open_verified(path: str, tag: str | None) -> tuple[str, CheckpointReader]:
 
 def model_states_files(tag_folder: str) -> dict[str, str]:
     """``{file name: path}`` of DeepSpeed's model-states file in ``tag_folder`` (exactly one is supported)."""
-    files = sorted(glob.glob(os.path.join(tag_folder, "*model_states.pt")))
+    files = sorted(glob.glob(os.path.join(glob.escape(tag_folder), "*model_states.pt")))
     if [os.path.basename(f) for f in files] != [MODEL_STATES]:
         raise CheckpointFormatError(
             f"{tag_folder} holds model-states files {[os.path.basename(f) for f in files]}; the tools handle one "
@@ -88,12 +117,17 @@ def model_states_files(tag_folder: str) -> dict[str, str]:
 
 def param_entries(model_file: str) -> list[tuple[ParamEntry, ...]]:
     """Per flat group, its parameters with offsets, from DeepSpeed's ``param_shapes`` record."""
-    shapes = torch.load(model_file, map_location="cpu", weights_only=False)["param_shapes"]
+    model_states = safe_load(model_file, "DeepSpeed model file", deepspeed_classes=True)
     params = []
-    for group_shapes in shapes:
-        offset, entries = 0, []
-        for name, shape in group_shapes.items():
-            entries.append(ParamEntry(name, tuple(shape), offset))
-            offset += entries[-1].numel
-        params.append(tuple(entries))
+    with malformed(f"DeepSpeed model file {model_file}"):
+        for g, group_shapes in enumerate(model_states["param_shapes"]):
+            offset, entries = 0, []
+            for name, shape in group_shapes.items():
+                entry = ParamEntry(check_name(name, f"{model_file}: param_shapes[{g}] name"),
+                                   tuple(int(size) for size in shape), offset)
+                if any(size < 0 for size in entry.shape):
+                    raise CheckpointFormatError(f"{model_file}: parameter {name!r} has shape {entry.shape}")
+                entries.append(entry)
+                offset += entry.numel
+            params.append(tuple(entries))
     return params

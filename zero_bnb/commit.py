@@ -2,25 +2,32 @@
 
 A save of tag ``T`` into ``save_dir`` goes through three states:
 
-1. **staging** — every rank writes into ``save_dir/.T.zero_bnb-staging`` (hidden; a stale one
-   from a crashed save is removed first). Files are fsynced as they are closed.
+1. **staging** — rank 0 takes the save folder's lock (:mod:`zero_bnb.lock`: one writer at a
+   time; a second job gets an error naming the holder), removes staging folders that crashed
+   saves left, checks that ``T`` and ``latest`` can be replaced (no symlink, no folder named
+   ``latest``), and every rank learns the outcome before anything else happens. Every rank
+   then writes into ``save_dir/.T.zero_bnb-staging-<token>`` (hidden, unique per save).
+   Files are fsynced as they are closed.
 2. **agreement** — all ranks report their files (size, SHA-256) or their error to every
    rank. If any rank failed, the staging folder is removed and every rank raises
    :class:`~zero_bnb.errors.CheckpointSaveError`; the previous checkpoint is untouched.
 3. **publish** (rank 0) — write the manifest (with every file's checksum) last, fsync the
    folders, rename the staging folder to ``save_dir/T`` (an existing ``T`` is first moved
-   aside to ``.T.zero_bnb-replaced`` and removed after), then replace ``latest`` atomically.
+   aside to ``.T.zero_bnb-replaced`` and removed after), then replace ``latest`` atomically,
+   then release the lock.
 
 Killing any process at any moment therefore leaves either the previous checkpoint with its
 ``latest``, or the new one complete. The one window in which ``save_dir/T`` is absent
 (between the two renames when ``T`` is re-saved) is covered by :func:`resolve_tag`, which
-then returns the complete previous folder.
+then returns the complete previous folder. Offline tools write through
+:func:`local_commit`, the same protocol in one process.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -37,17 +44,16 @@ from zero_bnb.durable import (
     remove_tree,
     replace_text,
 )
-from zero_bnb.errors import CheckpointFormatError
+from zero_bnb.errors import CheckpointFormatError, CheckpointSaveError, CheckpointUsageError
+from zero_bnb.lock import SaveFolderLock
+from zero_bnb.paths import check_tag
 
 __all__ = [
     "LATEST_NAME",
     "SaveTransaction",
     "aside_tag",
-    "check_tag",
-    "prepare_staging",
-    "publish",
+    "local_commit",
     "resolve_tag",
-    "staging_tag",
 ]
 
 logger = logging.getLogger(__name__)
@@ -57,44 +63,49 @@ _STAGING_SUFFIX = ".zero_bnb-staging"
 _ASIDE_SUFFIX = ".zero_bnb-replaced"
 
 
-def staging_tag(tag: str) -> str:
-    """Name of the hidden folder a save of ``tag`` writes into before it is published."""
-    return f".{tag}{_STAGING_SUFFIX}"
-
-
 def aside_tag(tag: str) -> str:
     """Name the previous folder of ``tag`` takes while a re-save of ``tag`` is published."""
     return f".{tag}{_ASIDE_SUFFIX}"
 
 
-def check_tag(tag: str) -> str:
-    """Return ``tag`` if it can name a checkpoint folder, else raise ``CheckpointFormatError``."""
-    if not tag or tag != tag.strip() or "/" in tag or os.sep in tag or tag.startswith(".") or not tag.isprintable():
-        raise CheckpointFormatError(
-            f"checkpoint tag {tag!r} cannot name a folder: use a non-empty printable name without path "
-            f"separators, surrounding spaces or a leading dot, for example 'global_step100'"
+def _check_targets(save_dir: str, tag: str, latest_name: str | None) -> None:
+    """Refuse, before anything is written, targets that publishing could not replace cleanly."""
+    final = os.path.join(save_dir, tag)
+    if os.path.islink(final) or (os.path.lexists(final) and not os.path.isdir(final)):
+        raise CheckpointSaveError(
+            f"{final} exists and is {'a symbolic link' if os.path.islink(final) else 'not a folder'}; zero_bnb "
+            f"replaces only checkpoint folders it wrote. Nothing was written. Save under another tag, or remove "
+            f"{final} yourself"
         )
-    return tag
+    if latest_name is not None:
+        latest = os.path.join(save_dir, latest_name)
+        if os.path.islink(latest) or (os.path.lexists(latest) and not os.path.isfile(latest)):
+            raise CheckpointSaveError(
+                f"{latest} is not a regular file, so it cannot point at the new checkpoint. Nothing was written. "
+                f"Remove or rename {latest}"
+            )
 
 
-def prepare_staging(save_dir: str, tag: str) -> str:
-    """Create ``save_dir`` if needed and remove a stale staging folder of ``tag``; returns the staging folder.
-
-    Local: one process (rank 0, or an offline tool) calls it.
-    """
-    staging = os.path.join(save_dir, staging_tag(check_tag(tag)))
+def _prepare(save_dir: str, tag: str, latest_name: str | None, token: str) -> tuple[SaveFolderLock, str]:
+    """Create ``save_dir``, take its lock, clear stale staging folders; returns the lock and staging folder."""
     makedirs(save_dir)
-    remove_tree(staging)
-    return staging
+    lock = SaveFolderLock(save_dir, f"saving tag {tag!r}")
+    lock.acquire()
+    try:
+        _check_targets(save_dir, tag, latest_name)
+        for name in os.listdir(save_dir):  # only the lock holder stages, so these are crashed saves'
+            if name.startswith(".") and _STAGING_SUFFIX in name:
+                remove_tree(os.path.join(save_dir, name))
+        staging = os.path.join(save_dir, f".{tag}{_STAGING_SUFFIX}-{token}")
+        makedirs(staging)
+    except BaseException:
+        lock.release()
+        raise
+    return lock, staging
 
 
-def publish(save_dir: str, tag: str, *, latest_name: str | None = LATEST_NAME) -> str:
-    """Make the finished staging folder of ``tag`` visible as ``save_dir/tag``, then point ``latest_name`` at it.
-
-    Local: one process calls it, after every file of the staging folder is durable.
-    ``latest_name=None`` leaves the pointer file alone. Returns the published folder.
-    """
-    staging = os.path.join(save_dir, staging_tag(tag))
+def _publish(save_dir: str, tag: str, staging: str, latest_name: str | None) -> str:
+    """Make the finished ``staging`` folder visible as ``save_dir/tag``, then point ``latest_name`` at it."""
     for folder in [os.path.join(root, name) for root, names, _ in os.walk(staging) for name in names] + [staging]:
         fsync_dir(folder)
     final = os.path.join(save_dir, tag)
@@ -102,6 +113,26 @@ def publish(save_dir: str, tag: str, *, latest_name: str | None = LATEST_NAME) -
     if latest_name is not None:
         replace_text(tag, os.path.join(save_dir, latest_name))
     return final
+
+
+@contextmanager
+def local_commit(save_dir: str, tag: str, *, latest_name: str | None = LATEST_NAME) -> Iterator[str]:
+    """Write a checkpoint folder in one process: yields the staging folder, publishes it on success.
+
+    Local: for offline tools. Holds the save folder's lock throughout; if the block raises,
+    the staging folder is removed and ``save_dir/tag`` and the pointer file are unchanged.
+    ``latest_name=None`` leaves the pointer file alone.
+    """
+    tag = check_tag(tag)
+    lock, staging = _prepare(save_dir, tag, latest_name, uuid.uuid4().hex[:12])
+    try:
+        yield staging
+        _publish(save_dir, tag, staging, latest_name)
+    finally:
+        try:
+            remove_tree(staging)
+        finally:
+            lock.release()
 
 
 class SaveTransaction:
@@ -114,20 +145,36 @@ class SaveTransaction:
     the collective protocol early).
     """
 
-    def __init__(self, save_dir: str, tag: str) -> None:
+    def __init__(self, save_dir: str, tag: str, *, save_latest: bool = True) -> None:
         self.save_dir = save_dir
         self.tag = check_tag(tag)
-        self.staging_tag = staging_tag(tag)
-        self.staging_folder = os.path.join(save_dir, self.staging_tag)
+        self.latest_name = LATEST_NAME if save_latest else None
+        self.staging_tag = ""
+        self.staging_folder = ""
         self.files: list[FileRecord] = []
         self.errors: list[str] = []
+        self._lock: SaveFolderLock | None = None
 
     def begin(self) -> None:
-        """Clear any stale staging folder (rank 0). Collective."""
+        """Rank 0 takes the lock and prepares the staging folder; every rank learns the outcome. Collective.
+
+        Raises:
+            CheckpointSaveError: on every rank, if rank 0 could not prepare (read-only folder,
+                another job holding the lock, a symlinked tag folder); nothing was written.
+        """
+        token: list[Any] = [None]
         if dist.get_rank() == 0:
             with self.guard():
-                prepare_staging(self.save_dir, self.tag)
-        dist.barrier()
+                self._lock, staging = _prepare(self.save_dir, self.tag, self.latest_name, uuid.uuid4().hex[:12])
+                token = [os.path.basename(staging)]
+        reports: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, ("; ".join(self.errors) or None, token[0]))
+        self.staging_tag = reports[0][1] or ""
+        self.staging_folder = os.path.join(self.save_dir, self.staging_tag)
+        self.errors = []
+        raise_reported([None if error is None else ("CheckpointSaveError", error) for error, _ in reports],
+                       prefix=f"saving checkpoint {self.tag!r} to {self.save_dir} failed before anything was written; "
+                       f"the previous checkpoint and 'latest' are unchanged. Cause: ")
 
     def add(self, records: list[FileRecord]) -> None:
         self.files.extend(records)
@@ -141,8 +188,8 @@ class SaveTransaction:
             logger.error("zero_bnb: saving checkpoint %r failed on rank %d: %r", self.tag, dist.get_rank(), error)
             self.errors.append(f"{type(error).__name__}: {error}")
 
-    def commit(self, build_manifest: Callable[[list[FileRecord]], Manifest], *, save_latest: bool) -> None:
-        """Agree on success, then publish on rank 0. Collective.
+    def commit(self, build_manifest: Callable[[list[FileRecord]], Manifest]) -> None:
+        """Agree on success, then publish on rank 0 and release the lock. Collective.
 
         Raises:
             CheckpointSaveError: on every rank, if any rank failed to write or rank 0 failed to
@@ -154,16 +201,15 @@ class SaveTransaction:
         failures = [None if error is None else ("CheckpointSaveError", error) for _, error in gathered]
         outcome: list[Any] = [None]
         if dist.get_rank() == 0:
-            if any(failures):
-                self._discard()
-            else:
-                files = [record for records, _ in gathered for record in records]
-                try:
-                    self._publish(build_manifest(files), save_latest)
-                except Exception as error:  # noqa: BLE001 - reported to every rank below
-                    logger.error("zero_bnb: publishing checkpoint %r failed: %r", self.tag, error)
-                    self._discard()
-                    outcome = [("CheckpointSaveError", f"rank 0 could not publish it: {type(error).__name__}: {error}")]
+            try:
+                if not any(failures):
+                    files = [record for records, _ in gathered for record in records]
+                    self._publish(build_manifest(files))
+            except Exception as error:  # noqa: BLE001 - reported to every rank below
+                logger.error("zero_bnb: publishing checkpoint %r failed: %r", self.tag, error)
+                outcome = [("CheckpointSaveError", f"rank 0 could not publish it: {type(error).__name__}: {error}")]
+            finally:
+                self.abort()
         dist.broadcast_object_list(outcome, src=0)
         if outcome[0] is not None:
             failures = [outcome[0]] + [None] * (len(failures) - 1)
@@ -173,15 +219,21 @@ class SaveTransaction:
             f"'latest' are unchanged. Fix the cause (disk space, permissions) and save again. Cause: ",
         )
 
-    def _discard(self) -> None:
+    def abort(self) -> None:
+        """Remove the staging folder (if still there) and release the lock. Local; idempotent."""
+        if self._lock is None:
+            return
         try:
             remove_tree(self.staging_folder)
         except OSError as error:
             logger.error("zero_bnb: could not remove the unfinished %s: %r", self.staging_folder, error)
+        finally:
+            self._lock.release()
+            self._lock = None
 
-    def _publish(self, manifest: Manifest, save_latest: bool) -> None:
+    def _publish(self, manifest: Manifest) -> None:
         write_manifest(manifest, os.path.join(self.staging_folder, SUBDIR), root=self.staging_folder)
-        publish(self.save_dir, self.tag, latest_name=LATEST_NAME if save_latest else None)
+        _publish(self.save_dir, self.tag, self.staging_folder, self.latest_name)
         logger.info(
             "zero_bnb: checkpoint %s committed (%d files, DP=%d)",
             os.path.join(self.save_dir, self.tag), len(manifest.files) + 1, manifest.dp_world_size,
@@ -204,6 +256,7 @@ def resolve_tag(load_dir: str, tag: str | None, *, latest_name: str = LATEST_NAM
     ``None`` and there is no pointer file (DeepSpeed then loads nothing and warns).
 
     Raises:
+        CheckpointUsageError: ``tag`` is unsafe or reserved (``latest``, ``../x``, an absolute path).
         CheckpointFormatError: ``latest`` is damaged or names a missing folder, or ``tag`` does
             not exist; the message lists the tags present.
     """
@@ -213,16 +266,17 @@ def resolve_tag(load_dir: str, tag: str | None, *, latest_name: str = LATEST_NAM
         if not os.path.isfile(latest):
             return None
         with open(latest, "rb") as handle:
-            raw = handle.read()
+            raw = handle.read(4097)
         try:
             tag = check_tag(raw.decode("utf-8").strip())
-        except (UnicodeDecodeError, CheckpointFormatError) as error:
+        except (UnicodeDecodeError, CheckpointUsageError) as error:
             raise CheckpointFormatError(
                 f"{latest} is damaged: it holds {raw[:80]!r}, not a checkpoint tag; pass tag= explicitly "
                 f"(tags in {load_dir}: {_tags_in(load_dir)})"
             ) from error
         source = f"{latest}"
-    tag = str(tag)
+    else:
+        tag = check_tag(str(tag))
     if os.path.isdir(os.path.join(load_dir, tag)):
         return tag
     aside = aside_tag(tag)

@@ -16,10 +16,13 @@ from collections.abc import Callable
 
 import torch
 
+from zero_bnb.errors import CheckpointFormatError
+
 __all__ = ["DERIVED_PARAMS_KEY", "derived_entries", "restore_derived"]
 
 #: Key, in DeepSpeed's model-states file, of ``{state-dict key: [master-weight name, dtype]}``.
 DERIVED_PARAMS_KEY = "zero_bnb_derived_params"
+_DTYPES = frozenset({"float32", "bfloat16", "float16", "float64"})
 
 
 def derived_entries(module: torch.nn.Module, trained: dict[torch.nn.Parameter, str]) -> dict[str, list[str]]:
@@ -44,6 +47,14 @@ def restore_derived(model_states: dict, master: Callable[[str], torch.Tensor]) -
         master: the fp32 master weight (in its parameter's shape) of a manifest name.
     """
     derived = model_states.pop(DERIVED_PARAMS_KEY, None) or {}
+    module = model_states.get("module")
+    if not isinstance(derived, dict) or not isinstance(module, dict) or not all(
+            isinstance(key, str) and isinstance(entry, (list, tuple)) and len(entry) == 2
+            and isinstance(entry[0], str) and entry[1] in _DTYPES for key, entry in derived.items()):
+        raise CheckpointFormatError(
+            f"the model file's {DERIVED_PARAMS_KEY!r} must map state-dict keys to [parameter name, dtype] and the file "
+            f"must hold a 'module' state dict; it was edited or not written by zero_bnb"
+        )
     cache: dict[str, torch.Tensor] = {}
     for key, (name, dtype) in derived.items():
         if name not in cache:

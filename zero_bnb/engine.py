@@ -32,11 +32,12 @@ from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from zero_bnb.collective import agree
 from zero_bnb.commit import SaveTransaction, resolve_tag
 from zero_bnb.config import ZeroBnbConfig
-from zero_bnb.derived import DERIVED_PARAMS_KEY, derived_entries, restore_derived
+from zero_bnb.derived import DERIVED_PARAMS_KEY, derived_entries
 from zero_bnb.durable import makedirs, save_torch
-from zero_bnb.load import open_for_load
-from zero_bnb.restore import SavedState, master_weights, restore_optimizer
+from zero_bnb.load import LoadPlan, open_for_load, plan_load
+from zero_bnb.restore import apply_masters, apply_restore
 from zero_bnb.save import build_manifest, write_local_files
+from zero_bnb.unpickle import safe_load
 from zero_bnb.state_checks import find_non_finite, verify_replicated_state
 from zero_bnb.state_spec import StateRule, spec_for
 from zero_bnb.zero_optimizer import BlockAlignedBF16Optimizer, BlockAlignedZeroOptimizer
@@ -77,11 +78,17 @@ class DurableCheckpointEngine(TorchCheckpointEngine):
     """
 
     transaction: SaveTransaction | None = None
+    #: ``{path: loaded object}`` prepared (read and checked) by a load's plan; served by :meth:`load`.
+    planned: dict[str, Any] | None = None
 
     def makedirs(self, path, exist_ok=False):
-        if not exist_ok and os.path.isdir(path):
-            raise FileExistsError(path)
-        makedirs(path)
+        if self.transaction is None:
+            if not exist_ok and os.path.isdir(path):
+                raise FileExistsError(path)
+            makedirs(path)
+            return
+        with self.transaction.guard():  # DeepSpeed calls it outside any error handling of its own
+            makedirs(path)
 
     def save(self, state_dict, path: str) -> None:
         transaction = self.transaction
@@ -89,6 +96,12 @@ class DurableCheckpointEngine(TorchCheckpointEngine):
         record = save_torch(state_dict, path, root=root)
         if transaction is not None:
             transaction.add([record])
+
+    def load(self, path: str, map_location=None):
+        """The planned object for ``path``, else ``torch.load(weights_only=True)`` (no code from the file runs)."""
+        if self.planned is not None and path in self.planned:
+            return self.planned[path]
+        return safe_load(path, "DeepSpeed checkpoint file", deepspeed_classes=True)
 
 
 class ZeroBnbEngine(DeepSpeedEngine):
@@ -146,12 +159,13 @@ class ZeroBnbEngine(DeepSpeedEngine):
             for index in range(wrapper.num_groups):
                 plan = wrapper.state_precision(index)
                 if plan is not None:
+                    limit = plan["eight_bit_up_to_dp"]
                     logger.info(
                         "zero_bnb: group %d: partition of %d elements at DP=%d -> %s state (optim_bits=%d, "
-                        "min_8bit_size=%d is decided per partition; 8-bit while DP <= %s)",
+                        "min_8bit_size=%d is decided per partition; %s)",
                         index, plan["partition_numel"], wrapper.dp_size,
                         "8-bit" if plan["eight_bit"] else "fp32", plan["optim_bits"], plan["min_8bit_size"],
-                        plan["eight_bit_up_to_dp"],
+                        f"8-bit while DP <= {limit}" if limit is not None else "fp32 at every DP size",
                     )
         return wrapper
 
@@ -182,9 +196,9 @@ class ZeroBnbEngine(DeepSpeedEngine):
         if not save_dir:
             raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        transaction = SaveTransaction(save_dir, tag, save_latest=save_latest)  # refuses unsafe tags on every rank
         verify_replicated_state(self.optimizer)
         non_finite = find_non_finite(self.optimizer, self.param_names, self.zero_bnb_config.nonfinite_check)
-        transaction = SaveTransaction(save_dir, tag)
         transaction.begin()
         self.checkpoint_engine.transaction = transaction
         try:
@@ -195,11 +209,12 @@ class ZeroBnbEngine(DeepSpeedEngine):
                 save_latest=False,
                 exclude_frozen_parameters=exclude_frozen_parameters,
             )
+        except BaseException:
+            transaction.abort()  # an error outside every guard: at least leave no lock or staging folder
+            raise
         finally:
             self.checkpoint_engine.transaction = None
-        transaction.commit(
-            lambda files: build_manifest(self.optimizer, self.param_names, files, non_finite), save_latest=save_latest
-        )
+        transaction.commit(lambda files: build_manifest(self.optimizer, self.param_names, files, non_finite))
         return True
 
     def _save_checkpoint(self, save_dir, tag, client_state=None, exclude_frozen_parameters=False):
@@ -223,11 +238,8 @@ class ZeroBnbEngine(DeepSpeedEngine):
 
     def load_module_state_dict(self, checkpoint, strict=True, custom_load_fn=None, fetch_z3_params=False,
                                z3_params_to_fetch=None, allowed_missing_keys=None):
-        saved: SavedState | None = getattr(self, "_zero_bnb_saved", None)
-        if DERIVED_PARAMS_KEY in checkpoint:
-            if saved is None:
-                raise ZeRORuntimeException("zero_bnb checkpoints load only through ZeroBnbEngine.load_checkpoint")
-            restore_derived(checkpoint, master_weights(saved))
+        if DERIVED_PARAMS_KEY in checkpoint:  # a plan puts the module weights back before this point
+            raise ZeRORuntimeException("zero_bnb checkpoints load only through ZeroBnbEngine.load_checkpoint")
         return super().load_module_state_dict(checkpoint, strict=strict, custom_load_fn=custom_load_fn,
                                               fetch_z3_params=fetch_z3_params, z3_params_to_fetch=z3_params_to_fetch,
                                               allowed_missing_keys=allowed_missing_keys)
@@ -267,9 +279,13 @@ class ZeroBnbEngine(DeepSpeedEngine):
         if folder_tag is None:
             return super().load_checkpoint(load_dir, tag=None)  # DeepSpeed warns that there is no 'latest'
         optimizer_states = load_optimizer_states and not load_module_only
-        self._zero_bnb_saved = open_for_load(self, load_dir, folder_tag, optimizer_states=optimizer_states)
+        saved = open_for_load(self, load_dir, folder_tag, optimizer_states=optimizer_states)
+        plan: LoadPlan = agree(lambda: plan_load(self, saved, self._get_ckpt_name(load_dir, folder_tag),
+                                                 optimizer_states=optimizer_states, strict=load_module_strict))
+        self._zero_bnb_plan = plan
+        self.checkpoint_engine.planned = {plan.model_file: plan.model_states}
         try:
-            return super().load_checkpoint(
+            result = super().load_checkpoint(
                 load_dir,
                 tag=folder_tag,
                 load_module_strict=load_module_strict,
@@ -279,18 +295,23 @@ class ZeroBnbEngine(DeepSpeedEngine):
                 custom_load_fn=custom_load_fn,
             )
         finally:
-            self._zero_bnb_saved = None
+            self._zero_bnb_plan = None
+            self.checkpoint_engine.planned = None
+        if not optimizer_states:
+            # DeepSpeed rebuilt the fp32 masters from the module's (maybe bf16) weights; the exact ones are on disk.
+            apply_masters(self.optimizer, plan.optimizer)
+        return result
 
     def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
-        saved: SavedState | None = getattr(self, "_zero_bnb_saved", None)
-        if saved is None:
+        plan: LoadPlan | None = getattr(self, "_zero_bnb_plan", None)
+        if plan is None:
             raise ZeRORuntimeException("zero_bnb loads ZeRO state only through ZeroBnbEngine.load_checkpoint")
-        restore_optimizer(self.optimizer, saved, self.param_names, load_optimizer_states=load_optimizer_states)
+        apply_restore(self.optimizer, plan.optimizer)
         if self.global_rank == 0:
             logger.info(
                 "zero_bnb: loaded checkpoint %s saved at DP=%d into DP=%d",
                 os.path.join(load_dir, str(tag)),
-                saved.manifest.dp_world_size,
+                plan.optimizer.saved_dp,
                 self.optimizer.dp_size,
             )
         return True

@@ -6,15 +6,20 @@ operations (save, load) raise the same error class with the same message on ever
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointMismatchError",
     "CheckpointSaveError",
+    "CheckpointUsageError",
     "NonFiniteStateError",
     "ReplicatedStateMismatch",
     "error_class",
+    "malformed",
 ]
 
 
@@ -38,6 +43,11 @@ class CheckpointSaveError(CheckpointError):
     """A save failed on some rank; the previous checkpoint and ``latest`` were left as they were."""
 
 
+class CheckpointUsageError(CheckpointError):
+    """A call or command asked for something that cannot be done safely (nothing was touched):
+    an unsafe or reserved tag, an output over its own input, an existing output without ``force``."""
+
+
 class ReplicatedStateMismatch(CheckpointError):
     """A state entry that must be identical on every rank is not."""
 
@@ -54,6 +64,7 @@ _CLASSES = {
         CheckpointCorruptError,
         CheckpointMismatchError,
         CheckpointSaveError,
+        CheckpointUsageError,
         ReplicatedStateMismatch,
         NonFiniteStateError,
     )
@@ -63,3 +74,18 @@ _CLASSES = {
 def error_class(name: str) -> type[CheckpointError]:
     """The checkpoint error class called ``name`` (``CheckpointError`` for any other name)."""
     return _CLASSES.get(name, CheckpointError)
+
+
+@contextmanager
+def malformed(what: str) -> Iterator[None]:
+    """Turn a lookup or type error while reading ``what`` (a file of unexpected structure) into
+    :class:`CheckpointFormatError` naming it; checkpoint errors pass through unchanged."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError, RuntimeError) as error:
+        raise CheckpointFormatError(
+            f"{what} is malformed ({type(error).__name__}: {str(error)[:200]}); it was not written by DeepSpeed or "
+            f"zero_bnb, or it was edited"
+        ) from error

@@ -37,6 +37,28 @@ def _resolve_config(args: Any, config: Any, config_params: Any) -> tuple[Any, An
     return config, args
 
 
+def _refuse_unsupported(ds_config: dict, mpu: Any) -> None:
+    """Refuse settings under which zero_bnb's checkpoints would be wrong, before DeepSpeed starts."""
+    if mpu is not None:
+        raise ZeroBnbConfigError(
+            f"zero_bnb supports data parallelism only, but an mpu ({type(mpu).__name__}) was passed: with tensor or "
+            f"pipeline parallelism, ranks of different model-parallel groups would write the same shard files. "
+            f"Remove mpu= (or use stock DeepSpeed for model-parallel runs)"
+        )
+    autotp = (ds_config.get("tensor_parallel") or {}).get("autotp_size", 1)
+    if isinstance(autotp, int) and autotp > 1:
+        raise ZeroBnbConfigError(
+            f"zero_bnb supports data parallelism only, but the config sets tensor_parallel.autotp_size={autotp}; "
+            f"remove the tensor_parallel section"
+        )
+    if (ds_config.get("checkpoint") or {}).get("use_node_local_storage"):
+        raise ZeroBnbConfigError(
+            "zero_bnb commits a checkpoint by renaming one folder that every rank wrote into, which needs storage "
+            "shared by all nodes, but the config sets checkpoint.use_node_local_storage=true; remove it and save "
+            "to a shared file system"
+        )
+
+
 def initialize(
     args=None,
     model=None,
@@ -71,6 +93,7 @@ def initialize(
             f"zero_bnb wraps ZeRO stages 1 and 2, but the config has zero_optimization.stage={stage}; "
             f"set \"zero_optimization\": {{\"stage\": 1}} (or 2)"
         )
+    _refuse_unsupported(ds_config, mpu)
     if optimizer is not None and "zero_allow_untested_optimizer" not in ds_config:
         ds_config["zero_allow_untested_optimizer"] = True
     overridden = {}

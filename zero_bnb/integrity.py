@@ -12,7 +12,8 @@ from tqdm import tqdm
 
 from zero_bnb.checkpoint_format import REPLICATED_NAME, SUBDIR, Manifest
 from zero_bnb.durable import FileRecord, digest_file
-from zero_bnb.errors import CheckpointCorruptError
+from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
+from zero_bnb.paths import check_relative_path, inside, resolved
 
 __all__ = ["check_file_list", "checksum_shares", "verify_checksums"]
 
@@ -32,16 +33,26 @@ def checksum_shares(files: tuple[FileRecord, ...], world_size: int) -> list[list
 
 
 def check_file_list(tag_folder: str, manifest: Manifest) -> None:
-    """Every file the manifest lists exists with its recorded size, and every shard is listed.
+    """Every file the manifest lists is a regular file inside ``tag_folder`` with its recorded size.
+
+    Every shard and the replicated file must be listed, and the shards must be large enough
+    for the elements the manifest records (so no reader allocates more than the files hold).
 
     Raises:
         CheckpointCorruptError: lists every missing, truncated or grown file.
+        CheckpointFormatError: a listed path leaves the folder (a symlink pointing out, a
+            FIFO or device), or the recorded sizes cannot hold the recorded elements.
     """
     listed = {record.path for record in manifest.files}
     required = [os.path.join(SUBDIR, name) for name in (*manifest.shards, REPLICATED_NAME)]
     problems = [f"{path} is not listed in the manifest" for path in required if path not in listed]
     for record in manifest.files:
-        path = os.path.join(tag_folder, record.path)
+        path = os.path.join(tag_folder, check_relative_path(record.path, "manifest files[].path"))
+        if not inside(path, tag_folder):
+            raise CheckpointFormatError(f"{path} resolves to {resolved(path)}, outside the checkpoint folder "
+                                        f"{tag_folder}; checkpoint files must lie inside it")
+        if os.path.lexists(path) and not os.path.isfile(path):
+            raise CheckpointFormatError(f"{path} is not a regular file; checkpoint files must be regular files")
         if not os.path.isfile(path):
             problems.append(f"{record.path} is missing")
             continue
@@ -52,6 +63,15 @@ def check_file_list(tag_folder: str, manifest: Manifest) -> None:
         raise CheckpointCorruptError(
             f"checkpoint {tag_folder} is incomplete or damaged: {'; '.join(problems)}. Restore the files from a "
             f"copy or load an earlier tag."
+        )
+    shard_paths = {os.path.join(SUBDIR, name) for name in manifest.shards}
+    shard_bytes = sum(record.size for record in manifest.files if record.path in shard_paths)
+    master_bytes = 4 * sum(group.numel for group in manifest.groups)
+    if master_bytes > shard_bytes:
+        raise CheckpointFormatError(
+            f"checkpoint {tag_folder}: its manifest records {master_bytes // 4} elements (groups[*].numel), whose "
+            f"fp32 master weights alone need {master_bytes} bytes, but its shards hold {shard_bytes} bytes; the "
+            f"manifest was edited or not written by zero_bnb"
         )
 
 

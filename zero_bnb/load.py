@@ -11,25 +11,32 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from zero_bnb.checkpoint_format import (
+    MASTER_KEY,
+    REPLICATED_NAME,
     SUBDIR,
+    check_replicated,
+    check_shard,
     read_manifest,
     read_replicated,
     read_shard,
 )
 from zero_bnb.collective import agree
 from zero_bnb.commit import resolve_tag
-from zero_bnb.errors import CheckpointFormatError
+from zero_bnb.derived import DERIVED_PARAMS_KEY, restore_derived
+from zero_bnb.errors import CheckpointFormatError, CheckpointMismatchError
 from zero_bnb.integrity import check_file_list, verify_checksums
-from zero_bnb.restore import MASTER_KEY, SavedState, check_compatible
+from zero_bnb.restore import RestorePlan, SavedState, check_compatible, master_weights, plan_restore
 from zero_bnb.stock_import import StockCheckpoint
+from zero_bnb.unpickle import safe_load
 
-__all__ = ["CheckpointReader", "open_for_load", "verify_checkpoint"]
+__all__ = ["CheckpointReader", "LoadPlan", "open_for_load", "plan_load", "verify_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +45,8 @@ class CheckpointReader:
     """A zero_bnb checkpoint folder, with shards opened lazily and memory-mapped.
 
     Opening reads and checks the manifest and the presence and size of every file; call
-    :meth:`verify` before :attr:`replicated` (a pickle) or any shard is read.
+    :meth:`verify` before :attr:`replicated` or any shard is read. Files are read with
+    ``weights_only=True`` and checked against the manifest (dtypes, shapes) as they are opened.
     """
 
     def __init__(self, tag_folder: str) -> None:
@@ -57,7 +65,9 @@ class CheckpointReader:
     def replicated(self) -> dict[str, Any]:
         """The replicated-state file (hyper-parameters, counters, qmaps, loss scaler), read once."""
         if self._replicated is None:
-            self._replicated = read_replicated(self.folder)
+            replicated = read_replicated(self.folder, self.manifest.format_version)
+            check_replicated(replicated, self.manifest, os.path.join(self.folder, REPLICATED_NAME))
+            self._replicated = replicated
         return self._replicated
 
     def preload(self) -> None:
@@ -71,7 +81,9 @@ class CheckpointReader:
 
     def _shard(self, rank: int) -> dict[str, Any]:
         if rank not in self._shards:
-            self._shards[rank] = read_shard(self.folder, self.manifest.shards[rank])
+            shard = read_shard(self.folder, self.manifest.shards[rank])
+            check_shard(shard, self.manifest, rank, os.path.join(self.folder, self.manifest.shards[rank]))
+            self._shards[rank] = shard
         return self._shards[rank]
 
     @staticmethod
@@ -124,7 +136,7 @@ def _open_zero_bnb(engine, tag_folder: str, optimizer_states: bool) -> Checkpoin
         check_compatible(optimizer, reader.manifest, engine.param_names, optimizer_states=optimizer_states)
         reader.preload()
 
-    agree(prepared)
+    agree(prepared)  # cheap manifest-only refusal before the files are opened; plan_load checks everything else
     if reader.manifest.non_finite and rank == 0:
         logger.warning(
             "zero_bnb: checkpoint %s was saved with NaN/Inf in %s", tag_folder, reader.manifest.non_finite
@@ -154,3 +166,52 @@ def open_for_load(engine, load_dir: str, folder_tag: str, *, optimizer_states: b
     if CheckpointReader.exists(tag_folder):
         return _open_zero_bnb(engine, tag_folder, optimizer_states)
     return agree(lambda: StockCheckpoint.open(engine, load_dir, folder_tag))
+
+
+@dataclass
+class LoadPlan:
+    """Everything a load will write, read and checked before anything changes (see :func:`plan_load`)."""
+
+    optimizer: RestorePlan
+    model_file: str
+    model_states: dict[str, Any]
+
+
+def _check_module(module: torch.nn.Module, saved: Any, model_file: str, strict: bool) -> None:
+    if not isinstance(saved, dict):
+        raise CheckpointFormatError(f"{model_file} holds no 'module' state dict; it is not a DeepSpeed model file")
+    current = module.state_dict()
+    shapes = sorted(f"{key}: saved {tuple(saved[key].shape)}, model {tuple(value.shape)}"
+                    for key, value in current.items()
+                    if key in saved and isinstance(saved[key], torch.Tensor) and saved[key].shape != value.shape)
+    missing = sorted(set(current) - set(saved)) if strict else []
+    unexpected = sorted(set(saved) - set(current)) if strict else []
+    if shapes or missing or unexpected:
+        detail = "; ".join(part for part in (
+            f"shape differs: {shapes}" if shapes else "",
+            f"missing in checkpoint: {missing[:10]}" if missing else "",
+            f"not in model: {unexpected[:10]}" if unexpected else "",
+        ) if part)
+        raise CheckpointMismatchError(
+            f"the module weights in {model_file} do not fit the running model ({detail}). Build the model that "
+            f"wrote the checkpoint{', or load with load_module_strict=False' if not shapes else ''}"
+        )
+
+
+def plan_load(engine, saved: SavedState, model_file: str, *, optimizer_states: bool, strict: bool) -> LoadPlan:
+    """Read and check every part of a load on this rank, changing nothing: the optimizer's
+    partitions (:func:`~zero_bnb.restore.plan_restore`) and DeepSpeed's model file (module
+    weights put back from the master weights, keys and shapes checked against the module).
+
+    Local; the engine runs it under :func:`~zero_bnb.collective.agree` so that a failure on
+    any rank stops the load on every rank before anything is modified.
+    """
+    optimizer = plan_restore(engine.optimizer, saved, engine.param_names, load_optimizer_states=optimizer_states)
+    model_states = safe_load(model_file, "DeepSpeed model file", deepspeed_classes=True)
+    if not isinstance(model_states, dict):
+        raise CheckpointFormatError(f"{model_file} is not a DeepSpeed model file (it holds a "
+                                    f"{type(model_states).__name__})")
+    if DERIVED_PARAMS_KEY in model_states:
+        restore_derived(model_states, master_weights(saved))
+    _check_module(engine.module, model_states.get("module"), model_file, strict)
+    return LoadPlan(optimizer, model_file, model_states)

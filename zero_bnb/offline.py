@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 
 from zero_bnb import quant, versions
 from zero_bnb.checkpoint_format import (
+    MASTER_KEY,
     REPLICATED_NAME,
     SUBDIR,
     GroupEntry,
@@ -28,11 +30,12 @@ from zero_bnb.checkpoint_format import (
     shard_name,
     write_manifest,
 )
-from zero_bnb.commit import prepare_staging, publish
-from zero_bnb.durable import FileRecord, copy_file, save_torch
+from zero_bnb.commit import LATEST_NAME, local_commit
+from zero_bnb.durable import FileRecord, copy_file, makedirs, save_torch
 from zero_bnb.layout import ceil_div
-from zero_bnb.restore import MASTER_KEY, SavedState, gather_range
+from zero_bnb.restore import SavedState, gather_range
 from zero_bnb.state_spec import OptimizerSpec, StateKind
+from zero_bnb.wrapper_state import plain_wrapper
 
 __all__ = ["FullGroup", "QuantizationReport", "gather_full", "moments", "per_parameter", "quantize_moment",
            "write_checkpoint"]
@@ -146,22 +149,20 @@ def write_checkpoint(
     block_size: int,
     optimizer_class: str,
     wrapper: dict[str, Any],
-    extra_files: dict[str, str],
+    extra_files: dict[str, str | Callable[[str, str], FileRecord]],
     save_latest: bool = True,
 ) -> str:
     """Write ``groups`` as a DP=1 zero_bnb checkpoint ``save_dir/tag``, committed atomically.
 
     Args:
-        extra_files: file name in the tag folder -> source path, copied byte for byte
-            (DeepSpeed's model-states file, so that ``engine.load_checkpoint`` finds the weights).
+        extra_files: file name in the tag folder -> source path copied byte for byte, or a
+            writer ``(path, root) -> FileRecord`` (DeepSpeed's model-states file, so that
+            ``engine.load_checkpoint`` finds the weights).
         wrapper: the ZeRO wrapper's scalars (loss scaler, ...).
 
     Returns:
         The published tag folder.
     """
-    staging = prepare_staging(save_dir, tag)
-    folder = os.path.join(staging, SUBDIR)
-    os.makedirs(folder)
     shard_groups, replicated_groups, entries = [], [], []
     for group in groups:
         kinds = {item.key: item.kind for item in group.states}
@@ -181,19 +182,25 @@ def write_checkpoint(
             element_ranges=((0, group.numel),), block_ranges=((0, ceil_div(group.numel, block_size)),),
             hyperparameters={k: jsonable(v) for k, v in group.param_group.items() if k != "params"},
         ))
-    files: list[FileRecord] = [
-        save_torch({"rank": 0, "dp": 1, "groups": shard_groups}, os.path.join(folder, shard_name(0, 1)), root=staging),
-        save_torch({"groups": replicated_groups, "zero_wrapper": wrapper}, os.path.join(folder, REPLICATED_NAME),
-                   root=staging),
-    ]
-    for name, source in extra_files.items():
-        files.append(copy_file(source, os.path.join(staging, name), root=staging))
-    manifest = Manifest(
-        dp_world_size=1, block_size=block_size, optimizer_class=optimizer_class, optimizer_spec=spec.name,
-        groups=tuple(entries), shards=(shard_name(0, 1),), files=tuple(sorted(files, key=lambda f: f.path)),
-        versions=versions.installed(),
-    )
-    write_manifest(manifest, folder, root=staging)
-    published = publish(save_dir, tag, latest_name="latest" if save_latest else None)
+    with local_commit(save_dir, tag, latest_name=LATEST_NAME if save_latest else None) as staging:
+        folder = os.path.join(staging, SUBDIR)
+        makedirs(folder)
+        files: list[FileRecord] = [
+            save_torch({"rank": 0, "dp": 1, "groups": shard_groups}, os.path.join(folder, shard_name(0, 1)),
+                       root=staging),
+            save_torch({"groups": replicated_groups, "zero_wrapper": plain_wrapper(wrapper)},
+                       os.path.join(folder, REPLICATED_NAME), root=staging),
+        ]
+        for name, source in extra_files.items():
+            target = os.path.join(staging, name)
+            files.append(copy_file(source, target, root=staging) if isinstance(source, str) else source(target, staging))
+        manifest = Manifest(
+            dp_world_size=1, block_size=block_size, optimizer_class=optimizer_class, optimizer_spec=spec.name,
+            groups=tuple(entries), shards=(shard_name(0, 1),), files=tuple(sorted(files, key=lambda f: f.path)),
+            versions=versions.installed(),
+        )
+        manifest.validate(f"the checkpoint being written to {os.path.join(save_dir, tag)}")
+        write_manifest(manifest, folder, root=staging)
+    published = os.path.join(save_dir, tag)
     logger.info("zero_bnb: wrote %s (%d groups)", published, len(groups))
     return published

@@ -1,8 +1,13 @@
 """Fill a :class:`~zero_bnb.aligned.BlockAligned` optimizer from a saved checkpoint at any DP size.
 
-Each rank reads only the saved ranges that overlap its new partition. No collectives are
-needed: :func:`restore_optimizer` may be called on every rank independently, and must be
-called on all of them for the engine to be consistent.
+Loading is all-or-nothing: :func:`plan_restore` reads everything (each rank only the saved
+ranges that overlap its new partition) into new tensors and raises on any mismatch without
+touching the optimizer; :func:`apply_restore` then swaps the planned values in and cannot
+fail. While a plan is held, the new state and the old one both exist (one partition's
+optimizer state and master weights more than training needs).
+
+No collectives: both may be called on every rank independently, and must be called on all
+of them for the engine to be consistent (the engine agrees on the plan's success first).
 """
 
 from __future__ import annotations
@@ -13,19 +18,30 @@ from typing import Any, Protocol
 
 import torch
 
+from dataclasses import dataclass
+
 from zero_bnb import quant
 from zero_bnb.aligned import BlockAligned
-from zero_bnb.checkpoint_format import GroupEntry, Manifest
+from zero_bnb.checkpoint_format import MASTER_KEY, GroupEntry, Manifest
 from zero_bnb.errors import CheckpointMismatchError
 from zero_bnb.layout import plan_copy
 from zero_bnb.state_spec import StateKind
+from zero_bnb.wrapper_state import live_wrapper
 
-__all__ = ["MASTER_KEY", "SavedState", "check_compatible", "gather_range", "master_weights", "restore_optimizer"]
+__all__ = [
+    "MASTER_KEY",
+    "GroupPlan",
+    "RestorePlan",
+    "SavedState",
+    "apply_masters",
+    "apply_restore",
+    "check_compatible",
+    "gather_range",
+    "master_weights",
+    "plan_restore",
+]
 
 logger = logging.getLogger(__name__)
-
-MASTER_KEY = "fp32"
-
 
 class SavedState(Protocol):
     """What :func:`restore_optimizer` reads: a manifest, the replicated file, and shard pieces."""
@@ -145,20 +161,26 @@ class _GroupRestorer:
     def gather_blocks(self, key: str, out: torch.Tensor) -> None:
         gather_range(self.saved, self.index, key, self.entry.block_ranges, self.blocks, out)
 
-    def restore_master(self) -> None:
+    def master(self) -> torch.Tensor:
+        """The new partition's master weights (padding zero), in a new tensor."""
         values = torch.zeros(self.param.numel(), dtype=self.param.dtype)
         self.gather_elements(MASTER_KEY, values)
-        self.param.data.copy_(values)
+        return values
 
     def fresh_state(self) -> dict[str, Any]:
-        """Empty state for the new partition, as the optimizer itself would create it."""
+        """Empty state for the new partition, as the optimizer itself would create it; the optimizer is left as it was."""
         base = self.optimizer.optimizer
-        base.state.pop(self.param, None)
         init_state = self.optimizer.zero_bnb_spec.init_state
         if init_state is not None:
-            init_state(base, self.index, self.param)
-            return base.state[self.param]
-        state = base.state[self.param]
+            previous = base.state.pop(self.param, None)
+            try:
+                init_state(base, self.index, self.param)
+                return base.state.pop(self.param, {})
+            finally:
+                base.state.pop(self.param, None)
+                if previous is not None:
+                    base.state[self.param] = previous
+        state: dict[str, Any] = {}
         for saved in self.entry.states:
             dtype = getattr(torch, saved.dtype, None)
             if saved.kind is StateKind.ELEMENTWISE:
@@ -168,11 +190,10 @@ class _GroupRestorer:
                                                device=self.param.device)
         return state
 
-    def restore_state(self) -> list[str]:
-        """Fill the fresh state; returns notes on 8-bit <-> fp32 conversions."""
+    def planned_state(self) -> tuple[dict[str, Any] | None, list[str]]:
+        """The new state (``None``: none) and notes on 8-bit <-> fp32 conversions; the optimizer is not touched."""
         if not self.entry.states:
-            self.optimizer.optimizer.state.pop(self.param, None)
-            return []
+            return None, []
         state = self.fresh_state()
         spec = self.optimizer.zero_bnb_spec
         keys = list(state) + [s.key for s in self.entry.states if s.key not in state]
@@ -227,7 +248,7 @@ class _GroupRestorer:
                     )
             else:
                 raise CheckpointMismatchError(f"state {key!r} of group {self.index} has unsupported kind {saved.kind}")
-        return notes
+        return state, notes
 
     def _converted(self, triple, state: dict[str, Any]) -> bool:
         """Whether ``triple``'s codes are saved in one dtype and held in the other."""
@@ -264,43 +285,94 @@ class _GroupRestorer:
         state[triple.absmax].zero_()
         state[triple.absmax][..., : absmax.shape[-1]].copy_(absmax)
 
-    def restore_hyperparameters(self) -> None:
-        group = self.optimizer.optimizer.param_groups[self.index]
-        for key, value in self.record["param_group"].items():
-            group[key] = value
+    def plan(self, load_optimizer_states: bool) -> GroupPlan:
+        if not load_optimizer_states:
+            return GroupPlan(self.index, self.master(), None, None, [])
+        state, notes = self.planned_state()
+        return GroupPlan(self.index, self.master(), state, dict(self.record["param_group"]), notes)
 
 
-def restore_optimizer(
+@dataclass
+class GroupPlan:
+    """What loading writes into one flat group: master weights, base-optimizer state, hyper-parameters."""
+
+    index: int
+    master: torch.Tensor
+    state: dict[str, Any] | None
+    hyperparameters: dict[str, Any] | None
+    notes: list[str]
+
+
+@dataclass
+class RestorePlan:
+    """A checked, fully read load of one rank's partitions (see :func:`plan_restore`)."""
+
+    groups: list[GroupPlan]
+    load_optimizer_states: bool
+    wrapper: dict[str, Any]
+    saved_dp: int
+
+
+def plan_restore(
     optimizer: BlockAligned, saved: SavedState, names: dict, *, load_optimizer_states: bool = True
-) -> None:
-    """Load master weights (and, unless told not to, optimizer state) into this rank's partitions.
+) -> RestorePlan:
+    """Read and check everything a load will write into this rank's partitions, changing nothing.
 
-    Call on every rank of the data-parallel group (no collectives inside). The checkpoint's
-    DP size may differ from the running one.
+    Local (no collectives); the checkpoint's DP size may differ from the running one.
 
     Raises:
-        CheckpointMismatchError: the checkpoint does not fit the running model or optimizer;
-            raised before anything is modified.
+        CheckpointMismatchError: the checkpoint does not fit the running model or optimizer.
+        zero_bnb.errors.CheckpointFormatError: the saved loss scaler is malformed.
     """
     check_compatible(optimizer, saved.manifest, names, optimizer_states=load_optimizer_states)
-    restorers = [_GroupRestorer(optimizer, saved, index) for index in range(optimizer.num_groups)]
-    for restorer in restorers:
-        restorer.restore_master()
-    if not load_optimizer_states:
+    groups = [_GroupRestorer(optimizer, saved, index).plan(load_optimizer_states)
+              for index in range(optimizer.num_groups)]
+    wrapper = live_wrapper(saved.replicated.get("zero_wrapper", {})) if load_optimizer_states else {}
+    return RestorePlan(groups, load_optimizer_states, wrapper, saved.manifest.dp_world_size)
+
+
+def apply_masters(optimizer: BlockAligned, plan: RestorePlan) -> None:
+    """Copy the planned fp32 master weights into the partitions (exact, whatever the module dtype). Local."""
+    for group in plan.groups:
+        optimizer.master_partition(group.index).data.copy_(group.master)
+
+
+def _log_hyperparameters(optimizer: BlockAligned, plan: RestorePlan) -> None:
+    changed = {}
+    for group in plan.groups:
+        current = optimizer.optimizer.param_groups[group.index]
+        for key, value in (group.hyperparameters or {}).items():
+            if key != "params" and key in current and current[key] != value:
+                changed.setdefault(key, (current[key], value))
+    if changed:
+        logger.info(
+            "zero_bnb: the checkpoint's hyper-parameters replace the optimizer's, as in stock DeepSpeed: %s; set "
+            "them on optimizer.param_groups after load_checkpoint to change them",
+            ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in sorted(changed.items())),
+        )
+
+
+def apply_restore(optimizer: BlockAligned, plan: RestorePlan) -> None:
+    """Write a plan into the optimizer: master weights, and unless planned without them, state,
+    hyper-parameters and the ZeRO wrapper's scalars. Local; raises nothing a plan did not.
+    """
+    apply_masters(optimizer, plan)
+    if not plan.load_optimizer_states:
         return
-    for restorer in restorers:
-        notes = restorer.restore_state()
-        restorer.restore_hyperparameters()
-        if notes and optimizer.dp_rank == 0:
+    if optimizer.dp_rank == 0:
+        _log_hyperparameters(optimizer, plan)
+    base = optimizer.optimizer
+    for group in plan.groups:
+        param = optimizer.master_partition(group.index)
+        base.state.pop(param, None)
+        if group.state is not None:
+            base.state[param] = group.state
+        base.param_groups[group.index].update(group.hyperparameters or {})
+        if group.notes and optimizer.dp_rank == 0:
             logger.warning(
                 "zero_bnb: group %d: the optimizer holds partitions of %d elements in another precision than the "
                 "checkpoint (saved at DP=%d, now DP=%d); converted %s",
-                restorer.index,
-                restorer.param.numel(),
-                saved.manifest.dp_world_size,
-                optimizer.dp_size,
-                ", ".join(notes),
+                group.index, param.numel(), plan.saved_dp, optimizer.dp_size, ", ".join(group.notes),
             )
-    wrapper = saved.replicated.get("zero_wrapper", {})
-    for name, value in wrapper.items():
+    for name, value in plan.wrapper.items():
         setattr(optimizer, name, value)

@@ -16,6 +16,7 @@ import torch
 from zero_bnb import versions
 from zero_bnb.aligned import BlockAligned
 from zero_bnb.checkpoint_format import (
+    MASTER_KEY,
     REPLICATED_NAME,
     SUBDIR,
     GroupEntry,
@@ -26,11 +27,9 @@ from zero_bnb.checkpoint_format import (
 from zero_bnb.durable import FileRecord, makedirs, save_torch
 from zero_bnb.state_checks import classify_group_state
 from zero_bnb.state_spec import StateKind
+from zero_bnb.wrapper_state import WRAPPER_SCALARS, plain_wrapper
 
-__all__ = ["WRAPPER_SCALARS", "build_manifest", "write_local_files"]
-
-#: Scalars of DeepSpeed's ZeRO wrapper that a resume must restore (fp16 loss scaling).
-WRAPPER_SCALARS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad")
+__all__ = ["build_manifest", "write_local_files"]
 
 
 def _valid_slice(value: torch.Tensor, count: int) -> torch.Tensor:
@@ -71,7 +70,7 @@ def write_local_files(optimizer: BlockAligned, tag_folder: str) -> list[FileReco
             else:
                 counters[key] = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
         master = optimizer.master_partition(group_index)
-        shard_groups.append({"fp32": _valid_slice(master, e_end - e_start), "state": sharded})
+        shard_groups.append({MASTER_KEY: _valid_slice(master, e_end - e_start), "state": sharded})
         replicated_groups.append(
             {"param_group": _hyperparameters(optimizer, group_index), "counters": counters, "replicated": replicated}
         )
@@ -79,7 +78,7 @@ def write_local_files(optimizer: BlockAligned, tag_folder: str) -> list[FileReco
     records = [save_torch({"rank": rank, "dp": dp, "groups": shard_groups}, os.path.join(folder, shard_name(rank, dp)),
                           root=tag_folder)]
     if rank == 0:
-        wrapper = {name: getattr(optimizer, name) for name in WRAPPER_SCALARS if hasattr(optimizer, name)}
+        wrapper = plain_wrapper({name: getattr(optimizer, name) for name in WRAPPER_SCALARS if hasattr(optimizer, name)})
         records.append(save_torch({"groups": replicated_groups, "zero_wrapper": wrapper},
                                   os.path.join(folder, REPLICATED_NAME), root=tag_folder))
     return records
@@ -113,7 +112,7 @@ def build_manifest(
             )
         )
     base = optimizer.optimizer
-    return Manifest(
+    manifest = Manifest(
         dp_world_size=optimizer.dp_size,
         block_size=optimizer.zero_bnb_spec.block_size,
         optimizer_class=f"{type(base).__module__}.{type(base).__qualname__}",
@@ -124,3 +123,5 @@ def build_manifest(
         non_finite=non_finite,
         versions=versions.installed(),
     )
+    manifest.validate("the manifest being written")
+    return manifest

@@ -26,13 +26,13 @@ from zero_bnb.checkpoint_format import (
     StateEntry,
 )
 from zero_bnb.errors import (
-    CheckpointCorruptError,
     CheckpointFormatError,
     CheckpointMismatchError,
 )
 from zero_bnb.layout import ceil_div
-from zero_bnb.save import WRAPPER_SCALARS
 from zero_bnb.state_spec import OptimizerSpec, StateKind, StateRule, classify_state
+from zero_bnb.unpickle import safe_load
+from zero_bnb.wrapper_state import WRAPPER_SCALARS, plain_wrapper
 
 __all__ = ["StockCheckpoint", "group_states", "read_rank_files", "zero_file_names"]
 
@@ -74,13 +74,11 @@ def read_rank_files(names: list[str]) -> list[dict[str, Any]]:
     """
     rank_sds = []
     for name in names:
-        try:
-            rank_sds.append(torch.load(name, map_location="cpu", weights_only=False)["optimizer_state_dict"])
-        except Exception as error:
-            raise CheckpointCorruptError(
-                f"stock DeepSpeed optimizer file {name} cannot be read ({type(error).__name__}: {error}); "
-                f"the file is damaged"
-            ) from error
+        loaded = safe_load(name, "stock DeepSpeed optimizer file", deepspeed_classes=True)
+        if not isinstance(loaded, dict) or not isinstance(loaded.get("optimizer_state_dict"), dict):
+            raise CheckpointFormatError(f"stock DeepSpeed optimizer file {name} holds no optimizer_state_dict; it is "
+                                        f"not a DeepSpeed ZeRO checkpoint file")
+        rank_sds.append(loaded["optimizer_state_dict"])
     return rank_sds
 
 
@@ -226,5 +224,5 @@ class StockCheckpoint:
             shards=tuple(f"stock rank {r}" for r in range(len(rank_sds))),
             versions={"deepspeed": str(rank_sds[0].get("ds_version", "unknown"))},
         )
-        wrapper = {name: rank_sds[0][name] for name in WRAPPER_SCALARS if name in rank_sds[0]}
+        wrapper = plain_wrapper({name: rank_sds[0][name] for name in WRAPPER_SCALARS if name in rank_sds[0]})
         return cls(manifest, {"groups": replicated_groups, "zero_wrapper": wrapper}, pieces)

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from zero_bnb.checkpoint_paths import open_verified
+from zero_bnb.checkpoint_paths import locate, open_verified, require_zero_bnb
+from zero_bnb.outputs import check_output_file, replacing_file
 from zero_bnb.offline import gather_full, moments, per_parameter
 from zero_bnb.state_spec import StateKind, spec_named
 
@@ -24,7 +25,7 @@ def inspect_checkpoint(path: str, tag: str | None = None) -> dict[str, Any]:
     Per group: its parameters, and per state key the kind, dtype, bytes on disk, and whether it
     is 8-bit; plus the saved DP size, block size, optimizer, versions and total bytes.
     """
-    folder_tag, reader = open_verified(path, tag)
+    folder_tag, reader = open_verified(path, tag, command="inspect")
     manifest = reader.manifest
     groups = []
     for index, entry in enumerate(manifest.groups):
@@ -62,15 +63,24 @@ def inspect_checkpoint(path: str, tag: str | None = None) -> dict[str, Any]:
 
 
 def export_fp32(path: str, out_path: str, *, tag: str | None = None, moments_too: bool = False,
-                progress: bool = False) -> dict[str, Any]:
+                force: bool = False, progress: bool = False) -> dict[str, Any]:
     """Consolidated fp32 weights (like DeepSpeed's ``zero_to_fp32``) as one safetensors file.
 
     With ``moments_too``, also ``<name>.exp_avg`` / ``<name>.exp_avg_sq`` (8-bit moments
-    dequantized exactly).
+    dequantized exactly). ``out_path`` must lie outside the checkpoint; an existing file is
+    replaced (atomically) only with ``force``.
+
+    Raises:
+        CheckpointUsageError: ``out_path`` is part of the input, a folder, or exists without
+            ``force``; nothing was read or written.
     """
     from safetensors.torch import save_file
 
-    _, reader = open_verified(path, tag)
+    require_zero_bnb(path, tag, "export")
+    save_dir, folder_tag = locate(path, tag)
+    check_output_file(out_path, source_tag_folder=os.path.join(save_dir, folder_tag), source_save_dir=save_dir,
+                      force=force)
+    _, reader = open_verified(path, tag, command="export")
     spec = spec_named(reader.manifest.optimizer_spec)
     tensors: dict[str, torch.Tensor] = {}
     for group in tqdm(gather_full(reader), desc="groups", unit="group", disable=not progress):
@@ -81,7 +91,6 @@ def export_fp32(path: str, out_path: str, *, tag: str | None = None, moments_too
                 for name, value in per_parameter(group, flat).items():
                     tensors[f"{name}.{moment}"] = value.contiguous()
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    temporary = f"{out_path}.zero_bnb-tmp"
-    save_file(tensors, temporary, metadata={"format": "pt", "source": reader.tag_folder})
-    os.replace(temporary, out_path)
+    with replacing_file(out_path) as temporary:
+        save_file(tensors, temporary, metadata={"format": "pt", "source": reader.tag_folder})
     return {"output": out_path, "tensors": len(tensors), "bytes": os.path.getsize(out_path)}

@@ -1,8 +1,10 @@
 """The checkpoint commands: ``inspect``, ``verify``, ``convert``, ``export``.
 
 Each prints a readable result on stdout (``--json`` where a machine reads it) and returns an
-exit code: 0 success, 1 a checkpoint that fails a check, 2 a usage error. Errors are one line
-on stderr that names what was wrong and what to do.
+exit code: 0 success, 1 a checkpoint that fails a check, 2 a usage error (bad arguments, an
+output over its input or over an existing output without ``--force``, a reserved tag, a
+stock or universal checkpoint given to a command that reads zero_bnb checkpoints). Errors are
+one line on stderr that names what was wrong and what to do.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ import sys
 from typing import Any
 
 from zero_bnb import checkpoint_paths, convert, views
-from zero_bnb.errors import CheckpointError
+from zero_bnb.errors import CheckpointError, CheckpointUsageError
 from zero_bnb.load import verify_checkpoint
 from zero_bnb.state_spec import UnsupportedOptimizerError
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
 
 __all__ = ["add_commands", "run"]
 
@@ -29,19 +33,28 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     verify = commands.add_parser("verify", help="run every consistency and checksum check; exit 0 or 1")
     verify.add_argument("checkpoint")
     verify.add_argument("--tag")
-    conv = commands.add_parser("convert", help="zero_bnb -> universal; universal or stock DeepSpeed -> zero_bnb")
+    conv = commands.add_parser(
+        "convert", help="zero_bnb -> universal; universal or stock DeepSpeed -> zero_bnb",
+        description="--to universal: OUT is the universal tag folder to create (as for DeepSpeed's ds_to_universal "
+                    "--output_folder), and latest_universal in its parent names it. --to zero_bnb: OUT is a save "
+                    "folder; the tag folder OUT/<tag> is created and OUT/latest names it. OUT must not overlap the "
+                    "input; an existing output is replaced only with --force.")
     conv.add_argument("checkpoint", help="the checkpoint to read (save folder or tag folder)")
     conv.add_argument("--to", required=True, choices=("universal", "zero_bnb"), dest="target")
-    conv.add_argument("out", help="save folder to write into (the tag folder and pointer file go there)")
+    conv.add_argument("out", help="--to universal: the tag folder to create; --to zero_bnb: the save folder to "
+                                  "write into")
     conv.add_argument("--tag", help="tag to read")
-    conv.add_argument("--out-tag", help="tag to write (default: the tag read)")
+    conv.add_argument("--out-tag", help="--to zero_bnb only: tag to write (default: the tag read)")
+    conv.add_argument("--force", action="store_true", help="replace an existing output (kept until the new one is "
+                                                           "complete)")
     conv.add_argument("--optimizer", default="AdamW8bit", choices=convert.TARGET_OPTIMIZERS,
                       help="bitsandbytes optimizer for universal -> zero_bnb (default AdamW8bit)")
     export = commands.add_parser("export", help="consolidated fp32 weights (and moments) as safetensors")
     export.add_argument("checkpoint")
     export.add_argument("--to", required=True, choices=("fp32",), dest="target")
-    export.add_argument("out", help="output .safetensors file")
+    export.add_argument("out", help="output .safetensors file (outside the checkpoint)")
     export.add_argument("--tag")
+    export.add_argument("--force", action="store_true", help="replace an existing output file")
     export.add_argument("--moments", action="store_true", help="also write <name>.exp_avg / <name>.exp_avg_sq")
 
 
@@ -65,9 +78,11 @@ def _print_summary(summary: dict[str, Any]) -> None:
         precision = "8-bit" if any(s["8bit"] for s in group["states"]) else "fp32"
         hyper = dict(group["hyperparameters"])
         plan = hyper.pop("state_precision", None)
-        if plan:
+        if isinstance(plan, dict) and all(isinstance(plan.get(k), int) for k in ("partition_numel", "min_8bit_size")):
+            limit = plan.get("eight_bit_up_to_dp")
             precision += (f" (partition {plan['partition_numel']:,} elements vs min_8bit_size {plan['min_8bit_size']:,}"
-                          f", optim_bits {plan['optim_bits']}; 8-bit while DP <= {plan['eight_bit_up_to_dp']})")
+                          f", optim_bits {plan.get('optim_bits')}; "
+                          + (f"8-bit while DP <= {limit})" if isinstance(limit, int) else "fp32 at every DP size)"))
         print(f"  group {index}: {group['numel']:,} elements, {len(group['parameters'])} parameters, "
               f"state {precision}, hyper-parameters {hyper}")
         for param in group["parameters"]:
@@ -85,6 +100,9 @@ def _print_report(report: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run one checkpoint command; returns the exit code."""
     try:
+        if args.command == "convert" and args.target == "universal" and args.out_tag is not None:
+            raise CheckpointUsageError("--out-tag applies to --to zero_bnb; with --to universal, OUT itself is the tag "
+                                       "folder to create (its last path component is the tag)")
         if args.command == "inspect":
             summary = views.inspect_checkpoint(args.checkpoint, args.tag)
             if args.json:
@@ -93,29 +111,38 @@ def run(args: argparse.Namespace) -> int:
                 _print_summary(summary)
         elif args.command == "verify":
             save_dir, tag = checkpoint_paths.locate(args.checkpoint, args.tag)
+            checkpoint_paths.require_zero_bnb(args.checkpoint, args.tag, "verify")
             reader = verify_checkpoint(save_dir, tag, progress=True)
             folder, manifest = reader.tag_folder, reader.manifest
             print(f"OK: {folder}: {len(manifest.files)} files match their SHA-256, manifest format "
                   f"{manifest.format_version}, saved at DP={manifest.dp_world_size}")
         elif args.command == "convert" and args.target == "universal":
-            _print_report(convert.to_universal(args.checkpoint, args.out, tag=args.tag, out_tag=args.out_tag,
+            _print_report(convert.to_universal(args.checkpoint, args.out, tag=args.tag, force=args.force,
                                                progress=True))
         elif args.command == "convert":
             _print_report(_to_zero_bnb(args))
         else:
             _print_report(views.export_fp32(args.checkpoint, args.out, tag=args.tag, moments_too=args.moments,
-                                              progress=True))
+                                              force=args.force, progress=True))
+    except CheckpointUsageError as error:
+        _print_error(args.command, error)
+        return EXIT_USAGE
     except (CheckpointError, UnsupportedOptimizerError, OSError) as error:
-        print(f"zero-bnb {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
-        return 1
-    return 0
+        _print_error(args.command, error)
+        return EXIT_CHECK_FAILED
+    return EXIT_OK
+
+
+def _print_error(command: str, error: Exception) -> None:
+    text = " ".join(str(error).split())  # one line, whatever the message holds
+    print(f"zero-bnb {command}: {type(error).__name__}: {text}", file=sys.stderr)
 
 
 def _to_zero_bnb(args: argparse.Namespace) -> dict[str, Any]:
     kind = checkpoint_paths.detect(args.checkpoint, args.tag)
     if kind == "universal":
         return convert.from_universal(args.checkpoint, args.out, tag=args.tag, out_tag=args.out_tag,
-                                      optimizer=args.optimizer, progress=True)
+                                      optimizer=args.optimizer, force=args.force, progress=True)
     if kind == "stock":
-        return convert.rescue_stock(args.checkpoint, args.out, tag=args.tag, out_tag=args.out_tag)
-    raise CheckpointError(f"{args.checkpoint} is already a zero_bnb checkpoint; it loads at any DP size as it is")
+        return convert.rescue_stock(args.checkpoint, args.out, tag=args.tag, out_tag=args.out_tag, force=args.force)
+    raise CheckpointUsageError(f"{args.checkpoint} is already a zero_bnb checkpoint; it loads at any DP size as it is")

@@ -1,0 +1,223 @@
+"""One DP=2 launch that misuses a real engine the way a careless user or an attacker would.
+
+Every check records, per rank, what happened (``"ErrorClass: message"`` or ``None``, listings,
+comparisons); rank 0 writes all ranks' records to ``hostile.pt`` for the tests to assert on.
+A check that raises unexpectedly records its own error instead of failing the others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from scenarios import _error, make_engine
+
+from zero_bnb import durable
+from zero_bnb.checkpoint_format import MANIFEST_NAME, SUBDIR
+from zero_bnb.consolidate import consolidated_state, state_differences
+from zero_bnb.lock import LOCK_NAME
+from zero_bnb.toy import DEFAULT_RUN as RUN
+from zero_bnb.toy import train_steps
+
+UNSAFE_TAGS = ("latest", "latest_universal", "../escape", "/tmp/zero_bnb_abs_tag", "a/b", ".hidden", "..", " x")
+
+
+class Payload:
+    """A pickle that runs a shell command when unpickled with ``weights_only=False``."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def resign(folder: str, data: dict) -> None:
+    """Write manifest JSON ``data`` into zero_bnb ``folder`` with a valid self-checksum, as an attacker can."""
+    data = {key: value for key, value in data.items() if key != "manifest_sha256"}
+    text = json.dumps({"manifest_sha256": "0" * 64, **data}, indent=1)
+    text = text.replace("0" * 64, hashlib.sha256(text.encode("utf-8")).hexdigest(), 1)
+    with open(os.path.join(folder, MANIFEST_NAME), "w", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+def replace_listed_file(tag_folder: str, relative: str, obj) -> None:
+    """Replace a file the manifest lists with ``torch.save(obj)`` and re-sign the manifest to match."""
+    path = os.path.join(tag_folder, relative)
+    torch.save(obj, path)
+    size, digest = durable.digest_file(path)
+    folder = os.path.join(tag_folder, SUBDIR)
+    with open(os.path.join(folder, MANIFEST_NAME), encoding="utf-8") as handle:
+        data = json.load(handle)
+    for record in data["files"]:
+        if record["path"] == relative:
+            record.update(size=size, sha256=digest)
+    resign(folder, data)
+
+
+def _listing(folder: str) -> tuple[list[str], str | None]:
+    latest = os.path.join(folder, "latest")
+    text = open(latest).read() if os.path.isfile(latest) else None
+    return sorted(os.listdir(folder)), text
+
+
+def _snapshot(engine):
+    return consolidated_state(engine), {n: p.detach().clone() for n, p in engine.module.named_parameters()}, \
+        engine.global_steps
+
+
+def _same(engine, snapshot) -> bool | None:
+    """Whether the engine is bit-identical to ``snapshot`` (collective; ``None`` off rank 0 for the state part)."""
+    state, weights, steps = _snapshot(engine)
+    same_weights = all(torch.equal(weights[n], w) for n, w in snapshot[1].items()) and steps == snapshot[2]
+    if dist.get_rank() != 0:
+        return same_weights
+    return same_weights and not state_differences(snapshot[0], state)[1]
+
+
+def hostile(rank, world, workdir, foreign_pid):
+    out: dict = {}
+    log = []
+    handler = logging.Handler()
+    handler.emit = lambda record: log.append(record.getMessage())
+    logging.getLogger("zero_bnb").addHandler(handler)
+    logging.getLogger("zero_bnb").setLevel(logging.INFO)
+
+    engine = make_engine(world)
+    train_steps(engine, RUN, 0, 2)
+    save = os.path.join(workdir, "save")
+    engine.save_checkpoint(save, tag="A")
+    out["listing_before"] = _listing(save)
+
+    # Unsafe and reserved tags: refused on save and on load, before anything is touched.
+    for tag in UNSAFE_TAGS:
+        out[f"save_tag:{tag}"] = _error(lambda tag=tag: engine.save_checkpoint(save, tag=tag))
+        out[f"load_tag:{tag}"] = _error(lambda tag=tag: engine.load_checkpoint(save, tag=tag))
+    out["listing_after_tags"] = _listing(save)
+    out["escape_created"] = os.path.exists(os.path.join(workdir, "escape")) or os.path.exists("/tmp/zero_bnb_abs_tag")
+
+    # A symlinked tag folder is not re-saved through (or reported wrongly).
+    if rank == 0:
+        os.symlink(os.path.join(save, "A"), os.path.join(save, "L"))
+    dist.barrier()
+    out["symlink_tag"] = _error(lambda: engine.save_checkpoint(save, tag="L"))
+    out["symlink_still_link"] = os.path.islink(os.path.join(save, "L"))
+    out["listing_after_symlink"] = _listing(save)
+
+    # A folder that cannot be created (a file in the way; as root, permissions do not stop us) and an
+    # injected read-only error inside DeepSpeed's own makedirs: the same error on both ranks, no hang.
+    blocker = os.path.join(workdir, "a_file")
+    if rank == 0:
+        open(blocker, "w").close()
+    dist.barrier()
+    out["uncreatable"] = _error(lambda: engine.save_checkpoint(os.path.join(blocker, "ckpt"), tag="B"))
+
+    def read_only(event, path):
+        if event == "mkdir" and rank == 0:
+            raise OSError(30, f"injected: read-only file system: {path}")
+
+    durable.set_io_hook(read_only)
+    out["read_only"] = _error(lambda: engine.save_checkpoint(os.path.join(workdir, "ro"), tag="B"))
+    durable.set_io_hook(None)
+    out["read_only_left"] = sorted(os.listdir(os.path.join(workdir, "ro"))) if os.path.isdir(
+        os.path.join(workdir, "ro")) else None
+
+    # Another live writer holds the lock: refused, naming it; a dead writer's lock is taken over.
+    lock = os.path.join(save, LOCK_NAME)
+    if rank == 0:
+        with open(lock, "w") as handle:
+            json.dump({"host": socket.gethostname(), "pid": foreign_pid, "token": "x", "purpose": "test", "since": 0},
+                      handle)
+    dist.barrier()
+    out["locked"] = _error(lambda: engine.save_checkpoint(save, tag="C"))
+    if rank == 0:
+        with open(lock, "w") as handle:
+            json.dump({"host": socket.gethostname(), "pid": 2**22 + 12345, "token": "x", "since": 0}, handle)
+    dist.barrier()
+    out["stale_lock"] = _error(lambda: engine.save_checkpoint(save, tag="C"))
+    out["lock_left"] = os.path.exists(lock)
+    out["listing_after_locks"] = _listing(save)
+
+    # A mismatch only the restore finds (the last group's manifest lists no state2/absmax2) leaves
+    # the engine bit-identical: masters, module weights, state and step.
+    train_steps(engine, RUN, 2, 1)
+    snapshot = _snapshot(engine)
+    doctored = os.path.join(workdir, "doctored")
+    if rank == 0:
+        import shutil
+
+        shutil.copytree(save, doctored, ignore=shutil.ignore_patterns(LOCK_NAME))
+        folder = os.path.join(doctored, "C", SUBDIR)
+        with open(os.path.join(folder, MANIFEST_NAME), encoding="utf-8") as handle:
+            data = json.load(handle)
+        last = data["groups"][-1]
+        last["states"] = [s for s in last["states"] if s["key"] not in ("state2", "absmax2")]
+        resign(folder, data)
+    dist.barrier()
+    out["late_mismatch"] = _error(lambda: engine.load_checkpoint(doctored, tag="C"))
+    out["late_mismatch_unchanged"] = _same(engine, snapshot)
+
+    # A checkpoint whose replicated file carries a code payload (manifest re-signed): nothing runs.
+    sentinel = os.path.join(workdir, f"pwned_by_load_{rank}")
+    poisoned = os.path.join(workdir, "poisoned")
+    if rank == 0:
+        import shutil
+
+        shutil.copytree(save, poisoned, ignore=shutil.ignore_patterns(LOCK_NAME))
+        commands = "; ".join(f"touch {os.path.join(workdir, f'pwned_by_load_{r}')}" for r in range(world))
+        replace_listed_file(os.path.join(poisoned, "C"), os.path.join(SUBDIR, "replicated.pt"),
+                            {"groups": Payload(commands)})
+    dist.barrier()
+    out["payload"] = _error(lambda: engine.load_checkpoint(poisoned, tag="C"))
+    out["payload_ran"] = os.path.exists(sentinel)
+    out["payload_unchanged"] = _same(engine, snapshot)
+
+    # The checkpoint's hyper-parameters replace the optimizer's; the log says so.
+    for group in engine.optimizer.optimizer.param_groups:
+        group["lr"] = 0.5
+    del log[:]
+    out["load_c"] = _error(lambda: engine.load_checkpoint(save, tag="C"))
+    out["hyper_log"] = [m for m in log if "replace the optimizer's" in m]
+
+    # Weights-only loads in bf16 take the exact fp32 masters from the checkpoint.
+    bf16 = make_engine(world, bf16={"enabled": True})
+    train_steps(bf16, RUN, 0, 2)
+    bf16.save_checkpoint(os.path.join(workdir, "bf16"), tag="W")
+    saved = consolidated_state(bf16)
+    for kwargs in ({"load_module_only": True}, {"load_optimizer_states": False}):
+        train_steps(bf16, RUN, 2, 1)
+        label = "weights_only:" + ",".join(kwargs)
+        out[label] = _error(lambda kwargs=kwargs: bf16.load_checkpoint(os.path.join(workdir, "bf16"), tag="W", **kwargs))
+        loaded = consolidated_state(bf16)
+        if rank == 0:
+            out[label + ":masters"] = all(torch.equal(loaded["params"][n]["fp32"], s["fp32"])
+                                          for n, s in saved["params"].items())
+            out[label + ":modules"] = all(torch.equal(p.detach(), saved["params"][n]["fp32"].to(p.dtype))
+                                          for n, p in bf16.module.named_parameters())
+            out[label + ":bf16_rounding_would_differ"] = any(
+                not torch.equal(s["fp32"], s["fp32"].bfloat16().float()) for s in saved["params"].values())
+
+    logging.getLogger("zero_bnb").removeHandler(handler)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, out)
+    if rank == 0:
+        torch.save(gathered, os.path.join(workdir, "hostile.pt"))
+
+
+def saving_job(rank, world, workdir, seed, rounds):
+    """An independent job (its own process group) saving tag ``T`` into the shared folder ``rounds`` times."""
+    engine = make_engine(world)
+    train_steps(engine, RUN, 0, seed)  # each job holds other weights
+    results = []
+    for _ in range(rounds):
+        results.append(_error(lambda: engine.save_checkpoint(os.path.join(workdir, "shared"), tag="T")))
+    state = consolidated_state(engine)
+    if rank == 0:
+        torch.save({"results": results, "fp32": {n: s["fp32"] for n, s in state["params"].items()}},
+                   os.path.join(workdir, f"job_{seed}.pt"))
+

@@ -1,0 +1,419 @@
+"""Nothing a user types or downloads can damage a checkpoint, run code, or reach outside its folder.
+
+Three parts: the tools given outputs that overlap or already exist; crafted checkpoints (code
+payloads in every file the tools unpickle, and a hypothesis-driven manifest mutator that
+re-signs what it changes, as an attacker would); and a real DP=2 engine misused (unsafe tags,
+symlinked tags, folders that cannot be written, held and stale locks, a mismatch found late,
+weights-only loads in bf16), plus two independent jobs saving into one folder at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import sys
+import threading
+
+import pytest
+import torch
+from hostile_scenarios import UNSAFE_TAGS, Payload, hostile, replace_listed_file, resign, saving_job
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from scenarios import _save_result, _stock_engine, make_engine
+
+import zero_bnb
+from zero_bnb import durable
+from zero_bnb.checkpoint_format import MANIFEST_NAME, SUBDIR
+from zero_bnb.cli import main
+from zero_bnb.config import ZeroBnbConfigError
+from zero_bnb.errors import CheckpointUsageError
+from zero_bnb.launch import run_distributed
+from zero_bnb.lock import LOCK_NAME
+from zero_bnb.toy import DEFAULT_RUN as RUN
+from zero_bnb.toy import build_model, train_steps
+
+SECRET_SIZE = 12345  # a size that must never appear in any output
+
+
+def write_sources(rank, world, workdir):
+    engine = make_engine(world)
+    train_steps(engine, RUN, 0, 2)
+    engine.save_checkpoint(os.path.join(workdir, "zb"), tag="A")
+    stock = _stock_engine(world)
+    train_steps(stock, RUN, 0, 2)
+    stock.save_checkpoint(os.path.join(workdir, "stock"), tag="A")
+    _save_result(os.path.join(workdir, "done.pt"), True)
+
+
+def cli(*args) -> tuple[int, str, str]:
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main([str(a) for a in args])
+    return code, stdout.getvalue(), stderr.getvalue()
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("hostile_sources")
+    run_distributed(write_sources, 2, str(workdir))
+    code, out, err = cli("convert", workdir / "zb", "--to", "universal", workdir / "univ" / "A_universal")
+    assert code == 0, (out, err)
+    return workdir
+
+
+def _fresh(sources, tmp_path, name="zb"):
+    shutil.copytree(sources / name, tmp_path / name)
+    return tmp_path / name
+
+
+def _still_good(folder) -> None:
+    assert zero_bnb.verify_checkpoint(str(folder)).manifest.dp_world_size == 2
+
+
+# -- the tools never write over their input --------------------------------------------------
+
+
+def test_tools_refuse_outputs_over_their_input_and_keep_it_intact(sources, tmp_path):
+    zb = _fresh(sources, tmp_path)
+    stock = _fresh(sources, tmp_path, "stock")
+    univ = _fresh(sources, tmp_path, "univ")
+    stock_listing = sorted(os.listdir(stock))
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken.safetensors").write_bytes(b"keep me")
+    cases = [
+        (("convert", zb / "A", "--to", "universal", zb), "overlaps the checkpoint being read"),
+        (("convert", zb, "--to", "universal", zb / "A"), "overlaps the checkpoint being read"),
+        (("convert", zb, "--to", "universal", zb / "A" / "inner"), "overlaps the checkpoint being read"),
+        (("convert", zb, "--to", "universal", tmp_path / "taken"), "already exists; pass --force"),
+        (("convert", zb, "--to", "universal", tmp_path / "latest"), "name of the pointer file"),
+        (("convert", univ, "--to", "zero_bnb", univ), "overlaps the checkpoint being read"),
+        (("convert", stock, "--to", "zero_bnb", stock), "overlaps the checkpoint being read"),
+        (("convert", stock, "--to", "zero_bnb", stock, "--out-tag", "B"), "would repoint the pointer file"),
+        (("convert", stock, "--to", "zero_bnb", tmp_path / "o", "--out-tag", "latest"), "name of the pointer file"),
+        (("convert", stock, "--to", "zero_bnb", tmp_path / "o", "--out-tag", "../x"), "cannot name a checkpoint"),
+        (("export", zb, "--to", "fp32", zb / "A" / SUBDIR / MANIFEST_NAME), "is part of the checkpoint being read"),
+        (("export", zb, "--to", "fp32", zb / "latest"), "is part of the checkpoint being read"),
+        (("export", zb, "--to", "fp32", tmp_path / "taken"), "is a folder"),
+        (("export", zb, "--to", "fp32", tmp_path / "taken.safetensors"), "already exists; pass --force"),
+    ]
+    for args, message in cases:
+        code, out, err = cli(*args)
+        assert code == 2 and message in err and err.count("\n") == 1, (args, code, out, err)
+    _still_good(zb)
+    assert sorted(os.listdir(zb)) == ["A", "latest"] and sorted(os.listdir(stock)) == stock_listing
+    assert (tmp_path / "taken.safetensors").read_bytes() == b"keep me" and not os.listdir(tmp_path / "taken")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "x").exists()
+    code, _, err = cli("convert", stock, "--to", "zero_bnb", tmp_path / "o")  # the input still converts
+    assert code == 0, err
+    _still_good(zb)
+
+
+def test_force_replaces_an_output_only_when_the_new_one_is_complete(sources, tmp_path):
+    zb = _fresh(sources, tmp_path)
+    out = tmp_path / "conv" / "U"
+    assert cli("convert", zb, "--to", "universal", out)[0] == 0
+    assert (tmp_path / "conv" / "latest_universal").read_text() == "U"
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+
+    def failing(event, path):
+        if event == "write" and path.endswith("exp_avg.pt"):
+            raise OSError(28, "injected: no space left on device")
+
+    durable.set_io_hook(failing)
+    try:
+        code, _, err = cli("convert", zb, "--to", "universal", out, "--force")
+    finally:
+        durable.set_io_hook(None)
+    assert code == 1 and "no space left on device" in err
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before  # the old output, whole
+    assert sorted(os.listdir(tmp_path / "conv")) == ["U", "latest_universal"]  # no staging, no lock left
+    code, _, err = cli("convert", zb, "--to", "universal", out, "--force")
+    assert code == 0, err
+    assert cli("export", zb, "--to", "fp32", tmp_path / "w.safetensors")[0] == 0
+    code, _, err = cli("export", zb, "--to", "fp32", tmp_path / "w.safetensors", "--force")
+    assert code == 0, err
+    assert sorted(os.listdir(tmp_path)) == ["conv", "w.safetensors", "zb"]  # no temporary file left
+
+
+def test_unsafe_tags_are_refused_on_read_before_anything_is_opened(sources):
+    for tag in ("../zb/A", "/etc", "latest", "latest_universal", "A/zero_bnb", ".."):
+        with pytest.raises(CheckpointUsageError, match="cannot name a checkpoint folder"):
+            zero_bnb.verify_checkpoint(str(sources / "zb"), tag)
+
+
+# -- crafted checkpoints execute nothing -----------------------------------------------------
+
+
+def test_code_payloads_in_any_unpickled_file_run_nothing(sources, tmp_path):
+    sentinel = tmp_path / "pwned"
+    payload = Payload(f"touch {sentinel}")
+    zb = _fresh(sources, tmp_path)
+    replace_listed_file(str(zb / "A"), os.path.join(SUBDIR, "replicated.pt"), {"groups": payload})
+    model = _fresh(sources, tmp_path / "m")
+    replace_listed_file(str(model / "A"), "mp_rank_00_model_states.pt", {"module": payload})
+    stock = _fresh(sources, tmp_path, "stock")
+    torch.save({"optimizer_state_dict": payload}, stock / "A" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    univ = _fresh(sources, tmp_path, "univ")
+    torch.save({"param_groups": payload}, univ / "A_universal" / "zero" / "optimizer_state.pt")
+    univ_param = _fresh(sources, tmp_path / "p", "univ")
+    torch.save(payload, univ_param / "A_universal" / "zero" / "0.weight" / "fp32.pt")
+    runs = [
+        ("inspect", zb), ("export", zb, "--to", "fp32", tmp_path / "w1.safetensors"),
+        ("convert", zb, "--to", "universal", tmp_path / "u1"),
+        ("convert", model, "--to", "universal", tmp_path / "u2"),
+        ("convert", stock, "--to", "zero_bnb", tmp_path / "o1"),
+        ("convert", univ, "--to", "zero_bnb", tmp_path / "o2"),
+        ("convert", univ_param, "--to", "zero_bnb", tmp_path / "o3"),
+    ]
+    for args in runs:
+        code, out, err = cli(*args)
+        assert code == 1 and "posix.system" in err and "add_safe_globals" in err, (args, out, err)
+    assert not sentinel.exists()
+
+
+# -- a hypothesis-driven manifest mutator ----------------------------------------------------
+
+_AUDIT = {"on": False, "roots": (), "hits": []}
+
+
+def _audit(event, args):
+    if not _AUDIT["on"] or event not in ("open", "os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree",
+                                         "os.listdir", "os.scandir", "os.truncate"):
+        return
+    for value in args[:2]:
+        if isinstance(value, (str, bytes, os.PathLike)):
+            path = os.path.realpath(os.fsdecode(value))
+            if any(path == root or path.startswith(root + os.sep) for root in _AUDIT["roots"]):
+                _AUDIT["hits"].append((event, path))
+
+
+sys.addaudithook(_audit)
+
+_HOSTILE = [
+    "../../secret/data.bin", "/etc/passwd", "zero_bnb/../../secret/data.bin", "..", ".", "", "zero_bnb\\..\\x",
+    "a/b", "/", "x\x00y", -1, 0, 1, 7, 2**31, 10**13, 2**63, True, None, 1.5, "7", [], {}, [[0, 1]], [[0, 10**13]],
+    {"path": "../secret/data.bin", "size": 999, "sha256": "0" * 64}, "uint8", "float64", "load", "complex64",
+    "replicated", "elementwise", "counter", "latest", "shard_00000-of-00001.pt",
+]
+
+
+def _locations(value, path=()):
+    """Every place (key path) inside the manifest's JSON value, containers included."""
+    yield path
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _locations(item, (*path, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _locations(item, (*path, index))
+
+
+def _set(data, path, value):
+    for key in path[:-1]:
+        data = data[key]
+    data[path[-1]] = value
+
+
+@pytest.fixture(scope="module")
+def mutation_ground(sources, tmp_path_factory):
+    root = tmp_path_factory.mktemp("mutations")
+    secret = root / "secret"
+    secret.mkdir()
+    (secret / "data.bin").write_bytes(b"s" * SECRET_SIZE)
+    with open(sources / "zb" / "A" / SUBDIR / MANIFEST_NAME) as handle:
+        data = json.load(handle)
+    return root, data, [path for path in _locations(data) if path and path != ("manifest_sha256",)]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(mutations=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(_HOSTILE)), min_size=1, max_size=3))
+def test_no_re_signed_manifest_mutation_runs_code_escapes_or_crashes(sources, mutation_ground, mutations):
+    root, original, locations = mutation_ground
+    case = root / "case"
+    shutil.rmtree(case, ignore_errors=True)
+    shutil.copytree(sources / "zb", case / "zb")
+    data = json.loads(json.dumps(original))
+    for index, value in mutations:
+        path = locations[index % len(locations)]
+        with contextlib.suppress(KeyError, IndexError, TypeError):  # an earlier mutation removed the place
+            _set(data, path, value)
+    resign(str(case / "zb" / "A" / SUBDIR), data)
+    secret_before = (root / "secret" / "data.bin").read_bytes()
+    _AUDIT.update(on=True, roots=(str(root / "secret"), "/etc"), hits=[])
+    try:
+        results = [
+            cli("verify", case / "zb"),
+            cli("inspect", case / "zb", "--json"),
+            cli("export", case / "zb", "--to", "fp32", case / "out" / "w.safetensors"),
+            cli("convert", case / "zb", "--to", "universal", case / "out" / "U"),
+        ]
+    finally:
+        _AUDIT["on"] = False
+    for code, out, err in results:
+        assert code in (0, 1, 2), (code, out, err)
+        assert code == 0 or (err.count("\n") == 1 and err.startswith("zero-bnb ")), err
+        assert str(SECRET_SIZE) not in out + err
+    assert not _AUDIT["hits"], _AUDIT["hits"]
+    assert (root / "secret" / "data.bin").read_bytes() == secret_before
+    assert sorted(os.listdir(root)) == ["case", "secret"] and sorted(os.listdir(case)) in (["zb"], ["out", "zb"])
+
+
+def _edited(sources, tmp_path, name, edit):
+    zb = _fresh(sources, tmp_path / name)
+    folder = zb / "A" / SUBDIR
+    data = json.loads((folder / MANIFEST_NAME).read_text())
+    edit(data["groups"][0])
+    resign(str(folder), data)
+    return zb
+
+
+def test_absurd_geometry_is_refused_before_allocation_naming_the_field(sources, tmp_path):
+    huge = 10**13
+
+    def consistent_huge(group):  # every field agrees with a 10**13-element group: only the file sizes tell
+        params = group["params"]
+        params[-1]["shape"] = [huge - params[-1]["offset"]]
+        group["numel"] = huge
+        split = group["element_ranges"][0][1]
+        group["element_ranges"] = [[0, split], [split, huge]]
+        group["block_ranges"] = [[0, split // 256], [split // 256, -(-huge // 256)]]
+
+    cases = [
+        (lambda group: group.update(numel=huge), "groups[0].numel=10000000000000 is invalid"),
+        (consistent_huge, "fp32 master weights alone need 4000000"),
+        (lambda group: group.update(element_ranges=[[0, 100], [50, group["numel"]]]), "groups[0].element_ranges"),
+        (lambda group: group["params"][0].update(name="../../escape"), "groups[0].params[0].name"),
+        (lambda group: next(s for s in group["states"] if s["kind"] == "elementwise").update(dtype="load"),
+         ".dtype='load' is invalid"),
+    ]
+    for index, (edit, message) in enumerate(cases):
+        zb = _edited(sources, tmp_path, f"case{index}", edit)
+        for command in (("verify", zb), ("export", zb, "--to", "fp32", tmp_path / f"w{index}.safetensors")):
+            code, _, err = cli(*command)
+            assert code == 1 and message in err, (command, err)
+
+
+# -- front-door refusals (no process group needed: refused before DeepSpeed starts) ----------
+
+
+def test_model_parallelism_and_node_local_storage_are_refused_before_deepspeed_starts():
+    model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    cases = [
+        ({"mpu": object()}, RUN.ds_config(1), "an mpu (object) was passed"),
+        ({}, RUN.ds_config(1, tensor_parallel={"autotp_size": 2}), "tensor_parallel.autotp_size=2"),
+        ({}, RUN.ds_config(1, checkpoint={"use_node_local_storage": True}), "checkpoint.use_node_local_storage"),
+    ]
+    for kwargs, config, message in cases:
+        with pytest.raises(ZeroBnbConfigError, match="remove|Remove") as error:
+            zero_bnb.initialize(model=model, optimizer=optimizer, config=config, **kwargs)
+        assert message in str(error.value)
+
+
+# -- a real engine, misused ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("hostile")
+    run_distributed(hostile, 2, str(workdir), os.getpid())
+    return workdir, torch.load(workdir / "hostile.pt", weights_only=False)
+
+
+def _same(ranks, key):
+    values = [out[key] for out in ranks]
+    assert all(value == values[0] for value in values), (key, values)
+    return values[0]
+
+
+def test_unsafe_tags_are_refused_on_save_and_load_and_latest_survives(ranks):
+    workdir, ranks = ranks
+    for tag in UNSAFE_TAGS:
+        for action in ("save_tag", "load_tag"):
+            message = _same(ranks, f"{action}:{tag}")
+            assert message is not None and message.startswith("CheckpointUsageError:"), (action, tag, message)
+            assert "cannot name a checkpoint folder" in message
+    assert _same(ranks, "listing_after_tags") == _same(ranks, "listing_before") == (["A", "latest"], "A")
+    assert _same(ranks, "escape_created") is False
+
+
+def test_a_symlinked_tag_folder_is_refused_before_anything_is_written(ranks):
+    _, ranks = ranks
+    message = _same(ranks, "symlink_tag")
+    assert message.startswith("CheckpointSaveError:") and "is a symbolic link" in message
+    assert "Nothing was written" in message
+    assert _same(ranks, "symlink_still_link") is True
+    assert _same(ranks, "listing_after_symlink") == (["A", "L", "latest"], "A")
+
+
+def test_a_folder_that_cannot_be_written_fails_the_same_on_every_rank_without_hanging(ranks):
+    _, ranks = ranks
+    for key, cause in (("uncreatable", "NotADirectoryError"), ("read_only", "injected: read-only file system")):
+        message = _same(ranks, key)
+        assert message.startswith("CheckpointSaveError:") and cause in message, message
+        assert "failed before anything was written" in message and "rank(s) [0]" in message
+    assert _same(ranks, "read_only_left") is None
+
+
+def test_one_writer_at_a_time_and_a_dead_writers_lock_is_taken_over(ranks):
+    _, ranks = ranks
+    message = _same(ranks, "locked")
+    assert message.startswith("CheckpointSaveError:") and "another job is writing" in message
+    assert f"pid {os.getpid()}" in message and "host " in message and LOCK_NAME in message
+    assert _same(ranks, "stale_lock") is None and _same(ranks, "lock_left") is False
+    assert _same(ranks, "listing_after_locks") == (["A", "C", "L", "latest"], "C")
+
+
+def test_a_mismatch_found_late_in_restore_leaves_the_engine_bit_identical(ranks):
+    _, ranks = ranks
+    message = _same(ranks, "late_mismatch")
+    assert message.startswith("CheckpointMismatchError:") and "'state2'" in message
+    assert all(out["late_mismatch_unchanged"] for out in ranks)
+
+
+def test_a_code_payload_in_a_re_signed_checkpoint_runs_nothing_on_load(ranks):
+    _, ranks = ranks
+    message = _same(ranks, "payload")
+    assert message.startswith("CheckpointFormatError:") and "posix.system" in message
+    assert not any(out["payload_ran"] for out in ranks)
+    assert all(out["payload_unchanged"] for out in ranks)
+
+
+def test_the_log_says_that_the_checkpoints_hyperparameters_replace_the_optimizers(ranks):
+    _, ranks = ranks
+    assert _same(ranks, "load_c") is None
+    assert ranks[0]["hyper_log"] and "lr 0.5 -> 0.01" in ranks[0]["hyper_log"][0]
+
+
+def test_weights_only_loads_in_bf16_take_the_exact_fp32_masters(ranks):
+    _, ranks = ranks
+    for label in ("weights_only:load_module_only", "weights_only:load_optimizer_states"):
+        assert _same(ranks, label) is None
+        assert ranks[0][label + ":bf16_rounding_would_differ"], "the test needs masters that bf16 cannot hold"
+        assert ranks[0][label + ":masters"] and ranks[0][label + ":modules"], label
+
+
+def test_two_jobs_saving_into_one_folder_never_mix_their_checkpoints(tmp_path):
+    threads = [threading.Thread(target=run_distributed, args=(saving_job, 1, str(tmp_path), seed, 5))
+               for seed in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    jobs = [torch.load(tmp_path / f"job_{seed}.pt", weights_only=False) for seed in (1, 2)]
+    for job in jobs:
+        for result in job["results"]:
+            assert result is None or ("another job is writing" in result and "pid" in result), result
+    assert sum(result is None for job in jobs for result in job["results"]) >= 5
+    reader = zero_bnb.verify_checkpoint(str(tmp_path / "shared"))  # whoever published last: whole and consistent
+    reader.preload()
+    weights = {}
+    for index, group in enumerate(reader.manifest.groups):
+        for param in group.params:
+            weights[param.name] = reader.piece(0, index, "fp32")[param.offset: param.offset + param.numel]
+    matches = [all(torch.equal(weights[n], w.reshape(-1)) for n, w in job["fp32"].items()) for job in jobs]
+    assert matches.count(True) == 1, matches
+    assert sorted(os.listdir(tmp_path / "shared")) == ["T", "latest"]
