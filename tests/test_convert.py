@@ -61,6 +61,7 @@ def test_inspect_summarises_the_checkpoint(work):
                  "state 8-bit", "state fp32", "bitsandbytes 0.50.2", "min_8bit_size 4,096",
                  "8-bit while DP <= 6", "8-bit while DP <= 2"):
         assert part in text, part
+    assert "None" not in text  # a group that is fp32 at every DP size says so
     summary = json.loads(_ok(runs, "inspect_json"))
     assert summary["saved_dp_size"] == 2 and summary["parameters"] == 33946 and len(summary["groups"]) == 3
     states = {s["key"]: s for s in summary["groups"][0]["states"]}

@@ -262,9 +262,12 @@ class ZeroBnbEngine(DeepSpeedEngine):
         """DeepSpeed's ``load_checkpoint``, at any DP size, with every check done before anything changes.
 
         Collective: all ranks must call it. The checkpoint (zero_bnb, or stock DeepSpeed ZeRO-1
-        at its own DP size) is verified first: manifest, files, checksums, parameter names and
-        shapes, optimizer and block size. On any problem every rank raises the same error and
-        the engine is left exactly as it was.
+        at its own DP size) is verified first: tag, manifest, files, checksums, parameter names
+        and shapes, optimizer and block size. Then every rank reads everything the load will
+        write (optimizer partitions, module weights checked against the model) into new tensors
+        and the ranks agree; only then is anything replaced. On any problem every rank raises
+        the same error and the engine is left exactly as it was. ``load_module_only`` and
+        ``load_optimizer_states=False`` restore the exact fp32 master weights too.
 
         Returns:
             DeepSpeed's ``(load_path, client_state)``; ``(None, None)`` when ``tag`` is ``None`` and

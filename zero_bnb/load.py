@@ -145,7 +145,7 @@ def _open_zero_bnb(engine, tag_folder: str, optimizer_states: bool) -> Checkpoin
 
 
 def open_for_load(engine, load_dir: str, folder_tag: str, *, optimizer_states: bool) -> SavedState:
-    """The checkpoint ``load_dir/folder_tag``, checked and ready for :func:`~zero_bnb.restore.restore_optimizer`.
+    """The checkpoint ``load_dir/folder_tag``, checked and ready for :func:`plan_load`.
 
     Collective: every rank of the engine's world must call it. A zero_bnb checkpoint is
     verified (checksums unless ``zero_checkpoint_verify`` is false); a folder without

@@ -44,7 +44,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 class SavedState(Protocol):
-    """What :func:`restore_optimizer` reads: a manifest, the replicated file, and shard pieces."""
+    """What :func:`plan_restore` reads: a manifest, the replicated file, and shard pieces."""
 
     manifest: Manifest
     replicated: dict[str, Any]
@@ -141,7 +141,7 @@ def master_weights(saved: SavedState) -> Callable[[str], torch.Tensor]:
 
 
 class _GroupRestorer:
-    """Restores one flat group of one rank; a helper of :func:`restore_optimizer`."""
+    """Restores one flat group of one rank; a helper of :func:`plan_restore`."""
 
     def __init__(self, optimizer: BlockAligned, saved: SavedState, group_index: int) -> None:
         self.optimizer = optimizer
