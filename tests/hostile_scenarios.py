@@ -127,6 +127,19 @@ def hostile(rank, world, workdir, foreign_pid):
     out["read_only_left"] = sorted(os.listdir(os.path.join(workdir, "ro"))) if os.path.isdir(
         os.path.join(workdir, "ro")) else None
 
+    # Ranks that do not see the same folder (relative paths with other working directories, node-local
+    # disks): refused on every rank before anything is published, instead of a checkpoint missing a shard.
+    out["split_folders"] = _error(lambda: engine.save_checkpoint(os.path.join(workdir, f"ck{rank}"), tag="t"))
+    out["split_folders_published"] = any(os.path.exists(os.path.join(workdir, f"ck{r}", "t")) for r in range(world))
+    out["split_folders_left"] = sorted(os.listdir(os.path.join(workdir, "ck0")))
+    # A FIFO where the lock file goes: a clear error on every rank, never a hang.
+    fifo_dir = os.path.join(workdir, "fifo")
+    if rank == 0:
+        os.makedirs(fifo_dir)
+        os.mkfifo(os.path.join(fifo_dir, LOCK_NAME))
+    dist.barrier()
+    out["fifo_lock"] = _error(lambda: engine.save_checkpoint(fifo_dir, tag="F"))
+
     # Another live writer holds the lock: refused, naming it; a dead writer's lock is taken over.
     lock = os.path.join(save, LOCK_NAME)
     if rank == 0:

@@ -61,7 +61,7 @@ def test_inspect_summarises_the_checkpoint(work):
                  "state 8-bit", "state fp32", "bitsandbytes 0.50.2", "min_8bit_size 4,096",
                  "8-bit while DP <= 6", "8-bit while DP <= 2"):
         assert part in text, part
-    assert "None" not in text  # a group that is fp32 at every DP size says so
+    assert "DP <= None" not in text  # a group that is fp32 at every DP size says so
     summary = json.loads(_ok(runs, "inspect_json"))
     assert summary["saved_dp_size"] == 2 and summary["parameters"] == 33946 and len(summary["groups"]) == 3
     states = {s["key"]: s for s in summary["groups"][0]["states"]}
@@ -87,8 +87,8 @@ def test_verify_exit_codes(work, tmp_path):
 def test_bad_paths_and_requests_give_clear_errors(work, tmp_path):
     workdir, _, _, _ = work
     cases = [  # exit 1: the checkpoint fails a check; exit 2: the request cannot work as given
-        (("inspect", tmp_path / "nowhere"), 1, "is not a folder"),
-        (("verify", tmp_path), 1, "holds no 'latest' file and is not a tag folder"),
+        (("inspect", tmp_path / "nowhere"), 2, "is not a folder"),
+        (("verify", tmp_path), 2, "holds no 'latest' file and is not a tag folder"),
         (("inspect", workdir / "zero_bnb", "--tag", "s99"), 1, "'s99'"),
         (("convert", workdir / "zero_bnb", "--to", "zero_bnb", tmp_path / "x"), 2, "already a zero_bnb checkpoint"),
         (("convert", workdir / "stock", "--to", "universal", tmp_path / "x"), 2,

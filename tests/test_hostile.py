@@ -261,7 +261,7 @@ def test_no_re_signed_manifest_mutation_runs_code_escapes_or_crashes(sources, mu
     assert sorted(os.listdir(root)) == ["case", "secret"] and sorted(os.listdir(case)) in (["zb"], ["out", "zb"])
 
 
-def _edited(sources, tmp_path, name, edit):
+def _edited(sources, tmp_path, name, edit):  # edit(group 0 of the manifest), then re-sign
     zb = _fresh(sources, tmp_path / name)
     folder = zb / "A" / SUBDIR
     data = json.loads((folder / MANIFEST_NAME).read_text())
@@ -358,6 +358,18 @@ def test_a_folder_that_cannot_be_written_fails_the_same_on_every_rank_without_ha
     assert _same(ranks, "read_only_left") is None
 
 
+def test_ranks_saving_into_different_folders_or_a_fifo_lock_fail_on_every_rank(ranks):
+    _, ranks = ranks
+    for rank, out in enumerate(ranks):  # each rank names its own save_dir, so the messages differ there only
+        message = out["split_folders"]
+        assert message.startswith("CheckpointSaveError:") and "rank 1 does not see the staging folder" in message
+        assert f"ck{rank} failed before anything was written" in message
+        assert "every rank must save into the same shared folder" in message
+    assert _same(ranks, "split_folders_published") is False and ranks[0]["split_folders_left"] == []
+    message = _same(ranks, "fifo_lock")
+    assert message.startswith("CheckpointSaveError:") and "is not a regular file" in message
+
+
 def test_one_writer_at_a_time_and_a_dead_writers_lock_is_taken_over(ranks):
     _, ranks = ranks
     message = _same(ranks, "locked")
@@ -417,3 +429,166 @@ def test_two_jobs_saving_into_one_folder_never_mix_their_checkpoints(tmp_path):
     matches = [all(torch.equal(weights[n], w.reshape(-1)) for n, w in job["fp32"].items()) for job in jobs]
     assert matches.count(True) == 1, matches
     assert sorted(os.listdir(tmp_path / "shared")) == ["T", "latest"]
+
+
+# -- regressions from an adversarial probe of the above ---------------------------------------
+
+
+def test_force_replaces_only_checkpoint_folders(sources, tmp_path):
+    victim = tmp_path / "home" / "me"
+    victim.mkdir(parents=True)
+    (victim / "thesis.tex").write_text("t")
+    code, _, err = cli("convert", sources / "zb", "--to", "universal", victim, "--force")
+    assert code == 2 and "is not a checkpoint folder" in err, err
+    assert os.listdir(victim) == ["thesis.tex"] and sorted(os.listdir(tmp_path / "home")) == ["me"]
+
+
+def test_an_output_that_appears_while_a_tool_reads_is_not_replaced_without_force(tmp_path):
+    from zero_bnb.commit import local_commit
+
+    (tmp_path / "U").mkdir()
+    (tmp_path / "U" / "keep").write_text("k")
+    with pytest.raises(CheckpointUsageError, match="already exists"), local_commit(str(tmp_path), "U"):
+        pass
+    assert os.listdir(tmp_path / "U") == ["keep"] and sorted(os.listdir(tmp_path)) == ["U"]  # no staging, no lock
+
+
+def test_lock_paths_that_are_not_lock_files_give_clear_errors_and_never_block(sources, tmp_path):
+    from zero_bnb.lock import SaveFolderLock
+
+    cases = {
+        "fifo": lambda path: os.mkfifo(path),
+        "folder": lambda path: os.mkdir(path),
+        "dangling": lambda path: os.symlink(tmp_path / "nowhere", path),
+    }
+    for name, make in cases.items():
+        out = tmp_path / name
+        out.mkdir()
+        make(out / LOCK_NAME)
+        code, _, err = cli("convert", sources / "zb", "--to", "universal", out / "U")
+        assert code == 1 and "is not a regular file" in err and "Remove" in err, (name, err)
+        assert sorted(os.listdir(out)) == [LOCK_NAME], name
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    for record in ({"host": os.uname().nodename, "pid": 10**30, "since": 0}, {"host": "x", "pid": 1, "since": 1e300}):
+        (garbage / LOCK_NAME).write_text(json.dumps(record))
+        with pytest.raises(zero_bnb.CheckpointSaveError, match="another job is writing"):
+            SaveFolderLock(str(garbage), "test").acquire()  # a fresh unreadable lock: refused, no traceback
+
+
+def test_crafted_files_cannot_make_a_reader_allocate_more_than_they_hold(sources, tmp_path):
+    univ = _fresh(sources, tmp_path, "univ")
+    torch.save({"param": torch.zeros(1).expand(2**26), "cat_dim": 0}, univ / "A_universal" / "zero" / "0.weight" / "fp32.pt")
+    code, _, err = cli("convert", univ, "--to", "zero_bnb", tmp_path / "o")
+    assert code == 1 and "expanded view" in err, err
+    zb = _fresh(sources, tmp_path)
+    replicated = zb / "A" / SUBDIR / "replicated.pt"
+    packed = tmp_path / "packed.pt"
+    import zipfile
+
+    with zipfile.ZipFile(replicated) as source, zipfile.ZipFile(packed, "w", zipfile.ZIP_DEFLATED) as target:
+        for entry in source.infolist():
+            target.writestr(entry.filename, source.read(entry.filename))
+    replace_listed_file(str(zb / "A"), os.path.join(SUBDIR, "replicated.pt"), None)
+    shutil.copyfile(packed, replicated)
+    data = json.loads((zb / "A" / SUBDIR / MANIFEST_NAME).read_text())
+    for record in data["files"]:
+        if record["path"].endswith("replicated.pt"):
+            record["size"], record["sha256"] = durable.digest_file(str(replicated))
+    resign(str(zb / "A" / SUBDIR), data)
+    code, _, err = cli("inspect", zb)
+    assert code == 1 and "compressed entries" in err, err
+
+
+def test_files_reached_through_symlinks_or_left_unlisted_are_refused(sources, tmp_path):
+    outside = tmp_path / "outside.pt"
+    torch.save({"module": {}, "SECRET": 1}, outside)
+    zb = _fresh(sources, tmp_path)
+    data = json.loads((zb / "A" / SUBDIR / MANIFEST_NAME).read_text())
+    data["files"] = [r for r in data["files"] if r["path"] != "mp_rank_00_model_states.pt"]
+    resign(str(zb / "A" / SUBDIR), data)
+    code, _, err = cli("verify", zb)
+    assert code == 1 and "mp_rank_00_model_states.pt is not listed" in err, err
+    univ = _fresh(sources, tmp_path, "univ")
+    weight = univ / "A_universal" / "zero" / "0.weight" / "fp32.pt"
+    shutil.copyfile(weight, tmp_path / "elsewhere.pt")
+    weight.unlink()
+    weight.symlink_to(tmp_path / "elsewhere.pt")
+    code, _, err = cli("convert", univ, "--to", "zero_bnb", tmp_path / "o1")
+    assert code == 1 and "outside" in err, err
+    stock = _fresh(sources, tmp_path, "stock")
+    rank_file = stock / "A" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shutil.copyfile(rank_file, tmp_path / "rank1.pt")
+    rank_file.unlink()
+    rank_file.symlink_to(tmp_path / "rank1.pt")
+    code, _, err = cli("convert", stock, "--to", "zero_bnb", tmp_path / "o2")
+    assert code == 1 and "outside" in err, err
+    linked = _fresh(sources, tmp_path / "l")
+    (linked / "latest").unlink()
+    (linked / "latest").symlink_to("/etc/passwd")
+    code, _, err = cli("verify", linked)
+    assert code == 1 and "is a symbolic link" in err and "root:" not in err, err
+
+
+def test_verify_runs_the_structural_checks_and_refuses_colliding_names(sources, tmp_path):
+    def lead(group):
+        next(s for s in group["states"] if s["kind"] == "elementwise")["lead"] = [64]
+
+    def duplicate(data):
+        data["groups"][-1]["params"][0]["name"] = data["groups"][0]["params"][0]["name"]
+
+    zb = _edited(sources, tmp_path, "lead", lead)
+    code, _, err = cli("verify", zb)
+    assert code == 1 and "does not match its manifest" in err, err
+    zb = _fresh(sources, tmp_path / "dup")
+    data = json.loads((zb / "A" / SUBDIR / MANIFEST_NAME).read_text())
+    duplicate(data)
+    resign(str(zb / "A" / SUBDIR), data)
+    for command in (("verify", zb), ("export", zb, "--to", "fp32", tmp_path / "w.safetensors")):
+        code, _, err = cli(*command)
+        assert code == 1 and "every parameter name must appear once" in err, (command, err)
+
+
+def test_hyperparameters_of_the_wrong_type_are_refused(sources, tmp_path):
+    zb = _fresh(sources, tmp_path)
+    from zero_bnb.checkpoint_format import read_replicated
+
+    replicated = read_replicated(str(zb / "A" / SUBDIR))
+    replicated["groups"][0]["param_group"]["lr"] = "1e-3; rm -rf"
+    replace_listed_file(str(zb / "A"), os.path.join(SUBDIR, "replicated.pt"), replicated)
+    code, _, err = cli("convert", zb, "--to", "universal", tmp_path / "U")
+    assert code == 1 and "hyper-parameter lr=" in err and "must be a number" in err, err
+
+
+def test_export_outputs_that_name_no_file_or_a_reserved_name_are_usage_errors(sources, tmp_path):
+    zb = _fresh(sources, tmp_path)
+    for out, message in (("", "names no file"), (f"{tmp_path}/newdir/", "names no file"),
+                         (zb / LOCK_NAME, "a name zero_bnb reserves"), (zb / ".hidden", "a name zero_bnb reserves")):
+        code, _, err = cli("export", zb, "--to", "fp32", out)
+        assert code == 2 and message in err, (out, err)
+    assert sorted(os.listdir(tmp_path)) == ["zb"] and sorted(os.listdir(zb)) == ["A", "latest"]
+    assert not os.path.exists(os.path.join(os.path.dirname(tmp_path), "..zero_bnb-tmp"))
+
+
+def test_sigterm_during_convert_leaves_no_staging_folder_or_lock(sources, tmp_path):
+    import subprocess
+
+    script = (
+        "import os, signal, sys\n"
+        "from zero_bnb import durable\n"
+        "from zero_bnb.cli import main\n"
+        "durable.set_io_hook(lambda event, path: os.kill(os.getpid(), signal.SIGTERM) "
+        "if event == 'write' and path.endswith('exp_avg.pt') else None)\n"
+        f"sys.exit(main(['convert', {str(sources / 'zb')!r}, '--to', 'universal', {str(tmp_path / 'out' / 'U')!r}]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130 and "terminated; nothing was published" in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_saving_to_an_empty_path_is_a_usage_error():
+    from zero_bnb.engine import ZeroBnbEngine
+
+    with pytest.raises(CheckpointUsageError, match="save_dir must be a non-empty path"):
+        ZeroBnbEngine.save_checkpoint(object(), "")

@@ -262,8 +262,15 @@ class Manifest:
             check_relative_path(record.path, f"{source}: files[{index}].path")
             if record.size < 0 or not _SHA256.fullmatch(record.sha256):
                 fail(f"files[{index}]", record, "size must be >= 0 and sha256 64 lowercase hex digits")
+        names = [param.name for group in self.groups for param in group.params]
+        if len(set(names)) != len(names):
+            fail("groups[*].params[*].name", sorted({n for n in names if names.count(n) > 1})[:5],
+                 "every parameter name must appear once")
         for g, group in enumerate(self.groups):
             where = f"groups[{g}]"
+            keys = [state.key for state in group.states]
+            if len(set(keys)) != len(keys) or MASTER_KEY in keys:
+                fail(f"{where}.states[*].key", keys, f"state keys must be unique and not {MASTER_KEY!r}")
             if not 0 <= group.numel <= _MAX_NUMEL:
                 fail(f"{where}.numel", group.numel, f"it must lie in [0, {_MAX_NUMEL}]")
             offset = 0
@@ -337,6 +344,10 @@ def _check_types(data: dict[str, Any], source: str) -> None:
         strings += [(f"states[{s}].{key}", state.get(key)) for s, state in enumerate(group.get("states") or [])
                     if isinstance(state, dict) for key in ("key", "dtype", "reason")]
         problems += [f"groups[{g}].{name} must be a string" for name, value in strings if not isinstance(value, str)]
+    non_finite = data.get("non_finite")
+    if isinstance(non_finite, dict) and not all(isinstance(v, list) and all(isinstance(k, str) for k in v)
+                                                for v in non_finite.values()):
+        problems.append("non_finite must map parameter names to lists of strings")
     for f, record in enumerate(data.get("files") or []):
         if not (isinstance(record, dict) and isinstance(record.get("path"), str) and _is(record.get("size"), int)
                 and isinstance(record.get("sha256"), str)):
@@ -373,7 +384,7 @@ def read_manifest(folder: str) -> Manifest:
 
 def read_shard(folder: str, name: str) -> dict[str, Any]:
     """Open one shard lazily (memory-mapped, ``weights_only``): only the slices a loader touches are read."""
-    return safe_load(os.path.join(folder, name), "shard file", mmap=True)
+    return safe_load(os.path.join(folder, name), "shard file", mmap=True, root=folder)
 
 
 def read_replicated(folder: str, format_version: int = FORMAT_VERSION) -> dict[str, Any]:
@@ -382,7 +393,7 @@ def read_replicated(folder: str, format_version: int = FORMAT_VERSION) -> dict[s
     Version 1 files hold DeepSpeed's pickled loss scaler, which is then allowed by name.
     """
     return safe_load(os.path.join(folder, REPLICATED_NAME), "replicated-state file",
-                     deepspeed_classes=format_version < 2)
+                     deepspeed_classes=format_version < 2, root=folder)
 
 
 def _tensor_problem(value: Any, dtype: str, shape: tuple[int, ...]) -> str | None:
@@ -427,6 +438,23 @@ def check_shard(shard: Any, manifest: Manifest, rank: int, source: str) -> None:
                                     f"was edited or not written by zero_bnb")
 
 
+_NUMBER = (int, float)
+_NUMERIC_HYPERPARAMETERS = ("lr", "eps", "weight_decay", "momentum", "alpha", "dampening", "min_8bit_size",
+                            "percentile_clipping", "max_unorm", "t_alpha", "t_beta3")
+
+
+def _hyperparameter_problem(key: Any, value: Any) -> str | None:
+    """Why a saved param-group entry cannot be what an optimizer holds (``None`` if it can)."""
+    if not isinstance(key, str):
+        return "has a non-string name"
+    if key in _NUMERIC_HYPERPARAMETERS and (isinstance(value, bool) or not isinstance(value, _NUMBER + (type(None),))):
+        return "must be a number"
+    if key == "betas" and not (isinstance(value, (tuple, list)) and all(
+            isinstance(b, _NUMBER + (type(None),)) and not isinstance(b, bool) for b in value)):
+        return "must be a tuple of numbers"
+    return None
+
+
 def check_replicated(replicated: Any, manifest: Manifest, source: str) -> None:
     """The replicated-state file holds, per group, the counters and replicated tensors the manifest lists."""
     groups = replicated.get("groups") if isinstance(replicated, dict) else None
@@ -439,6 +467,10 @@ def check_replicated(replicated: Any, manifest: Manifest, source: str) -> None:
                                                   for k in ("param_group", "counters", "replicated")):
             problems.append(f"group {index} is not {{'param_group': {{}}, 'counters': {{}}, 'replicated': {{}}}}")
             continue
+        for key, value in group["param_group"].items():
+            problem = _hyperparameter_problem(key, value)
+            if problem:
+                problems.append(f"group {index} hyper-parameter {key}={value!r:.80} {problem}")
         for state in entry.states:
             if state.kind is StateKind.COUNTER and state.key not in group["counters"]:
                 problems.append(f"group {index} has no counter {state.key!r}")

@@ -14,7 +14,7 @@ from zero_bnb.errors import CheckpointFormatError, CheckpointUsageError, malform
 from zero_bnb.load import CheckpointReader, verify_checkpoint
 from zero_bnb.paths import check_name, check_tag
 from zero_bnb.stock_import import zero_file_names
-from zero_bnb.unpickle import safe_load
+from zero_bnb.unpickle import check_checkpoint_file, safe_load
 
 __all__ = ["MODEL_STATES", "UNIVERSAL_LATEST", "detect", "locate", "model_states_files", "open_verified",
            "param_entries", "require_zero_bnb"]
@@ -27,18 +27,20 @@ def locate(path: str, tag: str | None = None, *, latest: str = "latest") -> tupl
     """``(save_dir, folder_tag)`` of the checkpoint at ``path`` (a save folder or a tag folder).
 
     Raises:
-        CheckpointFormatError: ``path`` does not exist, or names no checkpoint.
+        CheckpointUsageError: ``path`` is not a folder, or neither a tag folder nor a save folder
+            with a pointer file.
+        CheckpointFormatError: the pointer file is damaged or names a missing tag.
     """
     path = os.path.normpath(path)
     if not os.path.isdir(path):
-        raise CheckpointFormatError(f"{path} is not a folder; pass a checkpoint save folder or one of its tag folders")
+        raise CheckpointUsageError(f"{path} is not a folder; pass a checkpoint save folder or one of its tag folders")
     is_tag_folder = os.path.isdir(os.path.join(path, SUBDIR)) or glob.glob(
         os.path.join(glob.escape(path), "mp_rank_*_model_states.pt"))
     if tag is None and is_tag_folder:
         absolute = os.path.abspath(path)
         return os.path.dirname(absolute), check_tag(os.path.basename(absolute))
     if tag is None and not os.path.isfile(os.path.join(path, latest)):
-        raise CheckpointFormatError(
+        raise CheckpointUsageError(
             f"{path} holds no '{latest}' file and is not a tag folder; pass the tag folder (for example "
             f"{os.path.join(path, 'global_step100')}) or --tag"
         )
@@ -51,7 +53,7 @@ def detect(path: str, tag: str | None = None) -> str:
     A save folder holding only ``latest_universal`` is universal; a tag folder is judged by its content.
 
     Raises:
-        CheckpointFormatError: none of them.
+        CheckpointUsageError: none of them.
     """
     path = os.path.normpath(path)
     if os.path.isfile(os.path.join(path, UNIVERSAL_LATEST)) and not os.path.isfile(os.path.join(path, "latest")):
@@ -65,7 +67,7 @@ def detect(path: str, tag: str | None = None) -> str:
         return "zero_bnb"
     if zero_file_names(tag_folder):
         return "stock"
-    raise CheckpointFormatError(
+    raise CheckpointUsageError(
         f"{tag_folder} is neither a zero_bnb, a DeepSpeed universal nor a stock DeepSpeed ZeRO checkpoint"
     )
 
@@ -112,6 +114,7 @@ def model_states_files(tag_folder: str) -> dict[str, str]:
             f"{tag_folder} holds model-states files {[os.path.basename(f) for f in files]}; the tools handle one "
             f"{MODEL_STATES} (no tensor or pipeline parallelism)"
         )
+    check_checkpoint_file(files[0], "DeepSpeed model file", tag_folder)  # it may be copied byte for byte
     return {MODEL_STATES: files[0]}
 
 

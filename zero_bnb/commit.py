@@ -98,6 +98,7 @@ def _prepare(save_dir: str, tag: str, latest_name: str | None, token: str) -> tu
                 remove_tree(os.path.join(save_dir, name))
         staging = os.path.join(save_dir, f".{tag}{_STAGING_SUFFIX}-{token}")
         makedirs(staging)
+        fsync_dir(save_dir)  # other ranks (other nodes on shared storage) look the new name up next
     except BaseException:
         lock.release()
         raise
@@ -116,16 +117,26 @@ def _publish(save_dir: str, tag: str, staging: str, latest_name: str | None) -> 
 
 
 @contextmanager
-def local_commit(save_dir: str, tag: str, *, latest_name: str | None = LATEST_NAME) -> Iterator[str]:
+def local_commit(save_dir: str, tag: str, *, latest_name: str | None = LATEST_NAME,
+                 replace: bool = False) -> Iterator[str]:
     """Write a checkpoint folder in one process: yields the staging folder, publishes it on success.
 
     Local: for offline tools. Holds the save folder's lock throughout; if the block raises,
     the staging folder is removed and ``save_dir/tag`` and the pointer file are unchanged.
     ``latest_name=None`` leaves the pointer file alone.
+
+    Raises:
+        CheckpointUsageError: ``save_dir/tag`` exists and ``replace`` is false (checked under
+            the lock, so two tools writing the same output cannot both succeed).
     """
     tag = check_tag(tag)
     lock, staging = _prepare(save_dir, tag, latest_name, uuid.uuid4().hex[:12])
     try:
+        if not replace and os.path.lexists(os.path.join(save_dir, tag)):
+            raise CheckpointUsageError(
+                f"the output {os.path.join(save_dir, tag)} already exists (another command may have just written it); "
+                f"pass --force (force=True) to replace it, or choose another output"
+            )
         yield staging
         _publish(save_dir, tag, staging, latest_name)
     finally:
@@ -172,9 +183,22 @@ class SaveTransaction:
         self.staging_tag = reports[0][1] or ""
         self.staging_folder = os.path.join(self.save_dir, self.staging_tag)
         self.errors = []
-        raise_reported([None if error is None else ("CheckpointSaveError", error) for error, _ in reports],
-                       prefix=f"saving checkpoint {self.tag!r} to {self.save_dir} failed before anything was written; "
-                       f"the previous checkpoint and 'latest' are unchanged. Cause: ")
+        prefix = (f"saving checkpoint {self.tag!r} to {self.save_dir} failed before anything was written; the previous "
+                  f"checkpoint and 'latest' are unchanged. Cause: ")
+        failures = [None if error is None else ("CheckpointSaveError", error) for error, _ in reports]
+        if any(failures):
+            self.abort()
+            raise_reported(failures, prefix=prefix)
+        # The staging name is unique to this save, so a rank that does not see it saves into another folder.
+        seen = None if os.path.isdir(self.staging_folder) else (
+            f"rank {dist.get_rank()} does not see the staging folder {self.staging_tag} that rank 0 created in "
+            f"{self.save_dir}: every rank must save into the same shared folder (same absolute path, shared storage)")
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, seen)
+        failures = [None if error is None else ("CheckpointSaveError", error) for error in reports]
+        if any(failures):
+            self.abort()
+            raise_reported(failures, prefix=prefix)
 
     def add(self, records: list[FileRecord]) -> None:
         self.files.extend(records)
@@ -232,6 +256,14 @@ class SaveTransaction:
             self._lock = None
 
     def _publish(self, manifest: Manifest) -> None:
+        missing = [f"{record.path} ({record.size} bytes)" for record in manifest.files
+                   if not os.path.isfile(os.path.join(self.staging_folder, record.path))
+                   or os.path.getsize(os.path.join(self.staging_folder, record.path)) != record.size]
+        if missing:
+            raise CheckpointSaveError(
+                f"files the ranks reported are missing or differ in rank 0's staging folder {self.staging_folder}: "
+                f"{missing[:5]}; every rank must save into the same shared folder"
+            )
         write_manifest(manifest, os.path.join(self.staging_folder, SUBDIR), root=self.staging_folder)
         _publish(self.save_dir, self.tag, self.staging_folder, self.latest_name)
         logger.info(
@@ -263,6 +295,11 @@ def resolve_tag(load_dir: str, tag: str | None, *, latest_name: str = LATEST_NAM
     source = "the tag argument"
     if tag is None:
         latest = os.path.join(load_dir, latest_name)
+        if os.path.islink(latest):
+            raise CheckpointFormatError(
+                f"{latest} is a symbolic link; zero_bnb follows only a regular pointer file, as DeepSpeed writes it. "
+                f"Replace it with a file holding the tag, or pass tag= (tags in {load_dir}: {_tags_in(load_dir)})"
+            )
         if not os.path.isfile(latest):
             return None
         with open(latest, "rb") as handle:
@@ -270,9 +307,10 @@ def resolve_tag(load_dir: str, tag: str | None, *, latest_name: str = LATEST_NAM
         try:
             tag = check_tag(raw.decode("utf-8").strip())
         except (UnicodeDecodeError, CheckpointUsageError) as error:
+            shown = "".join(c if c.isprintable() and c.isascii() else "?" for c in raw[:40].decode("latin-1"))
             raise CheckpointFormatError(
-                f"{latest} is damaged: it holds {raw[:80]!r}, not a checkpoint tag; pass tag= explicitly "
-                f"(tags in {load_dir}: {_tags_in(load_dir)})"
+                f"{latest} is damaged: it holds {len(raw)} bytes starting {shown!r}, not a checkpoint tag; pass tag= "
+                f"explicitly (tags in {load_dir}: {_tags_in(load_dir)})"
             ) from error
         source = f"{latest}"
     else:

@@ -102,7 +102,7 @@ def to_universal(path: str, out: str, *, tag: str | None = None, force: bool = F
             restore_derived(model_states, weights.__getitem__)  # DeepSpeed reads the module weights from this file
         model_files[name] = model_states
     param_groups, written = [], 0
-    with local_commit(out_dir, out_tag, latest_name=UNIVERSAL_LATEST) as staging:
+    with local_commit(out_dir, out_tag, latest_name=UNIVERSAL_LATEST, replace=force) as staging:
         zero_folder = os.path.join(staging, "zero")
         for index, group in enumerate(tqdm(groups, desc="groups", unit="group", disable=not progress)):
             tensors = {"fp32": group.fp32, **moments(group, spec, manifest.block_size)}
@@ -152,7 +152,7 @@ def _read_param_file(tag_folder: str, param: ParamEntry, key: str) -> torch.Tens
     if not os.path.isfile(path):
         raise CheckpointFormatError(f"the universal checkpoint has no {key} for parameter {param.name!r} "
                                     f"({path} is missing)")
-    value = safe_load(path, "universal parameter file")
+    value = safe_load(path, "universal parameter file", root=tag_folder)
     with malformed(f"universal parameter file {path}"):
         if key == "step":
             return float(value)
@@ -224,7 +224,7 @@ def from_universal(path: str, out_dir: str, *, tag: str | None = None, out_tag: 
     wrapper = plain_wrapper({name: optimizer_state.get(name) for name in WRAPPER_SCALARS if name in optimizer_state})
     published = write_checkpoint(out_dir, out_tag, groups, spec=BNB_ADAM, block_size=BNB_ADAM.block_size,
                                  optimizer_class=f"bitsandbytes.optim.{optimizer}", wrapper=wrapper,
-                                 extra_files=model_states_files(tag_folder))
+                                 extra_files=model_states_files(tag_folder), replace=force)
     return {"output": published, "quantized_elements": report.quantized_elements,
             "max_abs_error": report.max_abs_error, "relative_rms_error": report.relative_rms_error}
 
@@ -263,7 +263,7 @@ def rescue_stock(path: str, out_dir: str, *, tag: str | None = None, out_tag: st
     wrapper = stock.replicated["zero_wrapper"]
     published = write_checkpoint(out_dir, out_tag, groups, spec=BNB_ADAM,
                                  block_size=BNB_ADAM.block_size, optimizer_class="bitsandbytes (rescued)",
-                                 wrapper=wrapper, extra_files={MODEL_STATES: model_file})
+                                 wrapper=wrapper, extra_files={MODEL_STATES: model_file}, replace=force)
     return {"output": published, "saved_dp_size": len(names), "requantized_elements": report.quantized_elements,
             "max_abs_error": report.max_abs_error, "relative_rms_error": report.relative_rms_error}
 

@@ -34,6 +34,7 @@ from zero_bnb.commit import SaveTransaction, resolve_tag
 from zero_bnb.config import ZeroBnbConfig
 from zero_bnb.derived import DERIVED_PARAMS_KEY, derived_entries
 from zero_bnb.durable import makedirs, save_torch
+from zero_bnb.errors import CheckpointUsageError
 from zero_bnb.load import LoadPlan, open_for_load, plan_load
 from zero_bnb.restore import apply_masters, apply_restore
 from zero_bnb.save import build_manifest, write_local_files
@@ -193,8 +194,9 @@ class ZeroBnbEngine(DeepSpeedEngine):
             zero_bnb.errors.CheckpointError: on every rank; the previous checkpoint and
                 ``latest`` are then unchanged.
         """
-        if not save_dir:
-            raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
+        if not save_dir or not isinstance(save_dir, (str, os.PathLike)):
+            raise CheckpointUsageError(f"save_dir must be a non-empty path, got {save_dir!r}")
+        save_dir = os.fspath(save_dir)
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         transaction = SaveTransaction(save_dir, tag, save_latest=save_latest)  # refuses unsafe tags on every rank
         verify_replicated_state(self.optimizer)

@@ -32,6 +32,13 @@ def checksum_shares(files: tuple[FileRecord, ...], world_size: int) -> list[list
     return shares
 
 
+def _names(folder: str) -> list[str]:
+    try:
+        return sorted(os.listdir(folder))
+    except OSError:
+        return []
+
+
 def check_file_list(tag_folder: str, manifest: Manifest) -> None:
     """Every file the manifest lists is a regular file inside ``tag_folder`` with its recorded size.
 
@@ -44,7 +51,10 @@ def check_file_list(tag_folder: str, manifest: Manifest) -> None:
             FIFO or device), or the recorded sizes cannot hold the recorded elements.
     """
     listed = {record.path for record in manifest.files}
-    required = [os.path.join(SUBDIR, name) for name in (*manifest.shards, REPLICATED_NAME)]
+    if len(listed) != len(manifest.files):
+        raise CheckpointFormatError(f"checkpoint {tag_folder}: its manifest lists a file twice; it was edited")
+    model_files = [name for name in _names(tag_folder) if name.endswith("model_states.pt")]
+    required = [os.path.join(SUBDIR, name) for name in (*manifest.shards, REPLICATED_NAME)] + model_files
     problems = [f"{path} is not listed in the manifest" for path in required if path not in listed]
     for record in manifest.files:
         path = os.path.join(tag_folder, check_relative_path(record.path, "manifest files[].path"))

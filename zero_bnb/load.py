@@ -99,7 +99,8 @@ class CheckpointReader:
 def verify_checkpoint(load_dir: str, tag: str | None = None, *, progress: bool = False) -> CheckpointReader:
     """Run every consistency and checksum check on one zero_bnb checkpoint, in this process.
 
-    Local: no collectives. Nothing is unpickled; shards and the replicated file stay unopened.
+    Local: no collectives. After the checksums, the shards (memory-mapped) and the replicated
+    file are read with ``weights_only=True`` and checked against the manifest (dtypes, shapes).
 
     Args:
         load_dir: the folder passed to ``save_checkpoint``.
@@ -117,6 +118,7 @@ def verify_checkpoint(load_dir: str, tag: str | None = None, *, progress: bool =
         raise CheckpointFormatError(f"{load_dir} has no 'latest' file; pass the checkpoint tag explicitly")
     reader = CheckpointReader(os.path.join(load_dir, folder_tag))
     reader.verify(progress=progress)
+    reader.preload()
     return reader
 
 

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
+import stat
 import time
 import uuid
 from types import TracebackType
@@ -65,15 +67,36 @@ class SaveFolderLock:
         self.held = False
 
     def _holder(self) -> dict | None:
-        """The current lock's record, ``{}`` if it is unreadable, ``None`` if there is no lock."""
+        """The current lock's record, ``{}`` if it is unreadable, ``None`` if there is no lock.
+
+        Raises:
+            CheckpointSaveError: the lock path is not a regular file (a folder, a symlink, a FIFO:
+                never opened, so nothing can block); the message says to remove it.
+        """
         try:
-            with open(self.path, encoding="utf-8") as handle:
-                record = json.load(handle)
-            return record if isinstance(record, dict) else {}
+            mode = os.lstat(self.path).st_mode
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISREG(mode):
+            raise CheckpointSaveError(
+                f"{self.path} exists but is not a regular file, so it cannot be zero_bnb's save lock. Nothing was "
+                f"written. Remove {self.path} and save again"
+            )
+        try:
+            descriptor = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+            with os.fdopen(descriptor, encoding="utf-8") as handle:
+                record = json.loads(handle.read(4096))
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
             return {}
+        if not isinstance(record, dict):
+            return {}
+        pid, since = record.get("pid"), record.get("since")
+        if not (isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 1 << 31) or not (
+                isinstance(since, (int, float)) and math.isfinite(since) and 0 <= since < 1e11):
+            return {}  # not what acquire() writes: garbage, handled like an unreadable lock
+        return record
 
     def _stale(self, holder: dict) -> bool:
         if not holder:

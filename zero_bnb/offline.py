@@ -151,6 +151,7 @@ def write_checkpoint(
     wrapper: dict[str, Any],
     extra_files: dict[str, str | Callable[[str, str], FileRecord]],
     save_latest: bool = True,
+    replace: bool = False,
 ) -> str:
     """Write ``groups`` as a DP=1 zero_bnb checkpoint ``save_dir/tag``, committed atomically.
 
@@ -159,6 +160,7 @@ def write_checkpoint(
             writer ``(path, root) -> FileRecord`` (DeepSpeed's model-states file, so that
             ``engine.load_checkpoint`` finds the weights).
         wrapper: the ZeRO wrapper's scalars (loss scaler, ...).
+        replace: replace an existing ``save_dir/tag`` (else it is refused, under the lock).
 
     Returns:
         The published tag folder.
@@ -182,7 +184,7 @@ def write_checkpoint(
             element_ranges=((0, group.numel),), block_ranges=((0, ceil_div(group.numel, block_size)),),
             hyperparameters={k: jsonable(v) for k, v in group.param_group.items() if k != "params"},
         ))
-    with local_commit(save_dir, tag, latest_name=LATEST_NAME if save_latest else None) as staging:
+    with local_commit(save_dir, tag, latest_name=LATEST_NAME if save_latest else None, replace=replace) as staging:
         folder = os.path.join(staging, SUBDIR)
         makedirs(folder)
         files: list[FileRecord] = [

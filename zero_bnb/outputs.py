@@ -12,7 +12,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from zero_bnb.errors import CheckpointUsageError
+from zero_bnb.lock import LOCK_NAME
 from zero_bnb.paths import RESERVED_TAGS, inside, overlaps, resolved
+
+#: What marks a folder as a checkpoint that ``force`` may replace (zero_bnb, DeepSpeed, universal).
+_CHECKPOINT_MARKERS = (os.path.join("zero_bnb", "manifest.json"), os.path.join("zero", "optimizer_state.pt"),
+                       "mp_rank_00_model_states.pt")
 
 __all__ = ["check_output_file", "check_output_folder", "replacing_file"]
 
@@ -47,6 +52,12 @@ def check_output_folder(target: str, *, source_tag_folder: str, source_save_dir:
             f"the output {target} already exists; pass --force (force=True) to replace it (the old one is kept "
             f"until the new one is complete), or choose another output"
         )
+    if os.path.lexists(target) and (os.path.islink(target) or not any(
+            os.path.isfile(os.path.join(target, marker)) for marker in _CHECKPOINT_MARKERS)):
+        raise CheckpointUsageError(
+            f"the output {target} exists and is not a checkpoint folder (it holds none of "
+            f"{list(_CHECKPOINT_MARKERS)}); --force replaces only checkpoints. Choose another output"
+        )
 
 
 def check_output_file(path: str, *, source_tag_folder: str, source_save_dir: str, force: bool) -> None:
@@ -56,11 +67,15 @@ def check_output_file(path: str, *, source_tag_folder: str, source_save_dir: str
     Raises:
         CheckpointUsageError: names the path and the fix.
     """
+    name = os.path.basename(path)
+    if not name or path.endswith(("/", os.sep)) or name in (".", ".."):
+        raise CheckpointUsageError(f"the output {path!r} names no file; give the file to write, e.g. model.safetensors")
     if inside(path, source_tag_folder) or (
             resolved(os.path.dirname(os.path.abspath(path))) == resolved(source_save_dir)
-            and os.path.basename(path) in RESERVED_TAGS):
+            and (name in RESERVED_TAGS or name == LOCK_NAME or name.startswith("."))):
         raise CheckpointUsageError(
-            f"the output {path} is part of the checkpoint being read ({source_tag_folder}); write it elsewhere"
+            f"the output {path} is part of the checkpoint being read ({source_tag_folder}) or a name zero_bnb "
+            f"reserves in its save folder; write it elsewhere"
         )
     if os.path.isdir(path):
         raise CheckpointUsageError(f"the output {path} is a folder; name the file to write, e.g. "

@@ -59,7 +59,7 @@ def zero_file_names(tag_folder: str) -> list[str]:
     """Stock DeepSpeed ZeRO optimizer files of ``tag_folder`` (tensor-parallel rank 0), in DP-rank order."""
     for prefix in ("zero_pp_rank", "bf16_zero_pp_rank"):
         names = []
-        while os.path.isfile(name := os.path.join(tag_folder, f"{prefix}_{len(names)}_mp_rank_00_optim_states.pt")):
+        while os.path.lexists(name := os.path.join(tag_folder, f"{prefix}_{len(names)}_mp_rank_00_optim_states.pt")):
             names.append(name)
         if names:
             return names

@@ -13,6 +13,12 @@ file's choosing. Anything else is refused with :class:`~zero_bnb.errors.Checkpoi
 naming the class. A user who trusts a file that holds other classes (in a ``client_state``,
 say) allows them explicitly with ``torch.serialization.add_safe_globals``.
 
+Before unpickling, the file must be a regular file inside the folder it belongs to (no
+symlink out of a checkpoint, no FIFO), and a zip archive (``torch.save``'s format) must hold
+uncompressed entries only, so a small file cannot inflate into a huge one. After loading,
+every tensor must own the memory its shape claims (no stride-0 expansion of one element into
+billions), so that no reader allocates more than the file holds.
+
 Local, no collectives; any process may call it.
 """
 
@@ -22,13 +28,16 @@ import importlib
 import os
 import pickle
 import re
+import stat
+import zipfile
 from typing import Any
 
 import torch
 
 from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
+from zero_bnb.paths import inside, resolved
 
-__all__ = ["DEEPSPEED_GLOBALS", "safe_load"]
+__all__ = ["DEEPSPEED_GLOBALS", "check_checkpoint_file", "safe_load"]
 
 #: ``module.Class`` names DeepSpeed stores in its checkpoint files, allowed when unpickling.
 DEEPSPEED_GLOBALS = (
@@ -53,7 +62,51 @@ def _deepspeed_globals() -> list[Any]:
     return found
 
 
-def safe_load(path: str, what: str, *, mmap: bool = False, deepspeed_classes: bool = False) -> Any:
+def check_checkpoint_file(path: str, what: str, root: str) -> None:
+    """Refuse a file that resolves outside ``root``, is not a regular file, or is a crafted zip (see module doc)."""
+    if not inside(path, root):
+        raise CheckpointFormatError(f"{what} {path} resolves to {resolved(path)}, outside {root}; checkpoint files "
+                                    f"must lie inside their checkpoint folder")
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{what} {path} is missing; the checkpoint is incomplete") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointFormatError(f"{what} {path} is not a regular file; checkpoint files must be regular files")
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as archive:
+            entries = archive.infolist()
+        compressed = [entry.filename for entry in entries if entry.compress_type != zipfile.ZIP_STORED]
+        declared = sum(entry.file_size for entry in entries)
+        if compressed or declared > os.path.getsize(path):
+            raise CheckpointFormatError(
+                f"{what} {path} holds compressed entries ({compressed[:3]}) or entries larger than the file "
+                f"({declared} bytes declared); torch.save writes neither, so the file was crafted or damaged"
+            )
+
+
+def _check_tensors(value: Any, path: str, what: str, depth: int = 0) -> None:
+    """Every tensor in ``value`` owns the bytes its shape needs (refuses stride-0 expansions)."""
+    if depth > 64:
+        raise CheckpointFormatError(f"{what} {path} nests containers more than 64 levels deep")
+    if isinstance(value, torch.Tensor):
+        needed = value.numel() * value.element_size()
+        if needed and value.untyped_storage().nbytes() < needed:
+            raise CheckpointFormatError(
+                f"{what} {path} holds a tensor of shape {tuple(value.shape)} ({needed} bytes) backed by "
+                f"{value.untyped_storage().nbytes()} bytes (an expanded view); torch.save of a real tensor never "
+                f"does this, so the file was crafted"
+            )
+    elif isinstance(value, dict):
+        for item in value.values():
+            _check_tensors(item, path, what, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_tensors(item, path, what, depth + 1)
+
+
+def safe_load(path: str, what: str, *, mmap: bool = False, deepspeed_classes: bool = False,
+              root: str | None = None) -> Any:
     """``torch.load(path, weights_only=True)`` on the CPU, with clear errors.
 
     Args:
@@ -61,17 +114,20 @@ def safe_load(path: str, what: str, *, mmap: bool = False, deepspeed_classes: bo
         what: how to name the file in errors ("shard file", "DeepSpeed model file", ...).
         mmap: memory-map the file (only the tensors that are touched are read).
         deepspeed_classes: also allow :data:`DEEPSPEED_GLOBALS` (files DeepSpeed wrote).
+        root: the checkpoint folder ``path`` must lie in, symlinks resolved (default: the
+            folder that names it, so the file cannot be a symlink to elsewhere).
 
     Raises:
         CheckpointCorruptError: the file is missing or cannot be read as a torch file.
-        CheckpointFormatError: the file holds an object of a class that is not allowed.
+        CheckpointFormatError: the file lies outside ``root`` or is not a regular file, is a
+            zip with compressed entries, holds an object of a class that is not allowed, or a
+            tensor that claims more memory than it owns.
     """
-    if not os.path.isfile(path):
-        raise CheckpointCorruptError(f"{what} {path} is missing; the checkpoint is incomplete")
+    check_checkpoint_file(path, what, os.path.dirname(path) or "." if root is None else root)
     allowed = _deepspeed_globals() if deepspeed_classes else []
     try:
         with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         match = _GLOBAL_PATTERN.search(str(error))
         if match is None:
@@ -88,3 +144,5 @@ def safe_load(path: str, what: str, *, mmap: bool = False, deepspeed_classes: bo
             f"{what} {path} cannot be read ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
             f"the file is damaged"
         ) from error
+    _check_tensors(loaded, path, what)
+    return loaded

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from zero_bnb.checkpoint_paths import locate, open_verified, require_zero_bnb
 from zero_bnb.outputs import check_output_file, replacing_file
+from zero_bnb.errors import CheckpointFormatError
 from zero_bnb.offline import gather_full, moments, per_parameter
 from zero_bnb.state_spec import StateKind, spec_named
 
@@ -83,13 +84,20 @@ def export_fp32(path: str, out_path: str, *, tag: str | None = None, moments_too
     _, reader = open_verified(path, tag, command="export")
     spec = spec_named(reader.manifest.optimizer_spec)
     tensors: dict[str, torch.Tensor] = {}
+
+    def add(name: str, value: torch.Tensor) -> None:
+        if name in tensors:
+            raise CheckpointFormatError(f"two tensors of {reader.tag_folder} would be exported as {name!r} (a "
+                                        f"parameter is named like another's moment); the manifest was edited")
+        tensors[name] = value.contiguous()
+
     for group in tqdm(gather_full(reader), desc="groups", unit="group", disable=not progress):
         for name, value in per_parameter(group, group.fp32).items():
-            tensors[name] = value.contiguous()
+            add(name, value)
         if moments_too:
             for moment, flat in moments(group, spec, reader.manifest.block_size).items():
                 for name, value in per_parameter(group, flat).items():
-                    tensors[f"{name}.{moment}"] = value.contiguous()
+                    add(f"{name}.{moment}", value)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     with replacing_file(out_path) as temporary:
         save_file(tensors, temporary, metadata={"format": "pt", "source": reader.tag_folder})

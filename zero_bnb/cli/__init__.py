@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from zero_bnb.cli import tools
@@ -24,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     tools.add_commands(commands)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # `timeout`, `kill`, SLURM: clean up like Ctrl-C
+        signal.signal(signal.SIGTERM, tools.terminate)
     if args.command == "demo":
         from zero_bnb.cli.demo import run_demo
 

@@ -19,7 +19,16 @@ from zero_bnb.errors import CheckpointError, CheckpointUsageError
 from zero_bnb.load import verify_checkpoint
 from zero_bnb.state_spec import UnsupportedOptimizerError
 
-EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is so that every ``finally`` (staging folders, locks) runs."""
+
+
+def terminate(signum: int, frame: Any) -> None:
+    """SIGTERM handler of the command line (installed by :func:`zero_bnb.cli.main`)."""
+    raise Terminated()
 
 __all__ = ["add_commands", "run"]
 
@@ -100,6 +109,16 @@ def _print_report(report: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run one checkpoint command; returns the exit code."""
     try:
+        return _run(args)
+    except KeyboardInterrupt as interrupt:
+        what = "terminated" if isinstance(interrupt, Terminated) else "interrupted"
+        print(f"zero-bnb {args.command}: {what}; nothing was published and temporary files were removed",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
         if args.command == "convert" and args.target == "universal" and args.out_tag is not None:
             raise CheckpointUsageError("--out-tag applies to --to zero_bnb; with --to universal, OUT itself is the tag "
                                        "folder to create (its last path component is the tag)")
@@ -110,8 +129,8 @@ def run(args: argparse.Namespace) -> int:
             else:
                 _print_summary(summary)
         elif args.command == "verify":
-            save_dir, tag = checkpoint_paths.locate(args.checkpoint, args.tag)
             checkpoint_paths.require_zero_bnb(args.checkpoint, args.tag, "verify")
+            save_dir, tag = checkpoint_paths.locate(args.checkpoint, args.tag)
             reader = verify_checkpoint(save_dir, tag, progress=True)
             folder, manifest = reader.tag_folder, reader.manifest
             print(f"OK: {folder}: {len(manifest.files)} files match their SHA-256, manifest format "
