@@ -27,6 +27,7 @@ from zero_bnb.errors import (
 from zero_bnb.initialize import initialize
 from zero_bnb.load import verify_checkpoint
 from zero_bnb.state_spec import StateKind, UnsupportedOptimizerError
+from zero_bnb.substitute import disable, enable, enabled, is_enabled
 
 try:
     __version__ = _metadata.version("zero_bnb")
@@ -46,6 +47,10 @@ __all__ = [
     "ZeroBnbConfig",
     "ZeroBnbConfigError",
     "__version__",
+    "disable",
+    "enable",
+    "enabled",
     "initialize",
+    "is_enabled",
     "verify_checkpoint",
 ]

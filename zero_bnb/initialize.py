@@ -13,6 +13,7 @@ from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from zero_bnb.config import ZeroBnbConfigError, load_ds_config, split_config
 from zero_bnb.engine import ZeroBnbEngine, swapped_attribute
 from zero_bnb.overrides import attach_overrides, isolate_overridden_parameters
+from zero_bnb.substitute import calling_deepspeed, underlying_initialize
 
 __all__ = ["initialize"]
 
@@ -78,8 +79,9 @@ def initialize(
         overridden = isolate_overridden_parameters(optimizer, {id(p): name for name, p in model.named_parameters()})
 
     engine_factory = functools.partial(ZeroBnbEngine, zero_bnb_config=zero_bnb_config)
-    with swapped_attribute(deepspeed, "DeepSpeedEngine", engine_factory):
-        result = deepspeed.initialize(
+    ds_initialize = underlying_initialize()  # never zero_bnb's own dispatcher (zero_bnb.enable)
+    with swapped_attribute(deepspeed, "DeepSpeedEngine", engine_factory), calling_deepspeed():
+        result = ds_initialize(
             args=args,
             model=model,
             optimizer=optimizer,
