@@ -102,3 +102,57 @@ def trainer_train(rank, world, workdir, resume):
         zero_bnb.disable()
     if rank == 0:
         torch.save(out, os.path.join(workdir, f"trainer_{'resume' if resume else 'train'}_dp{world}.pt"))
+
+
+def _global_batch(step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 + step)
+    return TokenData().ids[torch.randperm(SAMPLES, generator=generator)[:GLOBAL_BATCH]]
+
+
+def _accelerate_steps(accelerator, model, optimizer, first: int, count: int) -> list[float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    accum = GLOBAL_BATCH // (MICRO * world)
+    losses = []
+    for step in range(first, first + count):
+        ids = _global_batch(step)
+        total = torch.zeros(())
+        for micro in range(accum):
+            rows = ids[(micro * world + rank) * MICRO:(micro * world + rank + 1) * MICRO]
+            with accelerator.accumulate(model):  # DeepSpeed steps only where Accelerate syncs gradients
+                loss = model(input_ids=rows, labels=rows).loss
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            total += loss.detach()
+        dist.all_reduce(total)
+        losses.append(total.item() / (accum * world))
+    return losses
+
+
+def accelerate_run(rank, world, workdir, resume):
+    """Accelerate without Trainer: prepare inside ``with zero_bnb.enabled()``, save_state / load_state."""
+    import bitsandbytes as bnb
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin
+
+    AcceleratorState._reset_state(reset_partial_state=False)  # a Trainer may have run in this process
+    config = ds_config(train_batch_size=GLOBAL_BATCH, train_micro_batch_size_per_gpu=MICRO,
+                       gradient_accumulation_steps=GLOBAL_BATCH // (MICRO * world), gradient_clipping=1.0)
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    model = tiny_gpt2()
+    optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=3e-3)
+    with zero_bnb.enabled():
+        model, optimizer = accelerator.prepare(model, optimizer)
+    out = {"engine": type(model).__name__, "enabled_after": zero_bnb.is_enabled()}
+    folder = os.path.join(workdir, "accelerate_state")
+    if resume:
+        accelerator.load_state(folder)
+        out["losses"] = _accelerate_steps(accelerator, model, optimizer, 4, 4)
+        out["global_steps"] = model.global_steps
+    else:
+        out["losses"] = _accelerate_steps(accelerator, model, optimizer, 0, 4)
+        accelerator.save_state(folder)
+        out["losses"] += _accelerate_steps(accelerator, model, optimizer, 4, 4)
+    if rank == 0:
+        torch.save(out, os.path.join(workdir, f"accelerate_{'resume' if resume else 'train'}_dp{world}.pt"))
