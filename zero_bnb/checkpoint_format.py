@@ -149,6 +149,7 @@ class Manifest:
     files: tuple[FileRecord, ...] = ()
     non_finite: dict[str, list[str]] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
+    batch: dict[str, int] = field(default_factory=dict)  # global, micro, accumulation, dp (zero_bnb.batch)
     format_version: int = FORMAT_VERSION
     format_name: str = FORMAT_NAME
 
@@ -216,6 +217,7 @@ class Manifest:
                 files=tuple(FileRecord(f["path"], f["size"], f["sha256"]) for f in data["files"]),
                 non_finite={name: list(keys) for name, keys in data["non_finite"].items()},
                 versions=dict(data["versions"]),
+                batch=dict(data.get("batch", {})),
                 format_version=data["format_version"],
                 format_name=data["format_name"],
             )

@@ -24,6 +24,7 @@ __all__ = [
     "ZeroBnbConfig",
     "ZeroBnbConfigError",
     "load_ds_config",
+    "refuse_optimizer_section",
     "split_config",
 ]
 
@@ -146,3 +147,37 @@ def split_config(ds_config: Mapping[str, Any]) -> tuple[ZeroBnbConfig, dict[str,
         unsharded_state_keys=keys, unsharded_state_max_numel=found.get(UNSHARDED_MAX_NUMEL), **optional
     )
     return parsed, cleaned
+
+
+def refuse_optimizer_section(ds_config: Mapping[str, Any], client_optimizer: Any) -> None:
+    """Refuse a DeepSpeed ``"optimizer"`` section that would replace or shadow the bitsandbytes optimizer.
+
+    With a client optimizer DeepSpeed silently ignores the section; without one it builds its own
+    optimizer from it (FusedAdam for ``"type": "Adam"``/``"AdamW"``) and transformers' ``Trainer``
+    ignores ``TrainingArguments.optim``. ``"params": {"torch_adam": true}`` (which builds
+    ``torch.optim.Adam``/``AdamW``, a family zero_bnb declares) is allowed without a client optimizer.
+
+    Raises:
+        ZeroBnbConfigError: naming the section and the fix.
+    """
+    section = ds_config.get("optimizer")
+    if not section:
+        return
+    shown = json.dumps(section, default=str)
+    if client_optimizer is not None:
+        name = f"{type(client_optimizer).__module__}.{type(client_optimizer).__qualname__}"
+        raise ZeroBnbConfigError(
+            f"the DeepSpeed config has an \"optimizer\" section ({shown}) and a client optimizer ({name}) was passed: "
+            f"DeepSpeed would train with the client optimizer and silently ignore the section. Remove the \"optimizer\" "
+            f"section from the DeepSpeed config (set lr, betas, weight decay on the optimizer itself)"
+        )
+    params = section.get("params", {}) if isinstance(section, Mapping) else {}
+    if isinstance(params, Mapping) and params.get("torch_adam") is True:
+        return
+    raise ZeroBnbConfigError(
+        f"the DeepSpeed config has an \"optimizer\" section ({shown}): DeepSpeed builds its own optimizer from it "
+        f"(FusedAdam for Adam/AdamW), not a bitsandbytes one, and transformers' Trainer then ignores "
+        f"TrainingArguments.optim (e.g. optim=\"adamw_bnb_8bit\"). Remove the \"optimizer\" section from the "
+        f"DeepSpeed config (ds.json): Trainer then builds the optimizer named by optim=; with Accelerate or your own "
+        f"loop pass a bitsandbytes optimizer, e.g. optimizer=bnb.optim.AdamW8bit(model.parameters(), lr=...)"
+    )

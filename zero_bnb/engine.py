@@ -29,6 +29,7 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
+from zero_bnb.batch import warn_if_batch_changed, with_batch
 from zero_bnb.collective import agree
 from zero_bnb.commit import SaveTransaction, resolve_tag
 from zero_bnb.config import ZeroBnbConfig
@@ -38,7 +39,7 @@ from zero_bnb.load import open_for_load
 from zero_bnb.restore import SavedState, master_weights, restore_optimizer
 from zero_bnb.save import build_manifest, write_local_files
 from zero_bnb.state_checks import find_non_finite, verify_replicated_state
-from zero_bnb.state_spec import StateRule, spec_for
+from zero_bnb.state_spec import StateRule, declared, spec_for
 from zero_bnb.zero_optimizer import BlockAlignedBF16Optimizer, BlockAlignedZeroOptimizer
 
 __all__ = ["DurableCheckpointEngine", "ZeroBnbEngine", "swapped_attribute"]
@@ -116,6 +117,14 @@ class ZeroBnbEngine(DeepSpeedEngine):
                     spec.name,
                 )
         return StateRule(unsharded_keys=frozenset(keys), max_numel=config.unsharded_state_max_numel)
+
+    def _do_optimizer_sanity_check(self, basic_optimizer):
+        # DeepSpeed warns "untested optimizer" for anything outside its own list; the families zero_bnb
+        # declares (zero_bnb.state_spec.SPECS) are tested under ZeRO here, so that warning is not shown for them.
+        if not declared(basic_optimizer):
+            return super()._do_optimizer_sanity_check(basic_optimizer)
+        with swapped_attribute(ds_engine_module, "is_zero_supported_optimizer", lambda optimizer: True):
+            return super()._do_optimizer_sanity_check(basic_optimizer)
 
     def _configure_zero_optimizer(self, optimizer):
         stage = self.zero_optimization_stage()
@@ -198,7 +207,8 @@ class ZeroBnbEngine(DeepSpeedEngine):
         finally:
             self.checkpoint_engine.transaction = None
         transaction.commit(
-            lambda files: build_manifest(self.optimizer, self.param_names, files, non_finite), save_latest=save_latest
+            lambda files: with_batch(build_manifest(self.optimizer, self.param_names, files, non_finite), self),
+            save_latest=save_latest,
         )
         return True
 
@@ -268,6 +278,7 @@ class ZeroBnbEngine(DeepSpeedEngine):
             return super().load_checkpoint(load_dir, tag=None)  # DeepSpeed warns that there is no 'latest'
         optimizer_states = load_optimizer_states and not load_module_only
         self._zero_bnb_saved = open_for_load(self, load_dir, folder_tag, optimizer_states=optimizer_states)
+        warn_if_batch_changed(self._zero_bnb_saved.manifest, self, os.path.join(load_dir, folder_tag))
         try:
             return super().load_checkpoint(
                 load_dir,

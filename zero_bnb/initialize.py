@@ -10,7 +10,7 @@ from typing import Any
 import deepspeed
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
-from zero_bnb.config import ZeroBnbConfigError, load_ds_config, split_config
+from zero_bnb.config import ZeroBnbConfigError, load_ds_config, refuse_optimizer_section, split_config
 from zero_bnb.engine import ZeroBnbEngine, swapped_attribute
 from zero_bnb.overrides import attach_overrides, isolate_overridden_parameters
 from zero_bnb.substitute import calling_deepspeed, underlying_initialize
@@ -72,6 +72,7 @@ def initialize(
             f"zero_bnb wraps ZeRO stages 1 and 2, but the config has zero_optimization.stage={stage}; "
             f"set \"zero_optimization\": {{\"stage\": 1}} (or 2)"
         )
+    refuse_optimizer_section(ds_config, optimizer)
     if optimizer is not None and "zero_allow_untested_optimizer" not in ds_config:
         ds_config["zero_allow_untested_optimizer"] = True
     overridden = {}
@@ -99,6 +100,7 @@ def initialize(
         zero_optimizer = result[0].optimizer
         flat = [zero_optimizer.master_partition(index) for index in range(zero_optimizer.num_groups)]
         attach_overrides(zero_optimizer.optimizer, flat, overridden)
+        result[0].zero_bnb_isolated = [p.name for g in overridden for p in zero_optimizer.param_entries(g, result[0].param_names)]
     if not isinstance(result[0], ZeroBnbEngine):
         raise ZeroBnbConfigError(
             f"DeepSpeed built a {type(result[0]).__name__} (pipeline or hybrid engine), which zero_bnb does not "
