@@ -36,6 +36,7 @@ from zero_bnb.config import ZeroBnbConfig
 from zero_bnb.derived import DERIVED_PARAMS_KEY, derived_entries, restore_derived
 from zero_bnb.durable import makedirs, save_torch
 from zero_bnb.load import open_for_load
+from zero_bnb.recovery import write_recovery_script
 from zero_bnb.restore import SavedState, master_weights, restore_optimizer
 from zero_bnb.save import build_manifest, write_local_files
 from zero_bnb.state_checks import find_non_finite, verify_replicated_state
@@ -213,16 +214,23 @@ class ZeroBnbEngine(DeepSpeedEngine):
         return True
 
     def _save_checkpoint(self, save_dir, tag, client_state=None, exclude_frozen_parameters=False):
-        # Trained parameters are their master weights cast to the module dtype: stored once, in the shards.
-        trained = {p: self.param_names[p] for p in self.optimizer.trained_params()}
-        derived = derived_entries(self.module, trained)
+        derived = self._derived_module_weights()
         self._zero_bnb_dropped = set(derived)
+        extra = {DERIVED_PARAMS_KEY: derived} if derived else {}
         try:
             with self.checkpoint_engine.transaction.guard():
-                super()._save_checkpoint(save_dir, tag, client_state={**(client_state or {}), DERIVED_PARAMS_KEY: derived},
+                super()._save_checkpoint(save_dir, tag, client_state={**(client_state or {}), **extra},
                                          exclude_frozen_parameters=exclude_frozen_parameters)
         finally:
             self._zero_bnb_dropped = set()
+
+    def _derived_module_weights(self) -> dict[str, list[str]]:
+        """Model-file entries to drop (``zero_derived_module_weights``): trained weights are their master weights
+        cast to the module dtype, so they can be stored once, in the shards. Off by default: DeepSpeed's model file
+        then holds the module weights for stock DeepSpeed, ``load_module_only`` and other readers."""
+        if not self.zero_bnb_config.derived_module_weights:
+            return {}
+        return derived_entries(self.module, {p: self.param_names[p] for p in self.optimizer.trained_params()})
 
     def module_state_dict(self, destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False):
         state = super().module_state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars,
@@ -246,6 +254,8 @@ class ZeroBnbEngine(DeepSpeedEngine):
         transaction = self.checkpoint_engine.transaction
         with transaction.guard():
             transaction.add(write_local_files(self.optimizer, os.path.join(save_path, str(tag))))
+        if self.global_rank == 0:
+            write_recovery_script(save_path)  # DeepSpeed's zero_to_fp32.py habit, through zero_bnb's export
 
     def load_checkpoint(
         self,

@@ -8,12 +8,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
-from tqdm import tqdm
 
 from zero_bnb.checkpoint_paths import open_verified
-from zero_bnb.offline import gather_full, moments, per_parameter
-from zero_bnb.state_spec import StateKind, spec_named
+from zero_bnb.state_spec import StateKind
 
 __all__ = ["export_fp32", "inspect_checkpoint"]
 
@@ -70,16 +67,10 @@ def export_fp32(path: str, out_path: str, *, tag: str | None = None, moments_too
     """
     from safetensors.torch import save_file
 
+    from zero_bnb.recovery import fp32_state_dict
+
     _, reader = open_verified(path, tag)
-    spec = spec_named(reader.manifest.optimizer_spec)
-    tensors: dict[str, torch.Tensor] = {}
-    for group in tqdm(gather_full(reader), desc="groups", unit="group", disable=not progress):
-        for name, value in per_parameter(group, group.fp32).items():
-            tensors[name] = value.contiguous()
-        if moments_too:
-            for moment, flat in moments(group, spec, reader.manifest.block_size).items():
-                for name, value in per_parameter(group, flat).items():
-                    tensors[f"{name}.{moment}"] = value.contiguous()
+    tensors = fp32_state_dict(reader.tag_folder, moments_too=moments_too, progress=progress)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     temporary = f"{out_path}.zero_bnb-tmp"
     save_file(tensors, temporary, metadata={"format": "pt", "source": reader.tag_folder})
