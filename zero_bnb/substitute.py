@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -95,7 +96,9 @@ def underlying_initialize() -> Callable[..., Any]:
         return _genuine()
     current = deepspeed.initialize
     if getattr(current, "_zero_bnb_dispatcher", False):
-        return _State.original if _State.original is not None else _genuine()
+        current = _State.original if _State.original is not None else _genuine()
+    if getattr(current, "__module__", None) == "zero_bnb.initialize":  # deepspeed.initialize = zero_bnb.initialize
+        return _genuine()
     return current
 
 
@@ -121,6 +124,10 @@ def _dispatcher(*args: Any, **kwargs: Any):
     if not _route_to_zero_bnb():
         original = _State.original if _State.original is not None else _genuine()
         return original(*args, **kwargs)
+    if "transformers.trainer" in sys.modules:  # a Trainer is calling: fit its scheduler state on resume too
+        from zero_bnb.hf import install_trainer_patch
+
+        install_trainer_patch()
     from zero_bnb.initialize import initialize
 
     return initialize(*args, **kwargs)
@@ -151,6 +158,8 @@ def _install() -> None:
 def _uninstall_if_idle() -> None:
     if _State.global_on or _State.scopes > 0 or _State.installed is None:
         return
+    if "zero_bnb.hf" in sys.modules:
+        sys.modules["zero_bnb.hf"].remove_trainer_patch()
     if deepspeed.initialize is _State.installed:
         deepspeed.initialize = _State.original
         _State.installed = None
