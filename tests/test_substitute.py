@@ -175,3 +175,16 @@ def test_zero_bnb_never_calls_itself():
     with substitute.calling_deepspeed():  # a dispatcher re-entered during zero_bnb.initialize goes to DeepSpeed
         assert substitute.underlying_initialize() is substitute._GENUINE
     assert substitute._GENUINE.__module__ == "deepspeed"
+
+
+def test_import_zero_bnb_stays_light():
+    """transformers, accelerate and lightning are imported only by their integration modules."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys, zero_bnb; print(sorted(m for m in ('transformers', 'accelerate', 'lightning') if m in sys.modules))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
