@@ -58,7 +58,11 @@ def ds_config(**extra) -> dict:
     }
 
 
-def _trainer(workdir, world, *, name="out", optim="adamw_bnb_8bit", max_steps=8, config=None):
+#: Trainer's other bitsandbytes optimizer names, each saved at 2 processes and resumed at 3 (short runs).
+OTHER_OPTIMS = ("lion_8bit", "paged_adamw_8bit", "paged_lion_32bit", "rmsprop_bnb_8bit", "ademamix_8bit")
+
+
+def _trainer(workdir, world, *, name="out", optim="adamw_bnb_8bit", max_steps=8, save_steps=4, config=None):
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
@@ -72,7 +76,7 @@ def _trainer(workdir, world, *, name="out", optim="adamw_bnb_8bit", max_steps=8,
         deepspeed=config or ds_config(),
         use_cpu=True,
         logging_steps=1,
-        save_steps=4,
+        save_steps=save_steps,
         save_strategy="steps",
         report_to="none",
         seed=0,
@@ -94,9 +98,9 @@ def _describe_engine(engine) -> dict:
     return {"engine": type(engine).__name__, "groups": groups, "state1_dtypes": dtypes}
 
 
-def trainer_run(workdir, world, *, name="out", resume_from=None):
-    """Trainer + adamw_bnb_8bit: 8 steps saving at step 4, or resume from ``resume_from``."""
-    trainer = _trainer(workdir, world, name=name)
+def trainer_run(workdir, world, *, name="out", resume_from=None, **settings):
+    """Trainer + adamw_bnb_8bit (or ``optim=``): 8 steps saving at step 4, or resume from ``resume_from``."""
+    trainer = _trainer(workdir, world, name=name, **settings)
     trainer.train(resume_from_checkpoint=resume_from)
     return {"losses": _losses(trainer), **_describe_engine(trainer.model_wrapped)}
 
@@ -249,6 +253,8 @@ def hf_dp2(rank, world, workdir):
         with Captured("DeepSpeed") as deepspeed_log:
             out["trainer"] = trainer_run(workdir, world)
         out["deepspeed_log"] = deepspeed_log.messages
+        for optim in OTHER_OPTIMS:
+            out[optim] = trainer_run(workdir, world, name=optim, optim=optim, max_steps=4, save_steps=2)
     finally:
         zero_bnb.disable()
         zero_bnb.disable()  # without enable: a no-op
@@ -299,6 +305,9 @@ def hf_dp3(rank, world, workdir):
         out["trainer_log"] = log.messages
         out["migrated"] = trainer_run(workdir, world, name="stock",
                                       resume_from=os.path.join(workdir, "stock", "checkpoint-4"))
+        for optim in OTHER_OPTIMS:
+            out[optim] = trainer_run(workdir, world, name=optim, optim=optim, max_steps=4, save_steps=2,
+                                     resume_from=os.path.join(workdir, optim, "checkpoint-2"))
     out["accelerate"] = accelerate_run(workdir, world, resume=True)
     out["stock_module_only"] = _stock_module_only(workdir)
     out["batch_warning"] = _changed_global_batch(workdir, world)

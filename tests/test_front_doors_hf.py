@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from hf_scenarios import hf_dp2, hf_dp3
+from hf_scenarios import OTHER_OPTIMS, hf_dp2, hf_dp3
 from safetensors.torch import load_file
 from test_convert import cli
 
@@ -138,3 +138,10 @@ def test_zero_to_fp32_script_in_the_save_folder(hf, tmp_path):
     for name, value in trainer_weights.items():
         assert torch.equal(state[name], value), name
     assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])  # tied, as DeepSpeed's script
+
+
+@pytest.mark.parametrize("optim", OTHER_OPTIMS)
+def test_other_trainer_bnb_optimizers_resume_at_3(hf, optim):
+    _, dp2, dp3, _ = hf
+    assert dp2[optim]["engine"] == dp3[optim]["engine"] == "ZeroBnbEngine"
+    _assert_continues(dp2[optim]["losses"], dp3[optim]["losses"], (3, 4), rel=1e-5)
