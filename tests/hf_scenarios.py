@@ -13,6 +13,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import torch
 import torch.distributed as dist
+from scenarios import _error
 
 import zero_bnb
 
@@ -200,14 +201,6 @@ class Captured(logging.Handler):
             logging.getLogger(name).removeHandler(self)
 
 
-def _error(fn):
-    try:
-        fn()
-    except Exception as error:  # noqa: BLE001 - the message is what the test checks
-        return f"{type(error).__name__}: {error}"
-    return None
-
-
 def _refusals(workdir, world) -> dict:
     """The optimizer-section mistakes, each refused before anything is built."""
     import bitsandbytes as bnb
@@ -261,6 +254,9 @@ def hf_dp2(rank, world, workdir):
     with Captured("DeepSpeed") as deepspeed_log:
         out["stock_trainer"] = trainer_run(workdir, world, name="stock")  # stock DeepSpeed: zero_bnb disabled
     out["stock_deepspeed_log"] = deepspeed_log.messages
+    with zero_bnb.enabled():  # the stock checkpoint, loaded directly at the DP size that wrote it
+        out["stock_same_dp"] = trainer_run(workdir, world, name="stock_same_dp",
+                                           resume_from=os.path.join(workdir, "stock", "checkpoint-4"))
     out["accelerate"] = accelerate_run(workdir, world, resume=False)
     out.update(_refusals(workdir, world))
     out["assigned"] = _assigned_initialize(world)

@@ -84,6 +84,14 @@ def test_stock_trainer_checkpoint_is_migrated_and_resumes_at_3(hf):
     _assert_continues(stock["losses"], migrated["losses"], RESUMED_STEPS, rel=2e-3)
 
 
+def test_stock_trainer_checkpoint_loads_directly_at_its_own_dp_size(hf):
+    _, dp2, _, _ = hf
+    resumed, stock = dp2["stock_same_dp"], dp2["stock_trainer"]
+    assert resumed["engine"] == "ZeroBnbEngine" and len(resumed["groups"]) == 4
+    _assert_continues(stock["losses"], resumed["losses"], (5,), rel=1e-5)
+    _assert_continues(stock["losses"], resumed["losses"], RESUMED_STEPS, rel=2e-3)
+
+
 def test_optimizer_section_is_refused_with_the_fix(hf):
     _, dp2, _, _ = hf
     trainer = dp2["trainer_optimizer_section"]

@@ -211,6 +211,8 @@ class ZeroBnbEngine(DeepSpeedEngine):
             lambda files: with_batch(build_manifest(self.optimizer, self.param_names, files, non_finite), self),
             save_latest=save_latest,
         )
+        if self.global_rank == 0:
+            write_recovery_script(save_dir)  # DeepSpeed's zero_to_fp32.py habit, through zero_bnb's export
         return True
 
     def _save_checkpoint(self, save_dir, tag, client_state=None, exclude_frozen_parameters=False):
@@ -254,8 +256,6 @@ class ZeroBnbEngine(DeepSpeedEngine):
         transaction = self.checkpoint_engine.transaction
         with transaction.guard():
             transaction.add(write_local_files(self.optimizer, os.path.join(save_path, str(tag))))
-        if self.global_rank == 0:
-            write_recovery_script(save_path)  # DeepSpeed's zero_to_fp32.py habit, through zero_bnb's export
 
     def load_checkpoint(
         self,
