@@ -8,6 +8,10 @@ Quick start::
     engine, optimizer, _, _ = zero_bnb.initialize(model=model, optimizer=optimizer, config="ds_config.json")
     engine.save_checkpoint("ckpt")   # on N ranks
     engine.load_checkpoint("ckpt")   # later, on any number of ranks
+
+Front doors: ``zero_bnb.enable()`` (or ``with zero_bnb.enabled():``) makes transformers' Trainer,
+Accelerate and any ``deepspeed.initialize`` call build zero_bnb's engine; ``import zero_bnb.lightning``
+registers ``strategy="deepspeed_zero_bnb_stage_1"`` (and ``_2``) for Lightning.
 """
 
 from __future__ import annotations

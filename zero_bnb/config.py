@@ -1,7 +1,7 @@
 """zero_bnb's own config keys, read from (and stripped out of) a DeepSpeed config.
 
 zero_bnb's keys (``zero_unsharded_state_keys``, ``zero_unsharded_state_max_numel``,
-``zero_nonfinite_check``, ``zero_checkpoint_verify``) may sit at the top level
+``zero_nonfinite_check``, ``zero_checkpoint_verify``, ``zero_derived_module_weights``) may sit at the top level
 of the DeepSpeed config (stock DeepSpeed ignores unknown top-level keys, so one JSON serves
 both) or inside ``zero_optimization`` (which stock DeepSpeed would reject, so they are
 removed before DeepSpeed validates the config).

@@ -23,6 +23,8 @@ import argparse
 import logging
 from typing import Any
 
+import torch
+
 try:
     from lightning.fabric.utilities.seed import reset_seed
     from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
@@ -59,10 +61,12 @@ class ZeroBnbStrategy(DeepSpeedStrategy):
         super().__init__(*args, stage=stage, **kwargs)
 
     def setup_environment(self) -> None:
+        """Lightning's environment set-up, on CUDA or CPU (collective: every rank)."""
         # DeepSpeedStrategy refuses every accelerator but CUDA; zero_bnb also trains on CPU (gloo).
         DDPStrategy.setup_environment(self)
 
     def setup_distributed(self) -> None:
+        """Join the process group (collective: every rank)."""
         if any(device.type != "cpu" for device in self.parallel_devices or ()):
             return super().setup_distributed()
         # On CPU the devices have no index, which DeepSpeedStrategy's device-index check cannot handle.
@@ -70,7 +74,9 @@ class ZeroBnbStrategy(DeepSpeedStrategy):
         self.set_world_ranks()
         self._init_deepspeed_distributed()
 
-    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+    def _setup_model_and_optimizer(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None
+    ) -> tuple[Any, Any]:
         """``zero_bnb.initialize`` in place of ``deepspeed.initialize`` (collective: every rank)."""
         model_parameters = filter(lambda p: p.requires_grad, model.parameters())
         index = self.root_device.index
@@ -85,7 +91,8 @@ class ZeroBnbStrategy(DeepSpeedStrategy):
         )
         return engine, deepspeed_optimizer
 
-    def backward(self, closure_loss, optimizer, *args: Any, **kwargs: Any):
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """DeepSpeed's backward without its second division by the accumulation steps (every rank, every micro-batch)."""
         # Lightning has divided the loss by accumulate_grad_batches already; DeepSpeed must not divide again.
         kwargs.setdefault("scale_wrt_gas", False)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
