@@ -18,12 +18,25 @@ else
 fi
 
 extras="${1:-test,demo}"
-if ! "$PYTHON" -c "import zero_bnb, deepspeed, bitsandbytes, safetensors, tqdm, pytest, hypothesis, matplotlib" 2>/dev/null \
+# The modules each extra brings, for the already-installed check (a second run only re-checks).
+modules="zero_bnb, deepspeed, bitsandbytes, safetensors, tqdm"
+case ",$extras," in *,test,*) modules="$modules, pytest, hypothesis";; esac
+case ",$extras," in *,demo,*) modules="$modules, matplotlib";; esac
+case ",$extras," in *,hf,*) modules="$modules, transformers, accelerate";; esac
+case ",$extras," in *,lightning,*) modules="$modules, lightning";; esac
+if ! "$PYTHON" -c "import $modules" 2>/dev/null \
    || [ "$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("zero_bnb"))' 2>/dev/null)" != "$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)" ]; then
     echo "setup: installing zero_bnb[$extras] (DS_BUILD_OPS=0: no DeepSpeed ops are compiled)"
-    "$PYTHON" -m pip install -q -e ".[$extras]"
+    # torch is pinned to the installed (or CPU) build so no extra pulls another torch or the CUDA bundle.
+    "$PYTHON" -m pip install -q -e ".[$extras]" "torch==$("$PYTHON" -c 'import torch; print(torch.__version__.split("+")[0])')"
 fi
 "$PYTHON" - <<'PY'
 import importlib.metadata as m
-print("setup: " + ", ".join(f"{p} {m.version(p)}" for p in ("zero_bnb", "torch", "deepspeed", "bitsandbytes")))
+def _installed(name):
+    try:
+        return bool(m.version(name))
+    except m.PackageNotFoundError:
+        return False
+print("setup: " + ", ".join(f"{p} {m.version(p)}" for p in ("zero_bnb", "torch", "deepspeed", "bitsandbytes", "transformers", "accelerate", "lightning")
+                        if _installed(p)))
 PY

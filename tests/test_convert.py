@@ -165,9 +165,24 @@ def test_rescued_stock_checkpoint_resumes_at_another_dp_size(work, dp):
     assert resumed[dp]["rescued_after"] == pytest.approx(sources["stock_after"], rel=2e-4)
 
 
-def test_model_states_file_does_not_store_the_trained_weights_twice(work):
+def test_model_states_file_holds_the_trained_weights_by_default(work):
+    """DeepSpeed's model file keeps the module weights (stock readers, load_module_only); derived is opt-in."""
     workdir, _, sources, _ = work
     model_states = torch.load(workdir / "zero_bnb" / "s3" / "mp_rank_00_model_states.pt", weights_only=False)
-    trained = set(sources["zero_bnb_saved"]["params"])
-    assert not trained & set(model_states["module"]), "trained weights are in the shards already"
-    assert model_states["zero_bnb_derived_params"] == {name: [name, "float32"] for name in trained}
+    saved = sources["zero_bnb_saved"]["params"]
+    for name, tensors in saved.items():
+        assert torch.equal(model_states["module"][name], tensors["fp32"]), name
+    assert "zero_bnb_derived_params" not in model_states
+    derived = torch.load(workdir / "derived" / "s3" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert not set(saved) & set(derived["module"]), "with zero_derived_module_weights the shards hold them once"
+    assert derived["zero_bnb_derived_params"] == {name: [name, "float32"] for name in saved}
+
+
+@pytest.mark.parametrize("dp", [1, 3])
+def test_derived_module_weights_are_rebuilt_on_load(work, dp):
+    """zero_derived_module_weights: true leaves the weights out of the model file; a load rebuilds them exactly."""
+    _, _, sources, resumed = work
+    saved = sources["derived_saved"]["params"]
+    for name, tensors in saved.items():
+        assert torch.equal(resumed[dp]["derived"]["params"][name]["fp32"], tensors["fp32"]), name
+        assert torch.equal(resumed[dp]["derived_module"][name], tensors["fp32"]), name

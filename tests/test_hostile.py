@@ -36,6 +36,7 @@ from zero_bnb.toy import DEFAULT_RUN as RUN
 from zero_bnb.toy import build_model, train_steps
 
 SECRET_SIZE = 12345  # a size that must never appear in any output
+SCRIPT = "zero_to_fp32.py"  # every save folder gets one, as with stock DeepSpeed
 
 
 def write_sources(rank, world, workdir):
@@ -91,7 +92,6 @@ def test_tools_refuse_outputs_over_their_input_and_keep_it_intact(sources, tmp_p
         (("convert", zb, "--to", "universal", tmp_path / "latest"), "name of the pointer file"),
         (("convert", univ, "--to", "zero_bnb", univ), "overlaps the checkpoint being read"),
         (("convert", stock, "--to", "zero_bnb", stock), "overlaps the checkpoint being read"),
-        (("convert", stock, "--to", "zero_bnb", stock, "--out-tag", "B"), "would repoint the pointer file"),
         (("convert", stock, "--to", "zero_bnb", tmp_path / "o", "--out-tag", "latest"), "name of the pointer file"),
         (("convert", stock, "--to", "zero_bnb", tmp_path / "o", "--out-tag", "../x"), "cannot name a checkpoint"),
         (("export", zb, "--to", "fp32", zb / "A" / SUBDIR / MANIFEST_NAME), "is part of the checkpoint being read"),
@@ -103,12 +103,17 @@ def test_tools_refuse_outputs_over_their_input_and_keep_it_intact(sources, tmp_p
         code, out, err = cli(*args)
         assert code == 2 and message in err and err.count("\n") == 1, (args, code, out, err)
     _still_good(zb)
-    assert sorted(os.listdir(zb)) == ["A", "latest"] and sorted(os.listdir(stock)) == stock_listing
+    assert sorted(os.listdir(zb)) == ["A", "latest", SCRIPT] and sorted(os.listdir(stock)) == stock_listing
     assert (tmp_path / "taken.safetensors").read_bytes() == b"keep me" and not os.listdir(tmp_path / "taken")
     assert not (tmp_path / "o").exists() and not (tmp_path / "x").exists()
     code, _, err = cli("convert", stock, "--to", "zero_bnb", tmp_path / "o")  # the input still converts
     assert code == 0, err
     _still_good(zb)
+    # A migration written beside the input as a new tag (Trainer's checkpoint-N folder): the input stays whole.
+    code, _, err = cli("convert", stock, "--to", "zero_bnb", stock, "--out-tag", "B")
+    assert code == 0, err
+    assert sorted(os.listdir(stock)) == sorted(stock_listing + ["B"]) and (stock / "latest").read_text() == "B"
+    assert sorted(os.listdir(stock / "A")) == sorted(os.listdir(sources / "stock" / "A"))
 
 
 def test_force_replaces_an_output_only_when_the_new_one_is_complete(sources, tmp_path):
@@ -336,7 +341,7 @@ def test_unsafe_tags_are_refused_on_save_and_load_and_latest_survives(ranks):
             message = _same(ranks, f"{action}:{tag}")
             assert message is not None and message.startswith("CheckpointUsageError:"), (action, tag, message)
             assert "cannot name a checkpoint folder" in message
-    assert _same(ranks, "listing_after_tags") == _same(ranks, "listing_before") == (["A", "latest"], "A")
+    assert _same(ranks, "listing_after_tags") == _same(ranks, "listing_before") == (["A", "latest", SCRIPT], "A")
     assert _same(ranks, "escape_created") is False
 
 
@@ -346,7 +351,7 @@ def test_a_symlinked_tag_folder_is_refused_before_anything_is_written(ranks):
     assert message.startswith("CheckpointSaveError:") and "is a symbolic link" in message
     assert "Nothing was written" in message
     assert _same(ranks, "symlink_still_link") is True
-    assert _same(ranks, "listing_after_symlink") == (["A", "L", "latest"], "A")
+    assert _same(ranks, "listing_after_symlink") == (["A", "L", "latest", SCRIPT], "A")
 
 
 def test_a_folder_that_cannot_be_written_fails_the_same_on_every_rank_without_hanging(ranks):
@@ -376,7 +381,7 @@ def test_one_writer_at_a_time_and_a_dead_writers_lock_is_taken_over(ranks):
     assert message.startswith("CheckpointSaveError:") and "another job is writing" in message
     assert f"pid {os.getpid()}" in message and "host " in message and LOCK_NAME in message
     assert _same(ranks, "stale_lock") is None and _same(ranks, "lock_left") is False
-    assert _same(ranks, "listing_after_locks") == (["A", "C", "L", "latest"], "C")
+    assert _same(ranks, "listing_after_locks") == (["A", "C", "L", "latest", SCRIPT], "C")
 
 
 def test_a_mismatch_found_late_in_restore_leaves_the_engine_bit_identical(ranks):
@@ -428,7 +433,7 @@ def test_two_jobs_saving_into_one_folder_never_mix_their_checkpoints(tmp_path):
             weights[param.name] = reader.piece(0, index, "fp32")[param.offset: param.offset + param.numel]
     matches = [all(torch.equal(weights[n], w.reshape(-1)) for n, w in job["fp32"].items()) for job in jobs]
     assert matches.count(True) == 1, matches
-    assert sorted(os.listdir(tmp_path / "shared")) == ["T", "latest"]
+    assert sorted(os.listdir(tmp_path / "shared")) == ["T", "latest", SCRIPT]
 
 
 # -- regressions from an adversarial probe of the above ---------------------------------------
@@ -566,7 +571,7 @@ def test_export_outputs_that_name_no_file_or_a_reserved_name_are_usage_errors(so
                          (zb / LOCK_NAME, "a name zero_bnb reserves"), (zb / ".hidden", "a name zero_bnb reserves")):
         code, _, err = cli("export", zb, "--to", "fp32", out)
         assert code == 2 and message in err, (out, err)
-    assert sorted(os.listdir(tmp_path)) == ["zb"] and sorted(os.listdir(zb)) == ["A", "latest"]
+    assert sorted(os.listdir(tmp_path)) == ["zb"] and sorted(os.listdir(zb)) == ["A", "latest", SCRIPT]
     assert not os.path.exists(os.path.join(os.path.dirname(tmp_path), "..zero_bnb-tmp"))
 
 

@@ -58,14 +58,14 @@ def test_a_save_failing_on_one_rank_fails_everywhere_and_keeps_the_previous_chec
     assert message is not None and message.startswith("CheckpointSaveError:"), message
     assert "injected: no space left on device" in message and f"rank(s) [{failure[0]}]" in message
     assert "the previous checkpoint and 'latest' are unchanged" in message
-    assert _same_on_every_rank(ranks, label + ":listing") == (["A", "latest"], "A")
+    assert _same_on_every_rank(ranks, label + ":listing") == (["A", "latest", "zero_to_fp32.py"], "A")
 
 
 def test_saving_works_again_after_failed_saves(ranks):
     assert _same_on_every_rank(ranks, "a_after_errors") is None
     assert _same_on_every_rank(ranks, "save_after_errors") is None
     assert _same_on_every_rank(ranks, "verify_after_errors") is None
-    assert _same_on_every_rank(ranks, "listing_after_errors") == (["A", "D", "latest"], "D")
+    assert _same_on_every_rank(ranks, "listing_after_errors") == (["A", "D", "latest", "zero_to_fp32.py"], "D")
 
 
 def test_replicated_key_named_in_config_but_differing_is_refused(ranks):

@@ -8,6 +8,10 @@ Quick start::
     engine, optimizer, _, _ = zero_bnb.initialize(model=model, optimizer=optimizer, config="ds_config.json")
     engine.save_checkpoint("ckpt")   # on N ranks
     engine.load_checkpoint("ckpt")   # later, on any number of ranks
+
+Front doors: ``zero_bnb.enable()`` (or ``with zero_bnb.enabled():``) makes transformers' Trainer,
+Accelerate and any ``deepspeed.initialize`` call build zero_bnb's engine; ``import zero_bnb.lightning``
+registers ``strategy="deepspeed_zero_bnb_stage_1"`` (and ``_2``) for Lightning.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from zero_bnb.errors import (
 from zero_bnb.initialize import initialize
 from zero_bnb.load import verify_checkpoint
 from zero_bnb.state_spec import StateKind, UnsupportedOptimizerError
+from zero_bnb.substitute import disable, enable, enabled, is_enabled
 
 try:
     __version__ = _metadata.version("zero_bnb")
@@ -48,6 +53,10 @@ __all__ = [
     "ZeroBnbConfig",
     "ZeroBnbConfigError",
     "__version__",
+    "disable",
+    "enable",
+    "enabled",
     "initialize",
+    "is_enabled",
     "verify_checkpoint",
 ]

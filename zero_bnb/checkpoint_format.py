@@ -162,6 +162,7 @@ class Manifest:
     files: tuple[FileRecord, ...] = ()
     non_finite: dict[str, list[str]] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
+    batch: dict[str, int] = field(default_factory=dict)  # global, micro, accumulation, dp (zero_bnb.batch)
     format_version: int = FORMAT_VERSION
     format_name: str = FORMAT_NAME
 
@@ -230,6 +231,7 @@ class Manifest:
                 files=tuple(FileRecord(f["path"], f["size"], f["sha256"]) for f in data["files"]),
                 non_finite={name: list(keys) for name, keys in data["non_finite"].items()},
                 versions=dict(data["versions"]),
+                batch=dict(data.get("batch", {})),
                 format_version=data["format_version"],
                 format_name=data["format_name"],
             )
@@ -344,6 +346,10 @@ def _check_types(data: dict[str, Any], source: str) -> None:
         strings += [(f"states[{s}].{key}", state.get(key)) for s, state in enumerate(group.get("states") or [])
                     if isinstance(state, dict) for key in ("key", "dtype", "reason")]
         problems += [f"groups[{g}].{name} must be a string" for name, value in strings if not isinstance(value, str)]
+    batch = data.get("batch", {})
+    if not (isinstance(batch, dict) and (not batch or (set(batch) == {"global", "micro", "accumulation", "dp"} and all(
+            _is(value, int) and value > 0 for value in batch.values())))):
+        problems.append("batch must be {} or {global, micro, accumulation, dp: positive integers}")
     non_finite = data.get("non_finite")
     if isinstance(non_finite, dict) and not all(isinstance(v, list) and all(isinstance(k, str) for k in v)
                                                 for v in non_finite.values()):

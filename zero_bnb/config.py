@@ -1,7 +1,7 @@
 """zero_bnb's own config keys, read from (and stripped out of) a DeepSpeed config.
 
 zero_bnb's keys (``zero_unsharded_state_keys``, ``zero_unsharded_state_max_numel``,
-``zero_nonfinite_check``, ``zero_checkpoint_verify``) may sit at the top level
+``zero_nonfinite_check``, ``zero_checkpoint_verify``, ``zero_derived_module_weights``) may sit at the top level
 of the DeepSpeed config (stock DeepSpeed ignores unknown top-level keys, so one JSON serves
 both) or inside ``zero_optimization`` (which stock DeepSpeed would reject, so they are
 removed before DeepSpeed validates the config).
@@ -18,12 +18,14 @@ from typing import Any
 
 __all__ = [
     "CHECKPOINT_VERIFY",
+    "DERIVED_MODULE_WEIGHTS",
     "NONFINITE_CHECK",
     "UNSHARDED_KEYS",
     "UNSHARDED_MAX_NUMEL",
     "ZeroBnbConfig",
     "ZeroBnbConfigError",
     "load_ds_config",
+    "refuse_optimizer_section",
     "split_config",
 ]
 
@@ -31,7 +33,8 @@ UNSHARDED_KEYS = "zero_unsharded_state_keys"
 UNSHARDED_MAX_NUMEL = "zero_unsharded_state_max_numel"
 NONFINITE_CHECK = "zero_nonfinite_check"
 CHECKPOINT_VERIFY = "zero_checkpoint_verify"
-_OWN_KEYS = (UNSHARDED_KEYS, UNSHARDED_MAX_NUMEL, NONFINITE_CHECK, CHECKPOINT_VERIFY)
+DERIVED_MODULE_WEIGHTS = "zero_derived_module_weights"
+_OWN_KEYS = (UNSHARDED_KEYS, UNSHARDED_MAX_NUMEL, NONFINITE_CHECK, CHECKPOINT_VERIFY, DERIVED_MODULE_WEIGHTS)
 _NONFINITE_MODES = ("error", "warn", "off")
 
 
@@ -57,12 +60,18 @@ class ZeroBnbConfig:
         checkpoint_verify: whether a load checks every file's SHA-256 against the manifest
             (the work is split across ranks) before it touches the model. Size and format
             checks run either way.
+        derived_module_weights: whether DeepSpeed's model file leaves out the trained module
+            weights (they are the fp32 master weights cast to the module dtype, already in the
+            shards; a load rebuilds them). Saves 4 bytes per parameter in fp32 training. Default
+            ``False``: the model file holds the weights, as stock DeepSpeed's does, so stock
+            ``load_checkpoint``, ``load_module_only`` and other readers see them.
     """
 
     unsharded_state_keys: tuple[str, ...] | None = None
     unsharded_state_max_numel: int | None = None
     nonfinite_check: str = "error"
     checkpoint_verify: bool = True
+    derived_module_weights: bool = False
 
     def __post_init__(self) -> None:
         keys = self.unsharded_state_keys
@@ -83,8 +92,9 @@ class ZeroBnbConfig:
             raise ZeroBnbConfigError(
                 f"{NONFINITE_CHECK} must be one of {list(_NONFINITE_MODES)}, got {self.nonfinite_check!r}"
             )
-        if not isinstance(self.checkpoint_verify, bool):
-            raise ZeroBnbConfigError(f"{CHECKPOINT_VERIFY} must be true or false, got {self.checkpoint_verify!r}")
+        for key, value in ((CHECKPOINT_VERIFY, self.checkpoint_verify), (DERIVED_MODULE_WEIGHTS, self.derived_module_weights)):
+            if not isinstance(value, bool):
+                raise ZeroBnbConfigError(f"{key} must be true or false, got {value!r}")
 
 
 def load_ds_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
@@ -139,10 +149,45 @@ def split_config(ds_config: Mapping[str, Any]) -> tuple[ZeroBnbConfig, dict[str,
         keys = tuple(keys)
     optional = {
         field: found[key]
-        for field, key in (("nonfinite_check", NONFINITE_CHECK), ("checkpoint_verify", CHECKPOINT_VERIFY))
+        for field, key in (("nonfinite_check", NONFINITE_CHECK), ("checkpoint_verify", CHECKPOINT_VERIFY),
+                           ("derived_module_weights", DERIVED_MODULE_WEIGHTS))
         if key in found
     }
     parsed = ZeroBnbConfig(
         unsharded_state_keys=keys, unsharded_state_max_numel=found.get(UNSHARDED_MAX_NUMEL), **optional
     )
     return parsed, cleaned
+
+
+def refuse_optimizer_section(ds_config: Mapping[str, Any], client_optimizer: Any) -> None:
+    """Refuse a DeepSpeed ``"optimizer"`` section that would replace or shadow the bitsandbytes optimizer.
+
+    With a client optimizer DeepSpeed silently ignores the section; without one it builds its own
+    optimizer from it (FusedAdam for ``"type": "Adam"``/``"AdamW"``) and transformers' ``Trainer``
+    ignores ``TrainingArguments.optim``. ``"params": {"torch_adam": true}`` (which builds
+    ``torch.optim.Adam``/``AdamW``, a family zero_bnb declares) is allowed without a client optimizer.
+
+    Raises:
+        ZeroBnbConfigError: naming the section and the fix.
+    """
+    section = ds_config.get("optimizer")
+    if not section:
+        return
+    shown = json.dumps(section, default=str)
+    if client_optimizer is not None:
+        name = f"{type(client_optimizer).__module__}.{type(client_optimizer).__qualname__}"
+        raise ZeroBnbConfigError(
+            f"the DeepSpeed config has an \"optimizer\" section ({shown}) and a client optimizer ({name}) was passed: "
+            f"DeepSpeed would train with the client optimizer and silently ignore the section. Remove the \"optimizer\" "
+            f"section from the DeepSpeed config (set lr, betas, weight decay on the optimizer itself)"
+        )
+    params = section.get("params", {}) if isinstance(section, Mapping) else {}
+    if isinstance(params, Mapping) and params.get("torch_adam") is True:
+        return
+    raise ZeroBnbConfigError(
+        f"the DeepSpeed config has an \"optimizer\" section ({shown}): DeepSpeed builds its own optimizer from it "
+        f"(FusedAdam for Adam/AdamW), not a bitsandbytes one, and transformers' Trainer then ignores "
+        f"TrainingArguments.optim (e.g. optim=\"adamw_bnb_8bit\"). Remove the \"optimizer\" section from the "
+        f"DeepSpeed config (ds.json): Trainer then builds the optimizer named by optim=; with Accelerate or your own "
+        f"loop pass a bitsandbytes optimizer, e.g. optimizer=bnb.optim.AdamW8bit(model.parameters(), lr=...)"
+    )

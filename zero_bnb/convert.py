@@ -89,7 +89,7 @@ def to_universal(path: str, out: str, *, tag: str | None = None, force: bool = F
     out_dir, out_tag = _output_tag_folder(out)
     save_dir, folder_tag = locate(path, tag)
     check_output_folder(os.path.join(out_dir, out_tag), source_tag_folder=os.path.join(save_dir, folder_tag),
-                        source_save_dir=save_dir, same_pointer=False, force=force)
+                        force=force)
     folder_tag, reader = open_verified(save_dir, folder_tag, command="convert")
     manifest = reader.manifest
     spec = spec_named(manifest.optimizer_spec)
@@ -176,13 +176,13 @@ def _entries(state: dict[str, Any], reason: str) -> tuple[StateEntry, ...]:
     return tuple(StateEntry(key, BNB_ADAM.kinds[key], "", reason) for key in sorted(state))
 
 
-def _target(path: str, tag: str | None, out_dir: str, out_tag: str | None, *, latest: str, same_pointer: bool,
+def _target(path: str, tag: str | None, out_dir: str, out_tag: str | None, *, latest: str,
             force: bool) -> tuple[str, str]:
     """Locate the input, check the output ``out_dir/out_tag`` against it; returns ``(input tag folder, out tag)``."""
     save_dir, folder_tag = locate(path, tag, latest=latest)
     out_tag = check_tag(out_tag or folder_tag.lstrip("."))
     check_output_folder(os.path.join(out_dir, out_tag), source_tag_folder=os.path.join(save_dir, folder_tag),
-                        source_save_dir=save_dir, same_pointer=same_pointer, force=force)
+                        force=force)
     return os.path.join(save_dir, folder_tag), out_tag
 
 
@@ -196,7 +196,7 @@ def from_universal(path: str, out_dir: str, *, tag: str | None = None, out_tag: 
     """
     if optimizer not in TARGET_OPTIMIZERS:
         raise CheckpointUsageError(f"--optimizer must be one of {list(TARGET_OPTIMIZERS)}, got {optimizer!r}")
-    _, out_tag = _target(path, tag, out_dir, out_tag, latest=UNIVERSAL_LATEST, same_pointer=False, force=force)
+    _, out_tag = _target(path, tag, out_dir, out_tag, latest=UNIVERSAL_LATEST, force=force)
     tag_folder, folder_tag, optimizer_state, params = _load_universal(path, tag)
     report = QuantizationReport()
     groups = []
@@ -237,7 +237,7 @@ def rescue_stock(path: str, out_dir: str, *, tag: str | None = None, out_tag: st
     once on the aligned global grid (partitions that were already block-aligned are copied
     exactly). Returns the error introduced.
     """
-    tag_folder, out_tag = _target(path, tag, out_dir, out_tag, latest="latest", same_pointer=True, force=force)
+    tag_folder, out_tag = _target(path, tag, out_dir, out_tag, latest="latest", force=force)
     names = zero_file_names(tag_folder)
     if not names:
         raise CheckpointFormatError(f"{tag_folder} holds no stock DeepSpeed ZeRO optimizer files (zero_pp_rank_*)")

@@ -29,6 +29,7 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
+from zero_bnb.batch import warn_if_batch_changed, with_batch
 from zero_bnb.collective import agree
 from zero_bnb.commit import SaveTransaction, resolve_tag
 from zero_bnb.config import ZeroBnbConfig
@@ -37,10 +38,11 @@ from zero_bnb.durable import makedirs, save_torch
 from zero_bnb.errors import CheckpointUsageError
 from zero_bnb.load import LoadPlan, open_for_load, plan_load
 from zero_bnb.restore import apply_masters, apply_restore
+from zero_bnb.recovery import write_recovery_script
 from zero_bnb.save import build_manifest, write_local_files
 from zero_bnb.unpickle import safe_load
 from zero_bnb.state_checks import find_non_finite, verify_replicated_state
-from zero_bnb.state_spec import StateRule, spec_for
+from zero_bnb.state_spec import StateRule, declared, spec_for
 from zero_bnb.zero_optimizer import BlockAlignedBF16Optimizer, BlockAlignedZeroOptimizer
 
 __all__ = ["DurableCheckpointEngine", "ZeroBnbEngine", "swapped_attribute"]
@@ -131,6 +133,14 @@ class ZeroBnbEngine(DeepSpeedEngine):
                 )
         return StateRule(unsharded_keys=frozenset(keys), max_numel=config.unsharded_state_max_numel)
 
+    def _do_optimizer_sanity_check(self, basic_optimizer):
+        # DeepSpeed warns "untested optimizer" for anything outside its own list; the families zero_bnb
+        # declares (zero_bnb.state_spec.SPECS) are tested under ZeRO here, so that warning is not shown for them.
+        if not declared(basic_optimizer):
+            return super()._do_optimizer_sanity_check(basic_optimizer)
+        with swapped_attribute(ds_engine_module, "is_zero_supported_optimizer", lambda optimizer: True):
+            return super()._do_optimizer_sanity_check(basic_optimizer)
+
     def _configure_zero_optimizer(self, optimizer):
         stage = self.zero_optimization_stage()
         if stage not in (1, 2):
@@ -216,20 +226,31 @@ class ZeroBnbEngine(DeepSpeedEngine):
             raise
         finally:
             self.checkpoint_engine.transaction = None
-        transaction.commit(lambda files: build_manifest(self.optimizer, self.param_names, files, non_finite))
+        transaction.commit(
+            lambda files: with_batch(build_manifest(self.optimizer, self.param_names, files, non_finite), self)
+        )
+        if self.global_rank == 0:
+            write_recovery_script(save_dir)  # DeepSpeed's zero_to_fp32.py habit, through zero_bnb's export
         return True
 
     def _save_checkpoint(self, save_dir, tag, client_state=None, exclude_frozen_parameters=False):
-        # Trained parameters are their master weights cast to the module dtype: stored once, in the shards.
-        trained = {p: self.param_names[p] for p in self.optimizer.trained_params()}
-        derived = derived_entries(self.module, trained)
+        derived = self._derived_module_weights()
         self._zero_bnb_dropped = set(derived)
+        extra = {DERIVED_PARAMS_KEY: derived} if derived else {}
         try:
             with self.checkpoint_engine.transaction.guard():
-                super()._save_checkpoint(save_dir, tag, client_state={**(client_state or {}), DERIVED_PARAMS_KEY: derived},
+                super()._save_checkpoint(save_dir, tag, client_state={**(client_state or {}), **extra},
                                          exclude_frozen_parameters=exclude_frozen_parameters)
         finally:
             self._zero_bnb_dropped = set()
+
+    def _derived_module_weights(self) -> dict[str, list[str]]:
+        """Model-file entries to drop (``zero_derived_module_weights``): trained weights are their master weights
+        cast to the module dtype, so they can be stored once, in the shards. Off by default: DeepSpeed's model file
+        then holds the module weights for stock DeepSpeed, ``load_module_only`` and other readers."""
+        if not self.zero_bnb_config.derived_module_weights:
+            return {}
+        return derived_entries(self.module, {p: self.param_names[p] for p in self.optimizer.trained_params()})
 
     def module_state_dict(self, destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False):
         state = super().module_state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars,
@@ -289,6 +310,7 @@ class ZeroBnbEngine(DeepSpeedEngine):
                                                  optimizer_states=optimizer_states, strict=load_module_strict))
         self._zero_bnb_plan = plan
         self.checkpoint_engine.planned = {plan.model_file: plan.model_states}
+        warn_if_batch_changed(saved.manifest, self, os.path.join(load_dir, folder_tag))
         try:
             result = super().load_checkpoint(
                 load_dir,

@@ -10,9 +10,10 @@ from typing import Any
 import deepspeed
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
-from zero_bnb.config import ZeroBnbConfigError, load_ds_config, split_config
+from zero_bnb.config import ZeroBnbConfigError, load_ds_config, refuse_optimizer_section, split_config
 from zero_bnb.engine import ZeroBnbEngine, swapped_attribute
 from zero_bnb.overrides import attach_overrides, isolate_overridden_parameters
+from zero_bnb.substitute import calling_deepspeed, underlying_initialize
 
 __all__ = ["initialize"]
 
@@ -94,6 +95,7 @@ def initialize(
             f"set \"zero_optimization\": {{\"stage\": 1}} (or 2)"
         )
     _refuse_unsupported(ds_config, mpu)
+    refuse_optimizer_section(ds_config, optimizer)
     if optimizer is not None and "zero_allow_untested_optimizer" not in ds_config:
         ds_config["zero_allow_untested_optimizer"] = True
     overridden = {}
@@ -101,8 +103,9 @@ def initialize(
         overridden = isolate_overridden_parameters(optimizer, {id(p): name for name, p in model.named_parameters()})
 
     engine_factory = functools.partial(ZeroBnbEngine, zero_bnb_config=zero_bnb_config)
-    with swapped_attribute(deepspeed, "DeepSpeedEngine", engine_factory):
-        result = deepspeed.initialize(
+    ds_initialize = underlying_initialize()  # never zero_bnb's own dispatcher (zero_bnb.enable)
+    with swapped_attribute(deepspeed, "DeepSpeedEngine", engine_factory), calling_deepspeed():
+        result = ds_initialize(
             args=args,
             model=model,
             optimizer=optimizer,
@@ -120,6 +123,7 @@ def initialize(
         zero_optimizer = result[0].optimizer
         flat = [zero_optimizer.master_partition(index) for index in range(zero_optimizer.num_groups)]
         attach_overrides(zero_optimizer.optimizer, flat, overridden)
+        result[0].zero_bnb_isolated = [p.name for g in overridden for p in zero_optimizer.param_entries(g, result[0].param_names)]
     if not isinstance(result[0], ZeroBnbEngine):
         raise ZeroBnbConfigError(
             f"DeepSpeed built a {type(result[0]).__name__} (pipeline or hybrid engine), which zero_bnb does not "

@@ -27,6 +27,7 @@ from zero_bnb.checkpoint_format import (
     read_replicated,
     read_shard,
 )
+from zero_bnb import regroup
 from zero_bnb.collective import agree
 from zero_bnb.commit import resolve_tag
 from zero_bnb.derived import DERIVED_PARAMS_KEY, restore_derived
@@ -122,7 +123,7 @@ def verify_checkpoint(load_dir: str, tag: str | None = None, *, progress: bool =
     return reader
 
 
-def _open_zero_bnb(engine, tag_folder: str, optimizer_states: bool) -> CheckpointReader:
+def _open_zero_bnb(engine, tag_folder: str, optimizer_states: bool) -> SavedState:
     optimizer = engine.optimizer
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -134,16 +135,18 @@ def _open_zero_bnb(engine, tag_folder: str, optimizer_states: bool) -> Checkpoin
 
     reader = agree(verified)
 
-    def prepared() -> None:
-        check_compatible(optimizer, reader.manifest, engine.param_names, optimizer_states=optimizer_states)
+    def prepared() -> SavedState:
         reader.preload()
+        saved = regroup.for_engine(engine, reader)  # the checkpoint's groups differ (bitsandbytes overrides)
+        check_compatible(optimizer, saved.manifest, engine.param_names, optimizer_states=optimizer_states)
+        return saved
 
-    agree(prepared)  # cheap manifest-only refusal before the files are opened; plan_load checks everything else
+    saved = agree(prepared)  # plan_load checks everything else before anything changes
     if reader.manifest.non_finite and rank == 0:
         logger.warning(
             "zero_bnb: checkpoint %s was saved with NaN/Inf in %s", tag_folder, reader.manifest.non_finite
         )
-    return reader
+    return saved
 
 
 def open_for_load(engine, load_dir: str, folder_tag: str, *, optimizer_states: bool) -> SavedState:
@@ -167,7 +170,7 @@ def open_for_load(engine, load_dir: str, folder_tag: str, *, optimizer_states: b
     tag_folder = os.path.join(load_dir, folder_tag)
     if CheckpointReader.exists(tag_folder):
         return _open_zero_bnb(engine, tag_folder, optimizer_states)
-    return agree(lambda: StockCheckpoint.open(engine, load_dir, folder_tag))
+    return agree(lambda: regroup.for_engine(engine, StockCheckpoint.open(engine, load_dir, folder_tag)))
 
 
 @dataclass

@@ -22,16 +22,15 @@ _CHECKPOINT_MARKERS = (os.path.join("zero_bnb", "manifest.json"), os.path.join("
 __all__ = ["check_output_file", "check_output_folder", "replacing_file"]
 
 
-def check_output_folder(target: str, *, source_tag_folder: str, source_save_dir: str, same_pointer: bool,
-                        force: bool) -> None:
+def check_output_folder(target: str, *, source_tag_folder: str, force: bool) -> None:
     """Refuse to write the checkpoint folder ``target`` over, inside or around the input checkpoint,
     or over an existing folder unless ``force``.
 
     Args:
-        target: the tag folder the tool will publish.
-        source_tag_folder, source_save_dir: where the input checkpoint lies.
-        same_pointer: the output updates the pointer file (``latest`` or ``latest_universal``)
-            through which the input is found; refused when both share a save folder.
+        target: the tag folder the tool will publish. It may sit beside the input in the same
+            save folder (a migration written as a new tag there, which the pointer file then
+            names; the input's own folder is never touched).
+        source_tag_folder: the input checkpoint's tag folder.
         force: replace an existing ``target``.
 
     Raises:
@@ -41,11 +40,6 @@ def check_output_folder(target: str, *, source_tag_folder: str, source_save_dir:
         raise CheckpointUsageError(
             f"the output {target} overlaps the checkpoint being read ({source_tag_folder}): writing it would "
             f"replace or mix with the input. Write into another folder"
-        )
-    if same_pointer and resolved(os.path.dirname(os.path.abspath(target))) == resolved(source_save_dir):
-        raise CheckpointUsageError(
-            f"the output {target} would repoint the pointer file of {source_save_dir}, through which the input "
-            f"checkpoint is found; write into another folder"
         )
     if os.path.lexists(target) and not force:
         raise CheckpointUsageError(

@@ -58,14 +58,18 @@ def isolate_overridden_parameters(optimizer: torch.optim.Optimizer, names: dict[
     if not found:
         return {}
     manager = optimizer.mng
-    kept_groups, isolated = [], []
-    for group in optimizer.param_groups:
+    kept_groups, isolated, kept_origin, isolated_origin = [], [], [], []
+    for origin, group in enumerate(optimizer.param_groups):
         hyper = {k: v for k, v in group.items() if k != "params"}
         rest = [p for p in group["params"] if id(p) not in found]
         isolated += [({**hyper, "params": [p]}, p) for p in group["params"] if id(p) in found]
+        isolated_origin += [origin for p in group["params"] if id(p) in found]
         if rest:
             kept_groups.append({**hyper, "params": rest})
+            kept_origin.append(origin)
     optimizer.param_groups[:] = kept_groups + [group for group, _ in isolated]
+    # Which of the user's param groups each group came from (per-group scheduler state of a run without isolation).
+    optimizer.zero_bnb_group_origin = tuple(kept_origin + isolated_origin)
     handled = {id(p) for _, p in isolated}
     manager.index2config.clear()
     manager.module_weight_config_triple[:] = [

@@ -22,6 +22,7 @@ __all__ = [
     "StateRule",
     "UnsupportedOptimizerError",
     "classify_state",
+    "declared",
     "spec_for",
     "spec_named",
 ]
@@ -269,6 +270,11 @@ def spec_named(name: str) -> OptimizerSpec:
         f"the checkpoint was written for optimizer family {name!r}, which this zero_bnb does not know "
         f"(it knows {[spec.name for spec in SPECS]}); use the zero_bnb release that wrote it"
     )
+
+
+def declared(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` belongs to a family zero_bnb declares (whatever its settings)."""
+    return any(spec.matches(optimizer) for spec in SPECS)
 
 
 def spec_for(optimizer: torch.optim.Optimizer) -> OptimizerSpec:

@@ -82,6 +82,21 @@ def read_rank_files(names: list[str]) -> list[dict[str, Any]]:
     return rank_sds
 
 
+def _saved_params(folder: str, rank_sds: list[dict[str, Any]], live: list[tuple[ParamEntry, ...]]):
+    """The stock checkpoint's groups: the running optimizer's when the sizes agree, else DeepSpeed's record.
+
+    They differ when the running optimizer isolates bitsandbytes overrides that stock DeepSpeed
+    dropped (:mod:`zero_bnb.regroup` then maps the state by parameter name).
+    """
+    sizes = [sum(sd["single_partition_of_fp32_groups"][g].numel() for sd in rank_sds)
+             for g in range(len(rank_sds[0]["single_partition_of_fp32_groups"]))]
+    if sizes == [sum(p.numel for p in group) for group in live]:
+        return live
+    from zero_bnb.checkpoint_paths import model_states_files, param_entries  # imports zero_bnb.load
+
+    return param_entries(next(iter(model_states_files(folder).values())))
+
+
 class StockCheckpoint:
     """A stock DeepSpeed ZeRO-1 checkpoint, converted in memory to zero_bnb's layout."""
 
@@ -119,11 +134,13 @@ class StockCheckpoint:
                 f"zero_bnb OUT` (or resume once at DP={saved_dp} with zero_bnb and save again): the result loads at "
                 f"any DP size (now DP={optimizer.dp_size})."
             )
+        rank_sds = read_rank_files(names)
         return cls.from_rank_states(
-            read_rank_files(names),
+            rank_sds,
             spec=optimizer.zero_bnb_spec,
             rule=optimizer.zero_bnb_rule,
-            params=[optimizer.param_entries(g, engine.param_names) for g in range(optimizer.num_groups)],
+            params=_saved_params(folder, rank_sds, [optimizer.param_entries(g, engine.param_names)
+                                                   for g in range(optimizer.num_groups)]),
             optimizer_class=type(optimizer.optimizer).__qualname__,
             live_param_groups=optimizer.optimizer.param_groups,
             log=optimizer.dp_rank == 0,

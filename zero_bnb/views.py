@@ -8,14 +8,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
-from tqdm import tqdm
-
 from zero_bnb.checkpoint_paths import locate, open_verified, require_zero_bnb
 from zero_bnb.outputs import check_output_file, replacing_file
-from zero_bnb.errors import CheckpointFormatError
-from zero_bnb.offline import gather_full, moments, per_parameter
-from zero_bnb.state_spec import StateKind, spec_named
+from zero_bnb.recovery import fp32_state_dict
+from zero_bnb.state_spec import StateKind
 
 __all__ = ["export_fp32", "inspect_checkpoint"]
 
@@ -81,24 +77,8 @@ def export_fp32(path: str, out_path: str, *, tag: str | None = None, moments_too
     save_dir, folder_tag = locate(path, tag)
     check_output_file(out_path, source_tag_folder=os.path.join(save_dir, folder_tag), source_save_dir=save_dir,
                       force=force)
-    _, reader = open_verified(path, tag, command="export")
-    spec = spec_named(reader.manifest.optimizer_spec)
-    tensors: dict[str, torch.Tensor] = {}
-
-    def add(name: str, value: torch.Tensor) -> None:
-        if name in tensors:
-            raise CheckpointFormatError(f"two tensors of {reader.tag_folder} would be exported as {name!r} (a "
-                                        f"parameter is named like another's moment); the manifest was edited")
-        tensors[name] = value.contiguous()
-
-    for group in tqdm(gather_full(reader), desc="groups", unit="group", disable=not progress):
-        for name, value in per_parameter(group, group.fp32).items():
-            add(name, value)
-        if moments_too:
-            for moment, flat in moments(group, spec, reader.manifest.block_size).items():
-                for name, value in per_parameter(group, flat).items():
-                    add(f"{name}.{moment}", value)
+    tensors = fp32_state_dict(path, tag, moments_too=moments_too, progress=progress, command="export")
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     with replacing_file(out_path) as temporary:
-        save_file(tensors, temporary, metadata={"format": "pt", "source": reader.tag_folder})
+        save_file(tensors, temporary, metadata={"format": "pt", "source": os.path.join(save_dir, folder_tag)})
     return {"output": out_path, "tensors": len(tensors), "bytes": os.path.getsize(out_path)}

@@ -1,0 +1,311 @@
+"""Multi-process scenarios for the Hugging Face front doors (Trainer, Accelerate): real packages, gloo, CPU.
+
+Each function is one launch; rank 0 writes what pytest checks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+import torch
+import torch.distributed as dist
+from scenarios import _error
+
+import zero_bnb
+
+VOCAB, SEQ, SAMPLES = 96, 16, 240
+MICRO = 2
+GLOBAL_BATCH = 12
+
+
+def tiny_gpt2(seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+class TokenData(torch.utils.data.Dataset):
+    """Deterministic token sequences (a noisy counting pattern), the same in every process."""
+
+    def __init__(self, count: int = SAMPLES):
+        generator = torch.Generator().manual_seed(7)
+        starts = torch.randint(0, VOCAB, (count, 1), generator=generator)
+        steps = torch.randint(1, 4, (count, 1), generator=generator)
+        self.ids = (starts + steps * torch.arange(SEQ)) % VOCAB
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+def ds_config(**extra) -> dict:
+    return {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 1},
+        "steps_per_print": 10**9,
+        **extra,
+    }
+
+
+#: Trainer's other bitsandbytes optimizer names, each saved at 2 processes and resumed at 3 (short runs).
+OTHER_OPTIMS = ("lion_8bit", "paged_adamw_8bit", "paged_lion_32bit", "rmsprop_bnb_8bit", "ademamix_8bit")
+
+
+def _trainer(workdir, world, *, name="out", optim="adamw_bnb_8bit", max_steps=8, save_steps=4, config=None):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=os.path.join(workdir, name),
+        per_device_train_batch_size=MICRO,
+        gradient_accumulation_steps=GLOBAL_BATCH // (MICRO * world),  # keeps the global batch at any DP size
+        max_steps=max_steps,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        optim=optim,
+        deepspeed=config or ds_config(),
+        use_cpu=True,
+        logging_steps=1,
+        save_steps=save_steps,
+        save_strategy="steps",
+        report_to="none",
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    return Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenData())
+
+
+def _losses(trainer):
+    return {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
+
+
+def _describe_engine(engine) -> dict:
+    groups = [[engine.param_names[p] for p in group] for group in engine.optimizer.bit16_groups]
+    base = engine.optimizer.optimizer
+    flat = engine.optimizer.single_partition_of_fp32_groups  # one flat fp32 tensor per group (ZeRO-1)
+    dtypes = [str(base.state[p]["state1"].dtype) if p in base.state else None for p in flat]
+    return {"engine": type(engine).__name__, "groups": groups, "state1_dtypes": dtypes}
+
+
+def trainer_run(workdir, world, *, name="out", resume_from=None, **settings):
+    """Trainer + adamw_bnb_8bit (or ``optim=``): 8 steps saving at step 4, or resume from ``resume_from``."""
+    trainer = _trainer(workdir, world, name=name, **settings)
+    trainer.train(resume_from_checkpoint=resume_from)
+    return {"losses": _losses(trainer), **_describe_engine(trainer.model_wrapped)}
+
+
+def _global_batch(step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 + step)
+    return TokenData().ids[torch.randperm(SAMPLES, generator=generator)[:GLOBAL_BATCH]]
+
+
+def _accelerate_steps(accelerator, model, optimizer, first: int, count: int) -> list[float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    accum = GLOBAL_BATCH // (MICRO * world)
+    losses = []
+    for step in range(first, first + count):
+        ids = _global_batch(step)
+        total = torch.zeros(())
+        for micro in range(accum):
+            rows = ids[(micro * world + rank) * MICRO:(micro * world + rank + 1) * MICRO]
+            with accelerator.accumulate(model):  # DeepSpeed steps only where Accelerate syncs gradients
+                loss = model(input_ids=rows, labels=rows).loss
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            total += loss.detach()
+        dist.all_reduce(total)
+        losses.append(total.item() / (accum * world))
+    return losses
+
+
+class CallRecorder:
+    """A user's own ``deepspeed.initialize`` wrapper (as MS-AMP or a logging patch would install)."""
+
+    def __init__(self, wrapped):
+        self.wrapped, self.calls = wrapped, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.wrapped(*args, **kwargs)
+
+
+def accelerate_run(workdir, world, *, resume: bool) -> dict:
+    """Accelerate without Trainer: prepare inside ``with zero_bnb.enabled()``, save_state / load_state.
+
+    A user wrapper is installed on ``deepspeed.initialize`` before: zero_bnb must call through it.
+    """
+    import bitsandbytes as bnb
+    import deepspeed
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin
+
+    AcceleratorState._reset_state(reset_partial_state=False)  # a Trainer ran in this process before
+    config = ds_config(train_batch_size=GLOBAL_BATCH, train_micro_batch_size_per_gpu=MICRO,
+                       gradient_accumulation_steps=GLOBAL_BATCH // (MICRO * world), gradient_clipping=1.0)
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    model = tiny_gpt2()
+    optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=3e-3)
+    original = deepspeed.initialize
+    recorder = deepspeed.initialize = CallRecorder(original)
+    try:
+        with zero_bnb.enabled():
+            model, optimizer = accelerator.prepare(model, optimizer)
+    finally:
+        deepspeed.initialize = original
+    out = {"engine": type(model).__name__, "user_wrapper_calls": recorder.calls,
+           "enabled_after_block": zero_bnb.is_enabled()}
+    folder = os.path.join(workdir, "accelerate_state")
+    if resume:
+        accelerator.load_state(folder)
+        out["global_steps"] = model.global_steps
+        out["losses"] = _accelerate_steps(accelerator, model, optimizer, 4, 4)
+    else:
+        out["losses"] = _accelerate_steps(accelerator, model, optimizer, 0, 4)
+        accelerator.save_state(folder)
+        out["losses"] += _accelerate_steps(accelerator, model, optimizer, 4, 4)
+    return out
+
+
+class Captured(logging.Handler):
+    """Log records of one logger while a block runs."""
+
+    def __init__(self, *names: str):
+        super().__init__(logging.DEBUG)
+        self.names, self.messages = names, []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        for name in self.names:
+            logging.getLogger(name).addHandler(self)
+            logging.getLogger(name).setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc):
+        for name in self.names:
+            logging.getLogger(name).removeHandler(self)
+
+
+def _refusals(workdir, world) -> dict:
+    """The optimizer-section mistakes, each refused before anything is built."""
+    import bitsandbytes as bnb
+
+    section = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}
+    out = {}
+    with zero_bnb.enabled():
+        out["trainer_optimizer_section"] = _error(
+            lambda: _trainer(workdir, world, name="refused", config=ds_config(optimizer=section)).train())
+    model = tiny_gpt2()
+    config = ds_config(train_batch_size=GLOBAL_BATCH, train_micro_batch_size_per_gpu=MICRO,
+                       gradient_accumulation_steps=GLOBAL_BATCH // (MICRO * world), gradient_clipping=1.0,
+                       optimizer={"type": "AdamW", "params": {"lr": 1e-3}})
+    out["client_and_section"] = _error(lambda: zero_bnb.initialize(
+        model=model, optimizer=bnb.optim.AdamW8bit(model.parameters()), config=config))
+    return out
+
+
+def _assigned_initialize(world) -> dict:
+    """The obvious ``deepspeed.initialize = zero_bnb.initialize`` (recursed forever before)."""
+    import deepspeed
+
+    from zero_bnb.toy import DEFAULT_RUN, build_model, param_groups, train_steps
+    import bitsandbytes as bnb
+
+    original = deepspeed.initialize
+    deepspeed.initialize = zero_bnb.initialize
+    try:
+        model = build_model()
+        engine, *_ = deepspeed.initialize(model=model, optimizer=bnb.optim.Adam8bit(param_groups(model), lr=1e-2),
+                                          config=DEFAULT_RUN.ds_config(world))
+    finally:
+        deepspeed.initialize = original
+    return {"engine": type(engine).__name__, "losses": train_steps(engine, DEFAULT_RUN, 0, 1)}
+
+
+def hf_dp2(rank, world, workdir):
+    """One launch at DP=2: Trainer (zero_bnb and stock), Accelerate, refusals, plain-assignment enabling."""
+    out = {}
+    zero_bnb.enable()
+    zero_bnb.enable()  # twice: a no-op
+    try:
+        with Captured("DeepSpeed") as deepspeed_log:
+            out["trainer"] = trainer_run(workdir, world)
+        out["deepspeed_log"] = deepspeed_log.messages
+        for optim in OTHER_OPTIMS:
+            out[optim] = trainer_run(workdir, world, name=optim, optim=optim, max_steps=4, save_steps=2)
+    finally:
+        zero_bnb.disable()
+        zero_bnb.disable()  # without enable: a no-op
+    with Captured("DeepSpeed") as deepspeed_log:
+        out["stock_trainer"] = trainer_run(workdir, world, name="stock")  # stock DeepSpeed: zero_bnb disabled
+    out["stock_deepspeed_log"] = deepspeed_log.messages
+    with zero_bnb.enabled():  # the stock checkpoint, loaded directly at the DP size that wrote it
+        out["stock_same_dp"] = trainer_run(workdir, world, name="stock_same_dp",
+                                           resume_from=os.path.join(workdir, "stock", "checkpoint-4"))
+    out["accelerate"] = accelerate_run(workdir, world, resume=False)
+    out.update(_refusals(workdir, world))
+    out["assigned"] = _assigned_initialize(world)
+    if rank == 0:
+        torch.save(out, os.path.join(workdir, "hf_dp2.pt"))
+
+
+def _stock_module_only(workdir) -> dict:
+    """Stock DeepSpeed (torch AdamW) reads the module weights of a zero_bnb Trainer checkpoint."""
+    import deepspeed
+
+    model = tiny_gpt2(seed=1)
+    config = ds_config(train_batch_size=GLOBAL_BATCH, train_micro_batch_size_per_gpu=MICRO,
+                       gradient_accumulation_steps=GLOBAL_BATCH // (MICRO * dist.get_world_size()),
+                       gradient_clipping=1.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)
+    engine.load_checkpoint(os.path.join(workdir, "out", "checkpoint-4"), load_module_only=True,
+                           load_module_strict=False)
+    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def _changed_global_batch(workdir, world) -> list[str]:
+    """Load the Accelerate checkpoint (global batch 12) with global batch 6: zero_bnb warns."""
+    import bitsandbytes as bnb
+
+    model = tiny_gpt2()
+    config = ds_config(train_batch_size=MICRO * world, train_micro_batch_size_per_gpu=MICRO,
+                       gradient_accumulation_steps=1, gradient_clipping=1.0)
+    engine, *_ = zero_bnb.initialize(model=model, optimizer=bnb.optim.AdamW8bit(model.parameters(), lr=3e-3),
+                                     config=config)
+    with Captured("zero_bnb") as log:
+        engine.load_checkpoint(os.path.join(workdir, "accelerate_state"), tag="pytorch_model")
+    return log.messages
+
+
+def hf_dp3(rank, world, workdir):
+    """One launch at DP=3: resume everything hf_dp2 saved (accumulation 3 -> 2, global batch kept)."""
+    out = {}
+    with zero_bnb.enabled():
+        with Captured("zero_bnb") as log:
+            out["trainer"] = trainer_run(workdir, world, resume_from=os.path.join(workdir, "out", "checkpoint-4"))
+        out["trainer_log"] = log.messages
+        out["migrated"] = trainer_run(workdir, world, name="stock",
+                                      resume_from=os.path.join(workdir, "stock", "checkpoint-4"))
+        for optim in OTHER_OPTIMS:
+            out[optim] = trainer_run(workdir, world, name=optim, optim=optim, max_steps=4, save_steps=2,
+                                     resume_from=os.path.join(workdir, optim, "checkpoint-2"))
+    out["accelerate"] = accelerate_run(workdir, world, resume=True)
+    out["stock_module_only"] = _stock_module_only(workdir)
+    out["batch_warning"] = _changed_global_batch(workdir, world)
+    if rank == 0:
+        torch.save(out, os.path.join(workdir, "hf_dp3.pt"))
