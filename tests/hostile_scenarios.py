@@ -99,6 +99,7 @@ def hostile(rank, world, workdir, foreign_pid):
         out[f"save_tag:{tag}"] = _error(lambda tag=tag: engine.save_checkpoint(save, tag=tag))
         out[f"load_tag:{tag}"] = _error(lambda tag=tag: engine.load_checkpoint(save, tag=tag))
     out["listing_after_tags"] = _listing(save)
+    dist.barrier()  # every rank has listed before rank 0 adds a symlink below
     out["escape_created"] = os.path.exists(os.path.join(workdir, "escape")) or os.path.exists("/tmp/zero_bnb_abs_tag")
 
     # A symlinked tag folder is not re-saved through (or reported wrongly).

@@ -143,7 +143,10 @@ def integrity(rank, world, workdir):
     if rank == 0:
         out["state_unchanged"] = not state_differences(before, after)[1]
     out["weights_unchanged"] = all(torch.equal(p, weights[n]) for n, p in engine.module.named_parameters())
-    out["trains_after_failed_loads"] = train_steps(engine, RUN, 3, 1)[0] > 0
+    # ... and trains on exactly like a twin that never saw them (no lock, hook or half-swapped state left behind).
+    twin = make_engine(world)
+    train_steps(twin, RUN, 0, 3)
+    out["trains_after_failed_loads"] = train_steps(engine, RUN, 3, 1) == train_steps(twin, RUN, 3, 1)
 
     # A failing save (an I/O error on one rank, in each phase) leaves the previous checkpoint.
     for victim, event, file_prefix, occurrence, tag in SAVE_FAILURES:

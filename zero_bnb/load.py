@@ -33,7 +33,7 @@ from zero_bnb.commit import resolve_tag
 from zero_bnb.derived import DERIVED_PARAMS_KEY, restore_derived
 from zero_bnb.errors import CheckpointFormatError, CheckpointMismatchError
 from zero_bnb.integrity import check_file_list, verify_checksums
-from zero_bnb.restore import RestorePlan, SavedState, check_compatible, master_weights, plan_restore
+from zero_bnb.restore import RestorePlan, SavedState, check_compatible, check_family, master_weights, plan_restore
 from zero_bnb.stock_import import StockCheckpoint
 from zero_bnb.unpickle import safe_load
 
@@ -136,6 +136,8 @@ def _open_zero_bnb(engine, tag_folder: str, optimizer_states: bool) -> SavedStat
     reader = agree(verified)
 
     def prepared() -> SavedState:
+        if optimizer_states:
+            check_family(optimizer, reader.manifest)  # before the files, whose layout depends on it, are opened
         reader.preload()
         saved = regroup.for_engine(engine, reader)  # the checkpoint's groups differ (bitsandbytes overrides)
         check_compatible(optimizer, saved.manifest, engine.param_names, optimizer_states=optimizer_states)

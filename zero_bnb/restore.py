@@ -36,6 +36,7 @@ __all__ = [
     "apply_masters",
     "apply_restore",
     "check_compatible",
+    "check_family",
     "gather_range",
     "master_weights",
     "plan_restore",
@@ -90,11 +91,8 @@ def check_compatible(
         ) or "same parameters in another order"
         problems.append(f"group {index} differs ({detail})")
     spec = optimizer.zero_bnb_spec
-    if optimizer_states and manifest.optimizer_spec != spec.name:
-        problems.append(f"the checkpoint was written by {manifest.optimizer_class} ({manifest.optimizer_spec}), "
-                        f"the running optimizer is {type(optimizer.optimizer).__name__} ({spec.name})")
-    if optimizer_states and manifest.block_size != spec.block_size:
-        problems.append(f"the checkpoint's block size is {manifest.block_size}, the optimizer's {spec.block_size}")
+    if optimizer_states:
+        problems += _family_problems(optimizer, manifest)
     if optimizer_states and manifest.optimizer_spec == spec.name:
         for index, saved in enumerate(manifest.groups[: optimizer.num_groups]):
             current = optimizer.optimizer.param_groups[index]
@@ -102,11 +100,35 @@ def check_compatible(
                 if key in saved.hyperparameters and saved.hyperparameters[key] != current.get(key):
                     problems.append(f"group {index} was saved with {key}={saved.hyperparameters[key]!r}, which "
                                     f"changes the optimizer's state keys, but the optimizer has {key}={current.get(key)!r}")
+    _raise_mismatch(problems)
+
+
+def _family_problems(optimizer: BlockAligned, manifest: Manifest) -> list[str]:
+    spec = optimizer.zero_bnb_spec
+    problems = []
+    if manifest.optimizer_spec != spec.name:
+        problems.append(f"the checkpoint was written by {manifest.optimizer_class} ({manifest.optimizer_spec}), "
+                        f"the running optimizer is {type(optimizer.optimizer).__name__} ({spec.name})")
+    if manifest.block_size != spec.block_size:
+        problems.append(f"the checkpoint's block size is {manifest.block_size}, the optimizer's {spec.block_size}")
+    return problems
+
+
+def _raise_mismatch(problems: list[str]) -> None:
     if problems:
         raise CheckpointMismatchError(
             "cannot load this checkpoint into the running engine: " + "; ".join(problems)
             + ". Build the same model and optimizer that wrote it, or load with load_module_only=True."
         )
+
+
+def check_family(optimizer: BlockAligned, manifest: Manifest) -> None:
+    """Refuse a checkpoint of another optimizer family or block size (manifest only, before any file is read).
+
+    Raises:
+        CheckpointMismatchError: names both families or block sizes.
+    """
+    _raise_mismatch(_family_problems(optimizer, manifest))
 
 
 def gather_range(saved: SavedState, group_index: int, key: str, ranges, target: tuple[int, int], out: torch.Tensor) -> None:
