@@ -50,7 +50,7 @@ def _measure(rank, world, params, repeats, workdir, result_path):
     import torch.distributed as dist
 
     import zero_bnb
-    from zero_bnb.durable import digest_file
+    from zero_bnb.format.durable import digest_file
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     model = _model(params)
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     import deepspeed
 
     import zero_bnb
-    from zero_bnb.launch import run_distributed
+    from zero_bnb.testing.launch import run_distributed
 
     rows = []
     for dp in args.dp:

@@ -246,7 +246,7 @@ def _convert_to_universal(workdir: str) -> float:
 
 
 def run_model(args, model: str) -> dict:
-    from zero_bnb.launch import run_distributed
+    from zero_bnb.testing.launch import run_distributed
 
     args.model = model
     workdir = tempfile.mkdtemp(prefix="zero_bnb_bench_")

@@ -14,10 +14,10 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from scenarios import _save_result, _stock_engine, make_engine
 
-from zero_bnb.consolidate import consolidated_state
-from zero_bnb.toy import DEFAULT_RUN as RUN
-from zero_bnb.toy import LEARNING_RATE as LR
-from zero_bnb.toy import build_model, param_groups, train_steps
+from zero_bnb.testing.consolidate import consolidated_state
+from zero_bnb.testing.toy import DEFAULT_RUN as RUN
+from zero_bnb.testing.toy import LEARNING_RATE as LR
+from zero_bnb.testing.toy import build_model, param_groups, train_steps
 
 STEPS, MORE = 3, 2
 

@@ -27,11 +27,11 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from zero_bnb import durable
-from zero_bnb.consolidate import consolidated_state, state_differences
-from zero_bnb.launch import init_worker
-from zero_bnb.toy import DEFAULT_RUN as RUN
-from zero_bnb.toy import train_steps
+from zero_bnb.format import durable
+from zero_bnb.testing.consolidate import consolidated_state, state_differences
+from zero_bnb.testing.launch import init_worker
+from zero_bnb.testing.toy import DEFAULT_RUN as RUN
+from zero_bnb.testing.toy import train_steps
 
 STEPS_TO_A = 2
 MODES = {"new": "B", "overwrite": "A"}  # save mode -> tag the interrupted save writes

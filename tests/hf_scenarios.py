@@ -221,10 +221,10 @@ def _refusals(workdir, world) -> dict:
 
 def _assigned_initialize(world) -> dict:
     """The obvious ``deepspeed.initialize = zero_bnb.initialize`` (recursed forever before)."""
+    import bitsandbytes as bnb
     import deepspeed
 
-    from zero_bnb.toy import DEFAULT_RUN, build_model, param_groups, train_steps
-    import bitsandbytes as bnb
+    from zero_bnb.testing.toy import DEFAULT_RUN, build_model, param_groups, train_steps
 
     original = deepspeed.initialize
     deepspeed.initialize = zero_bnb.initialize

@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 from scenarios import _error, make_engine
 
-from zero_bnb import durable
-from zero_bnb.checkpoint_format import MANIFEST_NAME, SUBDIR
-from zero_bnb.consolidate import consolidated_state, state_differences
-from zero_bnb.lock import LOCK_NAME
-from zero_bnb.toy import DEFAULT_RUN as RUN
-from zero_bnb.toy import train_steps
+from zero_bnb.format import durable
+from zero_bnb.format.lock import LOCK_NAME
+from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR
+from zero_bnb.testing.consolidate import consolidated_state, state_differences
+from zero_bnb.testing.toy import DEFAULT_RUN as RUN
+from zero_bnb.testing.toy import train_steps
 
 UNSAFE_TAGS = ("latest", "latest_universal", "../escape", "/tmp/zero_bnb_abs_tag", "a/b", ".hidden", "..", " x")
 

@@ -17,12 +17,12 @@ import torch.distributed as dist
 from scenarios import _error, make_engine
 
 import zero_bnb
-from zero_bnb import durable
-from zero_bnb.checkpoint_format import SUBDIR, read_manifest, write_manifest
-from zero_bnb.consolidate import consolidated_state, state_differences
-from zero_bnb.toy import DEFAULT_RUN as RUN
-from zero_bnb.toy import LEARNING_RATE as LR
-from zero_bnb.toy import build_engine, param_groups, train_steps
+from zero_bnb.format import durable
+from zero_bnb.format.manifest import SUBDIR, read_manifest, write_manifest
+from zero_bnb.testing.consolidate import consolidated_state, state_differences
+from zero_bnb.testing.toy import DEFAULT_RUN as RUN
+from zero_bnb.testing.toy import LEARNING_RATE as LR
+from zero_bnb.testing.toy import build_engine, param_groups, train_steps
 
 SHARD_1 = os.path.join("A", SUBDIR, "shard_00001-of-00002.pt")
 REPLICATED = os.path.join("A", SUBDIR, "replicated.pt")

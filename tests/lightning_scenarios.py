@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from zero_bnb.toy import DEFAULT_RUN, LEARNING_RATE, build_model, global_batch
+from zero_bnb.testing.toy import DEFAULT_RUN, LEARNING_RATE, build_model, global_batch
 
 MICRO, GLOBAL_BATCH, STEPS_PER_EPOCH = DEFAULT_RUN.micro_batch, 12, 4
 

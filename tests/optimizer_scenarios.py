@@ -10,9 +10,9 @@ import bitsandbytes as bnb
 import torch
 from scenarios import _error, _save_result
 
-from zero_bnb.consolidate import consolidated_state
-from zero_bnb.toy import DEFAULT_RUN as RUN
-from zero_bnb.toy import build_engine, train_steps
+from zero_bnb.testing.consolidate import consolidated_state
+from zero_bnb.testing.toy import DEFAULT_RUN as RUN
+from zero_bnb.testing.toy import build_engine, train_steps
 
 #: name -> optimizer class (with its required arguments); lr is the toy's.
 OPTIMIZERS = {
@@ -58,7 +58,7 @@ def _engine(world: int, case: str):
 def _override_engine(world: int):
     """Adam8bit with a 32-bit override for the first layer's weight (9600 elements: 8-bit without it)."""
     import zero_bnb
-    from zero_bnb.toy import LEARNING_RATE, build_model, param_groups
+    from zero_bnb.testing.toy import LEARNING_RATE, build_model, param_groups
 
     model = build_model()
     bnb.optim.GlobalOptimManager.get_instance().register_module_override(model[0], "weight", {"optim_bits": 32})

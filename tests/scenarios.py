@@ -13,10 +13,10 @@ import bitsandbytes as bnb
 import torch
 import torch.distributed as dist
 
-from zero_bnb.consolidate import consolidated_state
-from zero_bnb.toy import DEFAULT_RUN as RUN
-from zero_bnb.toy import LEARNING_RATE as LR
-from zero_bnb.toy import build_engine, build_model, param_groups, train_steps
+from zero_bnb.testing.consolidate import consolidated_state
+from zero_bnb.testing.toy import DEFAULT_RUN as RUN
+from zero_bnb.testing.toy import LEARNING_RATE as LR
+from zero_bnb.testing.toy import build_engine, build_model, param_groups, train_steps
 
 OPTIMIZERS = {"Adam8bit": bnb.optim.Adam8bit, "AdamW8bit": bnb.optim.AdamW8bit, "AdamW": torch.optim.AdamW}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from size_scenarios import checkpoint_sizes
 
-from zero_bnb.launch import run_distributed
+from zero_bnb.testing.launch import run_distributed
 
 
 def test_bf16_checkpoint_with_module_weights_stays_under_0_6_of_adamw(tmp_path):

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_bnb.chunked import ChunkedUpdate
-from zero_bnb.state_spec import spec_for
+from zero_bnb.bnb.chunked import ChunkedUpdate
+from zero_bnb.core.state_spec import spec_for
 
 OPTIMIZERS = {"Adam8bit": bnb.optim.Adam8bit, "Lion8bit": bnb.optim.Lion8bit, "Adam32bit": bnb.optim.Adam32bit,
               "RMSprop8bit": bnb.optim.RMSprop8bit}

@@ -17,7 +17,7 @@ from convert_scenarios import resume_converted, write_sources
 from safetensors.torch import load_file
 
 from zero_bnb.cli import main
-from zero_bnb.launch import run_distributed
+from zero_bnb.testing.launch import run_distributed
 
 
 def cli(*args: str) -> tuple[int, str, str]:

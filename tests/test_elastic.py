@@ -8,8 +8,8 @@ import pytest
 import scenarios
 import torch
 
-from zero_bnb.consolidate import state_differences
-from zero_bnb.launch import run_distributed
+from zero_bnb.testing.consolidate import state_differences
+from zero_bnb.testing.launch import run_distributed
 
 STEPS_BEFORE, STEPS_AFTER = 3, 3
 EIGHT_BIT_CODES = ("state1", "state2")

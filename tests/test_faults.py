@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from zero_bnb import verify_checkpoint
 from zero_bnb.errors import CheckpointError
-from zero_bnb.launch import run_distributed
+from zero_bnb.testing.launch import run_distributed
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from hf_scenarios import OTHER_OPTIMS, hf_dp2, hf_dp3
 from safetensors.torch import load_file
 from test_convert import cli
 
-from zero_bnb.launch import run_distributed
+from zero_bnb.testing.launch import run_distributed
 
 RESUMED_STEPS = (5, 6, 7, 8)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from lightning_scenarios import lightning_dp2, lightning_dp3
 
-from zero_bnb.launch import run_distributed
+from zero_bnb.testing.launch import run_distributed
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +38,9 @@ def test_resume_at_3_with_other_accumulation_continues_the_curve(lightning_runs)
 
 
 def test_strategy_names_and_stage_check():
-    import zero_bnb.lightning as integration
     from lightning.pytorch.strategies import StrategyRegistry
+
+    import zero_bnb.lightning as integration
 
     for name, stage in integration.STRATEGY_NAMES.items():
         assert "deepspeed" in name  # Lightning's accelerator connector looks for this substring

@@ -25,15 +25,15 @@ from hypothesis import strategies as st
 from scenarios import _save_result, _stock_engine, make_engine
 
 import zero_bnb
-from zero_bnb import durable
-from zero_bnb.checkpoint_format import MANIFEST_NAME, SUBDIR
 from zero_bnb.cli import main
-from zero_bnb.config import ZeroBnbConfigError
+from zero_bnb.core.config import ZeroBnbConfigError
 from zero_bnb.errors import CheckpointUsageError
-from zero_bnb.launch import run_distributed
-from zero_bnb.lock import LOCK_NAME
-from zero_bnb.toy import DEFAULT_RUN as RUN
-from zero_bnb.toy import build_model, train_steps
+from zero_bnb.format import durable
+from zero_bnb.format.lock import LOCK_NAME
+from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR
+from zero_bnb.testing.launch import run_distributed
+from zero_bnb.testing.toy import DEFAULT_RUN as RUN
+from zero_bnb.testing.toy import build_model, train_steps
 
 SECRET_SIZE = 12345  # a size that must never appear in any output
 SCRIPT = "zero_to_fp32.py"  # every save folder gets one, as with stock DeepSpeed
@@ -449,7 +449,7 @@ def test_force_replaces_only_checkpoint_folders(sources, tmp_path):
 
 
 def test_an_output_that_appears_while_a_tool_reads_is_not_replaced_without_force(tmp_path):
-    from zero_bnb.commit import local_commit
+    from zero_bnb.checkpoint.commit import local_commit
 
     (tmp_path / "U").mkdir()
     (tmp_path / "U" / "keep").write_text("k")
@@ -459,7 +459,7 @@ def test_an_output_that_appears_while_a_tool_reads_is_not_replaced_without_force
 
 
 def test_lock_paths_that_are_not_lock_files_give_clear_errors_and_never_block(sources, tmp_path):
-    from zero_bnb.lock import SaveFolderLock
+    from zero_bnb.format.lock import SaveFolderLock
 
     cases = {
         "fifo": lambda path: os.mkfifo(path),
@@ -556,7 +556,7 @@ def test_verify_runs_the_structural_checks_and_refuses_colliding_names(sources, 
 
 def test_hyperparameters_of_the_wrong_type_are_refused(sources, tmp_path):
     zb = _fresh(sources, tmp_path)
-    from zero_bnb.checkpoint_format import read_replicated
+    from zero_bnb.format.manifest import read_replicated
 
     replicated = read_replicated(str(zb / "A" / SUBDIR))
     replicated["groups"][0]["param_group"]["lr"] = "1e-3; rm -rf"
@@ -580,7 +580,7 @@ def test_sigterm_during_convert_leaves_no_staging_folder_or_lock(sources, tmp_pa
 
     script = (
         "import os, signal, sys\n"
-        "from zero_bnb import durable\n"
+        "from zero_bnb.format import durable\n"
         "from zero_bnb.cli import main\n"
         "durable.set_io_hook(lambda event, path: os.kill(os.getpid(), signal.SIGTERM) "
         "if event == 'write' and path.endswith('exp_avg.pt') else None)\n"
@@ -593,7 +593,7 @@ def test_sigterm_during_convert_leaves_no_staging_folder_or_lock(sources, tmp_pa
 
 
 def test_saving_to_an_empty_path_is_a_usage_error():
-    from zero_bnb.engine import ZeroBnbEngine
+    from zero_bnb.ds.engine import ZeroBnbEngine
 
     with pytest.raises(CheckpointUsageError, match="save_dir must be a non-empty path"):
         ZeroBnbEngine.save_checkpoint(object(), "")

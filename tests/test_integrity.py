@@ -6,7 +6,7 @@ import pytest
 import torch
 from integrity_scenarios import DAMAGES, SAVE_FAILURES, integrity
 
-from zero_bnb.launch import run_distributed
+from zero_bnb.testing.launch import run_distributed
 
 EXPECTED = {
     "flipped_shard_of_rank_1": ("CheckpointCorruptError", "zero_bnb/shard_00001-of-00002.pt (sha256", "differs from what was saved"),

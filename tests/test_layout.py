@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_bnb.layout import GroupGeometry, ceil_div, plan_copy
+from zero_bnb.core.layout import GroupGeometry, ceil_div, plan_copy
 
 numels = st.integers(min_value=0, max_value=200_000)
 dps = st.integers(min_value=1, max_value=8)

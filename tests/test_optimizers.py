@@ -9,9 +9,9 @@ import pytest
 import torch
 from optimizer_scenarios import CASES, STEPS, load_all, runnable, save_all
 
-from zero_bnb.consolidate import state_differences
-from zero_bnb.launch import run_distributed
-from zero_bnb.state_spec import UnsupportedOptimizerError, spec_for
+from zero_bnb.core.state_spec import UnsupportedOptimizerError, spec_for
+from zero_bnb.testing.consolidate import state_differences
+from zero_bnb.testing.launch import run_distributed
 
 GPU_ONLY = ("needs 3 CUDA devices: DeepSpeed's CPU accelerator raises 'Type fp16 is not supported on your device', and "
             "bitsandbytes 0.50.2's CPU backend cannot step AdEMAMix32bit ('output with shape [] doesn't match the "

@@ -1,16 +1,16 @@
-"""Saved state mapped into other flat groups by parameter name (zero_bnb.regroup), in one process."""
+"""Saved state mapped into other flat groups by parameter name (zero_bnb.checkpoint.regroup), in one process."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from zero_bnb import quant
-from zero_bnb.checkpoint_format import GroupEntry, Manifest, ParamEntry, StateEntry
+from zero_bnb.checkpoint.regroup import RegroupedState, by_name
+from zero_bnb.core import quant
+from zero_bnb.core.state_spec import BNB_ADAM, StateKind
 from zero_bnb.errors import CheckpointMismatchError
-from zero_bnb.regroup import RegroupedState, by_name
-from zero_bnb.scheduler_groups import fit_to_groups
-from zero_bnb.state_spec import BNB_ADAM, StateKind
+from zero_bnb.format.manifest import GroupEntry, Manifest, ParamEntry, StateEntry
+from zero_bnb.integrations.scheduler_groups import fit_to_groups
 
 BLOCK = BNB_ADAM.block_size
 

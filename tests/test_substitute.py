@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import zero_bnb
-from zero_bnb import substitute
-from zero_bnb.config import ZeroBnbConfigError
+from zero_bnb.core.config import ZeroBnbConfigError
+from zero_bnb.ds import substitute
 
 STAGE_1 = {"train_batch_size": 2, "zero_optimization": {"stage": 1}}
 STAGE_0 = {"train_batch_size": 2, "zero_optimization": {"stage": 0}}

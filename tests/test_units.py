@@ -9,25 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_bnb import quant
-from zero_bnb.checkpoint_format import (
-    GroupEntry,
-    Manifest,
-    ParamEntry,
-    StateEntry,
-    read_manifest,
-    write_manifest,
-)
-from zero_bnb.config import (
+from zero_bnb.core import quant
+from zero_bnb.core.config import (
     ZeroBnbConfig,
     ZeroBnbConfigError,
     load_ds_config,
     split_config,
 )
-from zero_bnb.durable import FileRecord
-from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
-from zero_bnb.integrity import checksum_shares
-from zero_bnb.state_spec import (
+from zero_bnb.core.state_spec import (
     BNB_ADAM,
     TORCH_ADAM,
     StateKind,
@@ -35,6 +24,17 @@ from zero_bnb.state_spec import (
     UnsupportedOptimizerError,
     classify_state,
     spec_for,
+)
+from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
+from zero_bnb.format.durable import FileRecord
+from zero_bnb.format.integrity import checksum_shares
+from zero_bnb.format.manifest import (
+    GroupEntry,
+    Manifest,
+    ParamEntry,
+    StateEntry,
+    read_manifest,
+    write_manifest,
 )
 
 # -- config ------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from importlib import metadata as _metadata
 
-from zero_bnb.config import ZeroBnbConfig, ZeroBnbConfigError
+from zero_bnb.core.config import ZeroBnbConfig, ZeroBnbConfigError
+from zero_bnb.core.state_spec import StateKind, UnsupportedOptimizerError
 from zero_bnb.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -29,10 +30,27 @@ from zero_bnb.errors import (
     NonFiniteStateError,
     ReplicatedStateMismatch,
 )
-from zero_bnb.initialize import initialize
-from zero_bnb.load import verify_checkpoint
-from zero_bnb.state_spec import StateKind, UnsupportedOptimizerError
-from zero_bnb.substitute import disable, enable, enabled, is_enabled
+from zero_bnb.format.reader import verify_checkpoint
+
+#: Public names whose modules import DeepSpeed: imported on first use, so that ``import zero_bnb``
+#: (and ``zero-bnb inspect`` / ``verify``) does not pay DeepSpeed's import time.
+_LAZY = {
+    "initialize": "zero_bnb.ds.initialize",
+    "enable": "zero_bnb.ds.substitute",
+    "disable": "zero_bnb.ds.substitute",
+    "enabled": "zero_bnb.ds.substitute",
+    "is_enabled": "zero_bnb.ds.substitute",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'zero_bnb' has no attribute {name!r}")
 
 try:
     __version__ = _metadata.version("zero_bnb")

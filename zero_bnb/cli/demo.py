@@ -11,9 +11,9 @@ import shutil
 
 import torch
 
-from zero_bnb.consolidate import state_differences
-from zero_bnb.launch import run_distributed
-from zero_bnb.toy import DEFAULT_RUN as RUN
+from zero_bnb.testing.consolidate import state_differences
+from zero_bnb.testing.launch import run_distributed
+from zero_bnb.testing.toy import DEFAULT_RUN as RUN
 
 __all__ = ["run_demo"]
 
@@ -21,15 +21,15 @@ __all__ = ["run_demo"]
 def _engine(dp: int):
     import bitsandbytes as bnb
 
-    from zero_bnb.toy import build_engine
+    from zero_bnb.testing.toy import build_engine
 
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     return build_engine(dp, bnb.optim.Adam8bit, zero_unsharded_state_keys=["qmap1", "qmap2"])
 
 
 def _uninterrupted(rank: int, world: int, out: str, before: int, after: int) -> None:
-    from zero_bnb.consolidate import consolidated_state
-    from zero_bnb.toy import train_steps
+    from zero_bnb.testing.consolidate import consolidated_state
+    from zero_bnb.testing.toy import train_steps
 
     engine = _engine(world)
     losses = train_steps(engine, RUN, 0, before)
@@ -41,8 +41,8 @@ def _uninterrupted(rank: int, world: int, out: str, before: int, after: int) -> 
 
 
 def _resumed(rank: int, world: int, out: str, before: int, after: int) -> None:
-    from zero_bnb.consolidate import consolidated_state
-    from zero_bnb.toy import train_steps
+    from zero_bnb.testing.consolidate import consolidated_state
+    from zero_bnb.testing.toy import train_steps
 
     engine = _engine(world)
     engine.load_checkpoint(os.path.join(out, "checkpoints"))

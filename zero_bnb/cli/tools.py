@@ -14,10 +14,10 @@ import json
 import sys
 from typing import Any
 
-from zero_bnb import checkpoint_paths, convert, views
+from zero_bnb.core.state_spec import UNIVERSAL_TARGETS, UnsupportedOptimizerError
 from zero_bnb.errors import CheckpointError, CheckpointUsageError
-from zero_bnb.load import verify_checkpoint
-from zero_bnb.state_spec import UnsupportedOptimizerError
+from zero_bnb.format.reader import verify_checkpoint
+from zero_bnb.tools import checkpoint_paths
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -56,7 +56,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     conv.add_argument("--out-tag", help="--to zero_bnb only: tag to write (default: the tag read)")
     conv.add_argument("--force", action="store_true", help="replace an existing output (kept until the new one is "
                                                            "complete)")
-    conv.add_argument("--optimizer", default="AdamW8bit", choices=convert.TARGET_OPTIMIZERS,
+    conv.add_argument("--optimizer", default="AdamW8bit", choices=UNIVERSAL_TARGETS,
                       help="bitsandbytes optimizer for universal -> zero_bnb (default AdamW8bit)")
     export = commands.add_parser("export", help="consolidated fp32 weights (and moments) as safetensors")
     export.add_argument("checkpoint")
@@ -118,11 +118,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # inspect and verify import neither DeepSpeed nor bitsandbytes: the other commands load them when they run.
     try:
         if args.command == "convert" and args.target == "universal" and args.out_tag is not None:
             raise CheckpointUsageError("--out-tag applies to --to zero_bnb; with --to universal, OUT itself is the tag "
                                        "folder to create (its last path component is the tag)")
         if args.command == "inspect":
+            from zero_bnb.tools import views
+
             summary = views.inspect_checkpoint(args.checkpoint, args.tag)
             if args.json:
                 print(json.dumps(summary, indent=1))
@@ -136,11 +139,15 @@ def _run(args: argparse.Namespace) -> int:
             print(f"OK: {folder}: {len(manifest.files)} files match their SHA-256, manifest format "
                   f"{manifest.format_version}, saved at DP={manifest.dp_world_size}")
         elif args.command == "convert" and args.target == "universal":
+            from zero_bnb.tools import convert
+
             _print_report(convert.to_universal(args.checkpoint, args.out, tag=args.tag, force=args.force,
                                                progress=True))
         elif args.command == "convert":
             _print_report(_to_zero_bnb(args))
         else:
+            from zero_bnb.tools import views
+
             _print_report(views.export_fp32(args.checkpoint, args.out, tag=args.tag, moments_too=args.moments,
                                               force=args.force, progress=True))
     except CheckpointUsageError as error:
@@ -158,6 +165,8 @@ def _print_error(command: str, error: Exception) -> None:
 
 
 def _to_zero_bnb(args: argparse.Namespace) -> dict[str, Any]:
+    from zero_bnb.tools import convert
+
     kind = checkpoint_paths.detect(args.checkpoint, args.tag)
     if kind == "universal":
         return convert.from_universal(args.checkpoint, args.out, tag=args.tag, out_tag=args.out_tag,

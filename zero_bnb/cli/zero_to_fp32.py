@@ -2,7 +2,7 @@
 
 ``python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR [-t TAG] [--safe_serialization]`` writes
 ``pytorch_model.bin`` (or ``model.safetensors``) with the consolidated fp32 module state dict
-(:func:`zero_bnb.recovery.get_fp32_state_dict_from_zero_checkpoint`).
+(:func:`zero_bnb.tools.recovery.get_fp32_state_dict_from_zero_checkpoint`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 import torch
 
 from zero_bnb.errors import CheckpointError
-from zero_bnb.recovery import get_fp32_state_dict_from_zero_checkpoint
+from zero_bnb.tools.recovery import get_fp32_state_dict_from_zero_checkpoint
 
 __all__ = ["main"]
 

@@ -1,0 +1,129 @@
+"""The import contract: the layers each package's ``__init__`` docstring declares, checked on the source.
+
+Every ``import`` statement of every module (function-level ones included, ``TYPE_CHECKING`` blocks
+excluded) is read with ``ast``; and the checkpoint commands are run to show they start without
+DeepSpeed or bitsandbytes.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+import zero_bnb
+
+ROOT = os.path.dirname(zero_bnb.__file__)
+
+#: package -> the zero_bnb packages (and top-level modules) its modules may import.
+ALLOWED = {
+    "core": {"core", "errors"},
+    "format": {"core", "format", "errors", "versions"},
+    "checkpoint": {"core", "format", "checkpoint", "errors", "versions"},
+    "bnb": {"core", "bnb", "errors"},
+    "ds": {"core", "format", "checkpoint", "bnb", "ds", "errors", "versions"},
+    "tools": {"core", "format", "checkpoint", "tools", "errors", "versions", "ds.loss_scaler"},
+    "integrations": {"core", "format", "checkpoint", "bnb", "ds", "tools", "integrations", "errors", "versions",
+                     "zero_bnb"},
+}
+#: Declared exceptions (each named in its package's docstring).
+EXCEPTIONS = {("ds.substitute", "integrations.hf")}
+#: external modules a package must not import directly.
+FORBIDDEN = {
+    "core": ("deepspeed", "torch.distributed"),
+    "format": ("deepspeed", "torch.distributed", "bitsandbytes"),
+    "checkpoint": ("deepspeed",),
+    "bnb": ("deepspeed", "torch.distributed"),
+    "tools": ("deepspeed", "torch.distributed"),
+}
+ENGINE_MODULES = ("ds.engine", "ds.initialize", "ds.zero_optimizer", "ds.aligned")
+
+
+def _imports(path: str) -> list[str]:
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    skipped = {id(node) for top in ast.walk(tree) if isinstance(top, ast.If)
+               and getattr(top.test, "id", getattr(top.test, "attr", None)) == "TYPE_CHECKING"
+               for node in ast.walk(top)}
+    names = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "zero_bnb":
+            names += [f"zero_bnb.{alias.name}" for alias in node.names]  # x may be a module
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    return names
+
+
+def _modules() -> list[tuple[str, str]]:
+    found = []
+    for folder, _, files in os.walk(ROOT):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                found.append((os.path.relpath(path, ROOT).removesuffix(".py").replace(os.sep, "."), path))
+    return sorted(found)
+
+
+def _internal(target: str) -> str | None:
+    """``zero_bnb.format.manifest`` -> ``format.manifest``; ``None`` for other packages."""
+    if target == "zero_bnb":
+        return "zero_bnb"
+    return target.removeprefix("zero_bnb.") if target.startswith("zero_bnb.") else None
+
+
+@pytest.mark.parametrize(("module", "path"), _modules(), ids=[m for m, _ in _modules()])
+def test_each_module_imports_only_what_its_layer_may(module, path):
+    package = module.split(".")[0]
+    problems = []
+    for target in _imports(path):
+        internal = _internal(target)
+        if internal is not None and package in ALLOWED and (module, internal) not in EXCEPTIONS:
+            allowed = ALLOWED[package]
+            if not (internal.split(".")[0] in allowed or internal in allowed
+                    or any(internal.startswith(a + ".") for a in allowed if "." in a)):
+                problems.append(f"{target} ({package} may import {sorted(allowed)})")
+            if package == "tools" and internal in ENGINE_MODULES:
+                problems.append(f"{target} (tools import no engine)")
+        for forbidden in FORBIDDEN.get(package, ()):
+            if target == forbidden or target.startswith(forbidden + "."):
+                problems.append(f"{target} (forbidden in {package})")
+    assert not problems, f"zero_bnb.{module} imports: {problems}"
+
+
+def test_every_package_says_what_it_owns_and_may_import():
+    for package in ALLOWED:
+        doc = (zero_bnb.__dict__.get(package) or __import__(f"zero_bnb.{package}", fromlist=["_"])).__doc__
+        assert doc and "May import" in doc, package
+
+
+def write_checkpoint(rank, world, folder):
+    from scenarios import make_engine
+
+    from zero_bnb.testing.toy import DEFAULT_RUN, train_steps
+
+    engine = make_engine(world)
+    train_steps(engine, DEFAULT_RUN, 0, 1)
+    engine.save_checkpoint(folder, tag="A")
+
+
+def test_inspect_and_verify_start_without_deepspeed_or_bitsandbytes(tmp_path):
+    from zero_bnb.testing.launch import run_distributed
+
+    run_distributed(write_checkpoint, 1, str(tmp_path / "ckpt"))
+    script = (
+        "import sys\n"
+        "from zero_bnb.cli import main\n"
+        "for command in (['verify', sys.argv[1]], ['inspect', sys.argv[1]]):\n"
+        "    assert main(command) == 0, command\n"
+        "print(sorted(m for m in ('deepspeed', 'bitsandbytes', 'transformers', 'lightning') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ckpt")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout

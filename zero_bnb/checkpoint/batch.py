@@ -1,0 +1,64 @@
+"""The batch geometry a checkpoint was saved with, and the warning when a resume changes it.
+
+Trainer and Accelerate skip ``global_step x gradient_accumulation_steps`` micro-batches per
+rank on resume; that lands on the right sample only when the global batch (micro batch x
+accumulation x DP size) is unchanged. zero_bnb records the geometry in the manifest and
+warns, with both values and the accumulation that keeps it, when a resume changes it. A
+deliberate batch-size ramp-up stays legal: it is a warning, not an error.
+
+Local, no collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from zero_bnb.format.manifest import Manifest
+
+__all__ = ["batch_of", "warn_if_batch_changed", "with_batch"]
+
+logger = logging.getLogger(__name__)
+
+
+def batch_of(engine: Any) -> dict[str, int]:
+    """``{"global", "micro", "accumulation", "dp"}`` of a running DeepSpeed engine."""
+    return {
+        "global": int(engine.train_batch_size()),
+        "micro": int(engine.train_micro_batch_size_per_gpu()),
+        "accumulation": int(engine.gradient_accumulation_steps()),
+        "dp": int(engine.optimizer.dp_size),
+    }
+
+
+def with_batch(manifest: Manifest, engine: Any) -> Manifest:
+    """``manifest`` recording ``engine``'s batch geometry."""
+    return dataclasses.replace(manifest, batch=batch_of(engine))
+
+
+def _describe(batch: dict[str, int]) -> str:
+    return (f"global batch {batch['global']} (micro batch {batch['micro']} x accumulation {batch['accumulation']} "
+            f"x DP {batch['dp']})")
+
+
+def warn_if_batch_changed(manifest: Manifest, engine: Any, where: str) -> bool:
+    """Warn (rank 0 logs) when ``engine``'s global batch differs from the saved one; returns whether it does."""
+    saved = getattr(manifest, "batch", None) or {}
+    if "global" not in saved:
+        return False  # stock DeepSpeed or an older zero_bnb checkpoint: nothing recorded
+    now = batch_of(engine)
+    if saved["global"] == now["global"]:
+        return False
+    keep = saved["global"] / (now["micro"] * now["dp"])
+    fix = (f"set gradient_accumulation_steps to {int(keep)} (= {saved['global']} / (micro batch {now['micro']} x "
+           f"DP {now['dp']}))" if keep == int(keep) and keep >= 1 else
+           f"choose micro batch x accumulation x DP = {saved['global']}")
+    if engine.global_rank == 0:
+        logger.warning(
+            "zero_bnb: %s was saved with %s; this run has %s. Trainer and Accelerate skip data on resume assuming the "
+            "global batch is unchanged, so this run now trains on other samples than an uninterrupted one would. To "
+            "keep the global batch, %s. If the change is a deliberate batch-size ramp-up, ignore this warning.",
+            where, _describe(saved), _describe(now), fix,
+        )
+    return True

@@ -1,0 +1,266 @@
+"""Atomic checkpoint commit: a tag folder becomes visible only when every rank's files are durable.
+
+A save of tag ``T`` into ``save_dir`` goes through three states:
+
+1. **staging** — rank 0 takes the save folder's lock (:mod:`zero_bnb.format.lock`: one writer at a
+   time; a second job gets an error naming the holder), removes staging folders that crashed
+   saves left, checks that ``T`` and ``latest`` can be replaced (no symlink, no folder named
+   ``latest``), and every rank learns the outcome before anything else happens. Every rank
+   then writes into ``save_dir/.T.zero_bnb-staging-<token>`` (hidden, unique per save).
+   Files are fsynced as they are closed.
+2. **agreement** — all ranks report their files (size, SHA-256) or their error to every
+   rank. If any rank failed, the staging folder is removed and every rank raises
+   :class:`~zero_bnb.errors.CheckpointSaveError`; the previous checkpoint is untouched.
+3. **publish** (rank 0) — write the manifest (with every file's checksum) last, fsync the
+   folders, rename the staging folder to ``save_dir/T`` (an existing ``T`` is first moved
+   aside to ``.T.zero_bnb-replaced`` and removed after), then replace ``latest`` atomically,
+   then release the lock.
+
+Killing any process at any moment therefore leaves either the previous checkpoint with its
+``latest``, or the new one complete. The one window in which ``save_dir/T`` is absent
+(between the two renames when ``T`` is re-saved) is covered by :func:`resolve_tag`, which
+then returns the complete previous folder. Offline tools write through
+:func:`local_commit`, the same protocol in one process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch.distributed as dist
+
+from zero_bnb.checkpoint.collective import raise_reported
+from zero_bnb.errors import CheckpointSaveError, CheckpointUsageError
+from zero_bnb.format.durable import (
+    FileRecord,
+    fsync_dir,
+    makedirs,
+    publish_folder,
+    remove_tree,
+    replace_text,
+)
+from zero_bnb.format.lock import SaveFolderLock
+from zero_bnb.format.manifest import SUBDIR, Manifest, write_manifest
+from zero_bnb.format.paths import check_tag
+from zero_bnb.format.tags import LATEST_NAME, aside_tag
+
+__all__ = ["SaveTransaction", "local_commit"]
+
+logger = logging.getLogger(__name__)
+
+_STAGING_SUFFIX = ".zero_bnb-staging"
+
+
+def _check_targets(save_dir: str, tag: str, latest_name: str | None) -> None:
+    """Refuse, before anything is written, targets that publishing could not replace cleanly."""
+    final = os.path.join(save_dir, tag)
+    if os.path.islink(final) or (os.path.lexists(final) and not os.path.isdir(final)):
+        raise CheckpointSaveError(
+            f"{final} exists and is {'a symbolic link' if os.path.islink(final) else 'not a folder'}; zero_bnb "
+            f"replaces only checkpoint folders it wrote. Nothing was written. Save under another tag, or remove "
+            f"{final} yourself"
+        )
+    if latest_name is not None:
+        latest = os.path.join(save_dir, latest_name)
+        if os.path.islink(latest) or (os.path.lexists(latest) and not os.path.isfile(latest)):
+            raise CheckpointSaveError(
+                f"{latest} is not a regular file, so it cannot point at the new checkpoint. Nothing was written. "
+                f"Remove or rename {latest}"
+            )
+
+
+def _prepare(save_dir: str, tag: str, latest_name: str | None, token: str) -> tuple[SaveFolderLock, str]:
+    """Create ``save_dir``, take its lock, clear stale staging folders; returns the lock and staging folder."""
+    makedirs(save_dir)
+    lock = SaveFolderLock(save_dir, f"saving tag {tag!r}")
+    lock.acquire()
+    try:
+        _check_targets(save_dir, tag, latest_name)
+        for name in os.listdir(save_dir):  # only the lock holder stages, so these are crashed saves'
+            if name.startswith(".") and _STAGING_SUFFIX in name:
+                remove_tree(os.path.join(save_dir, name))
+        staging = os.path.join(save_dir, f".{tag}{_STAGING_SUFFIX}-{token}")
+        makedirs(staging)
+        fsync_dir(save_dir)  # other ranks (other nodes on shared storage) look the new name up next
+    except BaseException:
+        lock.release()
+        raise
+    return lock, staging
+
+
+def _publish(save_dir: str, tag: str, staging: str, latest_name: str | None) -> str:
+    """Make the finished ``staging`` folder visible as ``save_dir/tag``, then point ``latest_name`` at it."""
+    for folder in [os.path.join(root, name) for root, names, _ in os.walk(staging) for name in names] + [staging]:
+        fsync_dir(folder)
+    final = os.path.join(save_dir, tag)
+    publish_folder(staging, final, os.path.join(save_dir, aside_tag(tag)))
+    if latest_name is not None:
+        replace_text(tag, os.path.join(save_dir, latest_name))
+    return final
+
+
+@contextmanager
+def local_commit(save_dir: str, tag: str, *, latest_name: str | None = LATEST_NAME,
+                 replace: bool = False) -> Iterator[str]:
+    """Write a checkpoint folder in one process: yields the staging folder, publishes it on success.
+
+    Local: for offline tools. Holds the save folder's lock throughout; if the block raises,
+    the staging folder is removed and ``save_dir/tag`` and the pointer file are unchanged.
+    ``latest_name=None`` leaves the pointer file alone.
+
+    Raises:
+        CheckpointUsageError: ``save_dir/tag`` exists and ``replace`` is false (checked under
+            the lock, so two tools writing the same output cannot both succeed).
+    """
+    tag = check_tag(tag)
+    lock, staging = _prepare(save_dir, tag, latest_name, uuid.uuid4().hex[:12])
+    try:
+        if not replace and os.path.lexists(os.path.join(save_dir, tag)):
+            raise CheckpointUsageError(
+                f"the output {os.path.join(save_dir, tag)} already exists (another command may have just written it); "
+                f"pass --force (force=True) to replace it, or choose another output"
+            )
+        yield staging
+        _publish(save_dir, tag, staging, latest_name)
+    finally:
+        try:
+            remove_tree(staging)
+        finally:
+            lock.release()
+
+
+class SaveTransaction:
+    """One checkpoint save, from staging to publication (see the module docstring).
+
+    Collective: every rank of the world group must create it and call :meth:`begin` and
+    :meth:`commit` in the same order. Between the two, each rank writes into
+    :attr:`staging_folder`, adding its files with :meth:`add` and wrapping each write phase
+    in :meth:`guard`, which records an error instead of raising it (so that no rank leaves
+    the collective protocol early).
+    """
+
+    def __init__(self, save_dir: str, tag: str, *, save_latest: bool = True) -> None:
+        self.save_dir = save_dir
+        self.tag = check_tag(tag)
+        self.latest_name = LATEST_NAME if save_latest else None
+        self.staging_tag = ""
+        self.staging_folder = ""
+        self.files: list[FileRecord] = []
+        self.errors: list[str] = []
+        self._lock: SaveFolderLock | None = None
+
+    def begin(self) -> None:
+        """Rank 0 takes the lock and prepares the staging folder; every rank learns the outcome. Collective.
+
+        Raises:
+            CheckpointSaveError: on every rank, if rank 0 could not prepare (read-only folder,
+                another job holding the lock, a symlinked tag folder); nothing was written.
+        """
+        token: list[Any] = [None]
+        if dist.get_rank() == 0:
+            with self.guard():
+                self._lock, staging = _prepare(self.save_dir, self.tag, self.latest_name, uuid.uuid4().hex[:12])
+                token = [os.path.basename(staging)]
+        reports: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, ("; ".join(self.errors) or None, token[0]))
+        self.staging_tag = reports[0][1] or ""
+        self.staging_folder = os.path.join(self.save_dir, self.staging_tag)
+        self.errors = []
+        prefix = (f"saving checkpoint {self.tag!r} to {self.save_dir} failed before anything was written; the previous "
+                  f"checkpoint and 'latest' are unchanged. Cause: ")
+        failures = [None if error is None else ("CheckpointSaveError", error) for error, _ in reports]
+        if any(failures):
+            self.abort()
+            raise_reported(failures, prefix=prefix)
+        # The staging name is unique to this save, so a rank that does not see it saves into another folder.
+        seen = None if os.path.isdir(self.staging_folder) else (
+            f"rank {dist.get_rank()} does not see the staging folder {self.staging_tag} that rank 0 created in "
+            f"{self.save_dir}: every rank must save into the same shared folder (same absolute path, shared storage)")
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, seen)
+        failures = [None if error is None else ("CheckpointSaveError", error) for error in reports]
+        if any(failures):
+            self.abort()
+            raise_reported(failures, prefix=prefix)
+
+    def add(self, records: list[FileRecord]) -> None:
+        self.files.extend(records)
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """Record an exception raised inside the block (it is re-raised on every rank by :meth:`commit`)."""
+        try:
+            yield
+        except Exception as error:  # noqa: BLE001 - reported collectively by commit()
+            logger.error("zero_bnb: saving checkpoint %r failed on rank %d: %r", self.tag, dist.get_rank(), error)
+            self.errors.append(f"{type(error).__name__}: {error}")
+
+    def commit(self, build_manifest: Callable[[list[FileRecord]], Manifest],
+               after_publish: Callable[[], object] | None = None) -> None:
+        """Agree on success, then publish on rank 0 and release the lock. Collective.
+
+        ``after_publish`` runs on rank 0 once the checkpoint is published, before any rank
+        returns (``zero_to_fp32.py`` beside it); it must not raise.
+
+        Raises:
+            CheckpointSaveError: on every rank, if any rank failed to write or rank 0 failed to
+                publish; the previous checkpoint and ``latest`` are then unchanged.
+        """
+        local = (self.files, "; ".join(self.errors) or None)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        failures = [None if error is None else ("CheckpointSaveError", error) for _, error in gathered]
+        outcome: list[Any] = [None]
+        if dist.get_rank() == 0:
+            try:
+                if not any(failures):
+                    files = [record for records, _ in gathered for record in records]
+                    self._publish(build_manifest(files))
+                    if after_publish is not None:
+                        after_publish()
+            except Exception as error:  # noqa: BLE001 - reported to every rank below
+                logger.error("zero_bnb: publishing checkpoint %r failed: %r", self.tag, error)
+                outcome = [("CheckpointSaveError", f"rank 0 could not publish it: {type(error).__name__}: {error}")]
+            finally:
+                self.abort()
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is not None:
+            failures = [outcome[0]] + [None] * (len(failures) - 1)
+        raise_reported(
+            failures,
+            prefix=f"saving checkpoint {self.tag!r} to {self.save_dir} failed; the previous checkpoint and "
+            f"'latest' are unchanged. Fix the cause (disk space, permissions) and save again. Cause: ",
+        )
+
+    def abort(self) -> None:
+        """Remove the staging folder (if still there) and release the lock. Local; idempotent."""
+        if self._lock is None:
+            return
+        try:
+            remove_tree(self.staging_folder)
+        except OSError as error:
+            logger.error("zero_bnb: could not remove the unfinished %s: %r", self.staging_folder, error)
+        finally:
+            self._lock.release()
+            self._lock = None
+
+    def _publish(self, manifest: Manifest) -> None:
+        missing = [f"{record.path} ({record.size} bytes)" for record in manifest.files
+                   if not os.path.isfile(os.path.join(self.staging_folder, record.path))
+                   or os.path.getsize(os.path.join(self.staging_folder, record.path)) != record.size]
+        if missing:
+            raise CheckpointSaveError(
+                f"files the ranks reported are missing or differ in rank 0's staging folder {self.staging_folder}: "
+                f"{missing[:5]}; every rank must save into the same shared folder"
+            )
+        write_manifest(manifest, os.path.join(self.staging_folder, SUBDIR), root=self.staging_folder)
+        _publish(self.save_dir, self.tag, self.staging_folder, self.latest_name)
+        logger.info(
+            "zero_bnb: checkpoint %s committed (%d files, DP=%d)",
+            os.path.join(self.save_dir, self.tag), len(manifest.files) + 1, manifest.dp_world_size,
+        )

@@ -1,0 +1,139 @@
+"""Open a checkpoint for loading, and refuse bad input before anything is modified.
+
+:func:`open_for_load` runs every check that can fail (manifest, file presence and sizes,
+SHA-256 of every file split across ranks, compatibility with the running model and
+optimizer, readability of the shards) and agrees on the outcome across ranks: if one rank
+finds a problem, every rank raises the same error, and neither the model nor the optimizer
+has been touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zero_bnb.checkpoint import regroup
+from zero_bnb.checkpoint.collective import agree
+from zero_bnb.checkpoint.derived import DERIVED_PARAMS_KEY, restore_derived
+from zero_bnb.checkpoint.restore import (
+    RestorePlan,
+    SavedState,
+    check_compatible,
+    check_family,
+    master_weights,
+    plan_restore,
+)
+from zero_bnb.checkpoint.stock_import import StockCheckpoint
+from zero_bnb.errors import CheckpointFormatError, CheckpointMismatchError
+from zero_bnb.format.reader import CheckpointReader
+from zero_bnb.format.unpickle import safe_load
+
+__all__ = ["LoadPlan", "open_for_load", "plan_load"]
+
+logger = logging.getLogger(__name__)
+
+
+def _open_zero_bnb(engine, tag_folder: str, optimizer_states: bool) -> SavedState:
+    optimizer = engine.optimizer
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def verified() -> CheckpointReader:
+        reader = CheckpointReader(tag_folder)
+        if engine.zero_bnb_config.checkpoint_verify:
+            reader.verify(rank, world)
+        return reader
+
+    reader = agree(verified)
+
+    def prepared() -> SavedState:
+        if optimizer_states:
+            check_family(optimizer, reader.manifest)  # before the files, whose layout depends on it, are opened
+        reader.preload()
+        saved = regroup.for_engine(engine, reader)  # the checkpoint's groups differ (bitsandbytes overrides)
+        check_compatible(optimizer, saved.manifest, engine.param_names, optimizer_states=optimizer_states)
+        return saved
+
+    saved = agree(prepared)  # plan_load checks everything else before anything changes
+    if reader.manifest.non_finite and rank == 0:
+        logger.warning(
+            "zero_bnb: checkpoint %s was saved with NaN/Inf in %s", tag_folder, reader.manifest.non_finite
+        )
+    return saved
+
+
+def open_for_load(engine, load_dir: str, folder_tag: str, *, optimizer_states: bool) -> SavedState:
+    """The checkpoint ``load_dir/folder_tag``, checked and ready for :func:`plan_load`.
+
+    Collective: every rank of the engine's world must call it. A zero_bnb checkpoint is
+    verified (checksums unless ``zero_checkpoint_verify`` is false); a folder without
+    zero_bnb files is read as a stock DeepSpeed ZeRO-1 checkpoint.
+
+    Args:
+        engine: the :class:`~zero_bnb.ds.engine.ZeroBnbEngine` that will load it.
+        load_dir: the folder given to ``load_checkpoint``.
+        folder_tag: the folder name under ``load_dir`` (see :func:`zero_bnb.checkpoint.commit.resolve_tag`).
+        optimizer_states: whether the optimizer state will be loaded (else only parameter
+            names and shapes must match).
+
+    Raises:
+        zero_bnb.errors.CheckpointError: on every rank, naming the file or difference found.
+        deepspeed.runtime.zero.utils.ZeRORuntimeException: a stock checkpoint at another DP size.
+    """
+    tag_folder = os.path.join(load_dir, folder_tag)
+    if CheckpointReader.exists(tag_folder):
+        return _open_zero_bnb(engine, tag_folder, optimizer_states)
+    return agree(lambda: regroup.for_engine(engine, StockCheckpoint.open(engine, load_dir, folder_tag)))
+
+
+@dataclass
+class LoadPlan:
+    """Everything a load will write, read and checked before anything changes (see :func:`plan_load`)."""
+
+    optimizer: RestorePlan
+    model_file: str
+    model_states: dict[str, Any]
+
+
+def _check_module(module: torch.nn.Module, saved: Any, model_file: str, strict: bool) -> None:
+    if not isinstance(saved, dict):
+        raise CheckpointFormatError(f"{model_file} holds no 'module' state dict; it is not a DeepSpeed model file")
+    current = module.state_dict()
+    shapes = sorted(f"{key}: saved {tuple(saved[key].shape)}, model {tuple(value.shape)}"
+                    for key, value in current.items()
+                    if key in saved and isinstance(saved[key], torch.Tensor) and saved[key].shape != value.shape)
+    missing = sorted(set(current) - set(saved)) if strict else []
+    unexpected = sorted(set(saved) - set(current)) if strict else []
+    if shapes or missing or unexpected:
+        detail = "; ".join(part for part in (
+            f"shape differs: {shapes}" if shapes else "",
+            f"missing in checkpoint: {missing[:10]}" if missing else "",
+            f"not in model: {unexpected[:10]}" if unexpected else "",
+        ) if part)
+        raise CheckpointMismatchError(
+            f"the module weights in {model_file} do not fit the running model ({detail}). Build the model that "
+            f"wrote the checkpoint{', or load with load_module_strict=False' if not shapes else ''}"
+        )
+
+
+def plan_load(engine, saved: SavedState, model_file: str, *, optimizer_states: bool, strict: bool) -> LoadPlan:
+    """Read and check every part of a load on this rank, changing nothing: the optimizer's
+    partitions (:func:`~zero_bnb.checkpoint.restore.plan_restore`) and DeepSpeed's model file (module
+    weights put back from the master weights, keys and shapes checked against the module).
+
+    Local; the engine runs it under :func:`~zero_bnb.checkpoint.collective.agree` so that a failure on
+    any rank stops the load on every rank before anything is modified.
+    """
+    optimizer = plan_restore(engine.optimizer, saved, engine.param_names, load_optimizer_states=optimizer_states)
+    model_states = safe_load(model_file, "DeepSpeed model file", deepspeed_classes=True)
+    if not isinstance(model_states, dict):
+        raise CheckpointFormatError(f"{model_file} is not a DeepSpeed model file (it holds a "
+                                    f"{type(model_states).__name__})")
+    if DERIVED_PARAMS_KEY in model_states:
+        restore_derived(model_states, master_weights(saved))
+    _check_module(engine.module, model_states.get("module"), model_file, strict)
+    return LoadPlan(optimizer, model_file, model_states)

@@ -1,0 +1,61 @@
+"""``zero_to_fp32.py`` beside every checkpoint, as DeepSpeed writes it: the script, not what it runs.
+
+The script imports :mod:`zero_bnb.cli.zero_to_fp32` (the consolidated fp32 state dict of a
+zero_bnb checkpoint, through :mod:`zero_bnb.tools.recovery`). Local: one process (rank 0 of a
+save) writes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import tempfile
+
+__all__ = ["SCRIPT_NAME", "write_recovery_script"]
+
+logger = logging.getLogger(__name__)
+
+SCRIPT_NAME = "zero_to_fp32.py"
+
+_SCRIPT = '''#!/usr/bin/env python
+"""Consolidated fp32 weights of the zero_bnb checkpoints in this folder (written by zero_bnb).
+
+Same use as DeepSpeed's zero_to_fp32.py:
+    python zero_to_fp32.py . OUTPUT_DIR [-t TAG] [--safe_serialization]
+or, in Python:
+    from zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(".")
+Needs zero_bnb installed (pip install zero_bnb).
+"""
+import sys
+
+from zero_bnb.cli.zero_to_fp32 import main
+from zero_bnb.tools.recovery import get_fp32_state_dict_from_zero_checkpoint  # noqa: F401
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
+
+
+def write_recovery_script(save_dir: str) -> str | None:
+    """Write ``zero_to_fp32.py`` into ``save_dir`` (write-then-rename, executable); returns its path.
+
+    Local: call on one rank (rank 0), as DeepSpeed does, after the checkpoint is committed. A
+    failure is logged, not raised: the checkpoint itself is complete without the script.
+    """
+    path = os.path.join(save_dir, SCRIPT_NAME)
+    try:
+        descriptor, temporary = tempfile.mkstemp(prefix=f".{SCRIPT_NAME}.", suffix=".zero_bnb-tmp", dir=save_dir)
+        try:
+            with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+                handle.write(_SCRIPT)
+            os.chmod(temporary, 0o644 | stat.S_IEXEC | stat.S_IXGRP | stat.S_IXOTH)
+            os.replace(temporary, path)
+        finally:
+            if os.path.lexists(temporary):
+                os.remove(temporary)
+    except OSError as error:
+        logger.warning("zero_bnb: could not write %s (%r); the checkpoint is complete without it", path, error)
+        return None
+    return path

@@ -1,0 +1,126 @@
+"""Write a :class:`~zero_bnb.checkpoint.partitioned.PartitionedOptimizer` optimizer as DP-independent files.
+
+:func:`write_local_files` is local (each rank writes its own shard, rank 0 also the
+replicated file); :func:`build_manifest` describes the whole checkpoint and is called on
+rank 0 once every rank has reported its files. Publishing the folder is
+:mod:`zero_bnb.checkpoint.commit`'s job.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from zero_bnb import versions
+from zero_bnb.checkpoint.partitioned import PartitionedOptimizer
+from zero_bnb.checkpoint.state_checks import classify_group_state
+from zero_bnb.core.state_spec import StateKind
+from zero_bnb.format.durable import FileRecord, makedirs, save_torch
+from zero_bnb.format.manifest import (
+    MASTER_KEY,
+    REPLICATED_NAME,
+    SUBDIR,
+    GroupEntry,
+    Manifest,
+    jsonable,
+    shard_name,
+)
+
+__all__ = ["build_manifest", "write_local_files"]
+
+
+def _valid_slice(value: torch.Tensor, count: int) -> torch.Tensor:
+    """The real-element part (along the last, partition axis) of a partition-local tensor, as a compact CPU copy."""
+    return value.detach()[..., :count].to("cpu", copy=True).contiguous()
+
+
+def _hyperparameters(optimizer: PartitionedOptimizer, group_index: int) -> dict[str, Any]:
+    return {k: v for k, v in optimizer.optimizer.param_groups[group_index].items() if k != "params"}
+
+
+def write_local_files(optimizer: PartitionedOptimizer, tag_folder: str) -> list[FileRecord]:
+    """Write this rank's shard, and on rank 0 the replicated-state file, durably.
+
+    Local: no collectives. Each shard holds, per flat group, the fp32 master weights and the
+    element-wise and block-wise state of the real elements this rank owns (padding stripped).
+
+    Returns:
+        The files written, with paths relative to ``tag_folder``.
+    """
+    folder = os.path.join(tag_folder, SUBDIR)
+    makedirs(folder)
+    rank, dp = optimizer.dp_rank, optimizer.dp_size
+    shard_groups, replicated_groups = [], []
+    for group_index in range(optimizer.num_groups):
+        geometry = optimizer.geometry(group_index)
+        e_start, e_end = geometry.element_range(rank)
+        b_start, b_end = geometry.block_range(rank)
+        sharded, replicated, counters = {}, {}, {}
+        for item in classify_group_state(optimizer, group_index):
+            key, kind, value = item.entry.key, item.entry.kind, item.value
+            if kind is StateKind.ELEMENTWISE:
+                sharded[key] = _valid_slice(value, e_end - e_start)
+            elif kind is StateKind.BLOCKWISE:
+                sharded[key] = _valid_slice(value, b_end - b_start)
+            elif kind is StateKind.REPLICATED:
+                replicated[key] = value.detach().to("cpu", copy=True)
+            else:
+                counters[key] = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+        master = optimizer.master_partition(group_index)
+        shard_groups.append({MASTER_KEY: _valid_slice(master, e_end - e_start), "state": sharded})
+        replicated_groups.append(
+            {"param_group": _hyperparameters(optimizer, group_index), "counters": counters, "replicated": replicated}
+        )
+
+    records = [save_torch({"rank": rank, "dp": dp, "groups": shard_groups}, os.path.join(folder, shard_name(rank, dp)),
+                          root=tag_folder)]
+    if rank == 0:
+        wrapper = optimizer.wrapper_scalars()
+        records.append(save_torch({"groups": replicated_groups, "zero_wrapper": wrapper},
+                                  os.path.join(folder, REPLICATED_NAME), root=tag_folder))
+    return records
+
+
+def build_manifest(
+    optimizer: PartitionedOptimizer,
+    names: dict[torch.nn.Parameter, str],
+    files: list[FileRecord],
+    non_finite: dict[str, list[str]],
+) -> Manifest:
+    """The manifest of a checkpoint whose files (of all ranks) are ``files``.
+
+    Local; the geometry is the same on every rank, so any rank could build it (rank 0 does).
+    """
+    groups = []
+    for group_index in range(optimizer.num_groups):
+        geometry = optimizer.geometry(group_index)
+        precision = optimizer.state_precision(group_index)
+        groups.append(
+            GroupEntry(
+                numel=geometry.numel,
+                params=optimizer.param_entries(group_index, names),
+                states=tuple(item.entry for item in classify_group_state(optimizer, group_index)),
+                element_ranges=tuple(geometry.element_ranges()),
+                block_ranges=tuple(geometry.block_ranges()),
+                hyperparameters={
+                    **{k: jsonable(v) for k, v in _hyperparameters(optimizer, group_index).items()},
+                    **({"state_precision": precision} if precision else {}),
+                },
+            )
+        )
+    base = optimizer.optimizer
+    manifest = Manifest(
+        dp_world_size=optimizer.dp_size,
+        block_size=optimizer.zero_bnb_spec.block_size,
+        optimizer_class=f"{type(base).__module__}.{type(base).__qualname__}",
+        optimizer_spec=optimizer.zero_bnb_spec.name,
+        groups=tuple(groups),
+        shards=tuple(shard_name(r, optimizer.dp_size) for r in range(optimizer.dp_size)),
+        files=tuple(sorted(files, key=lambda record: record.path)),
+        non_finite=non_finite,
+        versions=versions.installed(),
+    )
+    manifest.validate("the manifest being written")
+    return manifest

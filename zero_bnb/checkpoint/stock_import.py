@@ -1,0 +1,204 @@
+"""Read a ZeRO-1 checkpoint written by stock DeepSpeed as a :class:`~zero_bnb.checkpoint.restore.SavedState`.
+
+Stock DeepSpeed pads flat groups to ``2 * dp`` only, so its partitions usually do not start
+on quantization blocks. Where they do (partition size a multiple of the block size), the
+8-bit codes and ``absmax`` are taken as they are: exact. Where they do not, each rank's
+8-bit state is dequantized with its own ``absmax`` and map and presented as fp32; the
+loader then quantizes it on zero_bnb's aligned grid (a one-time requantization, logged).
+Loading is refused at another DP size than the one the checkpoint was written at.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from zero_bnb.core import quant
+from zero_bnb.core.layout import ceil_div
+from zero_bnb.core.state_spec import OptimizerSpec, StateKind, StateRule, classify_state
+from zero_bnb.errors import (
+    CheckpointFormatError,
+    CheckpointMismatchError,
+)
+from zero_bnb.format.manifest import (
+    SUBDIR,
+    GroupEntry,
+    Manifest,
+    ParamEntry,
+    StateEntry,
+)
+from zero_bnb.format.stock_files import (
+    group_states,
+    model_states_files,
+    param_entries,
+    read_rank_files,
+    zero_file_names,
+)
+from zero_bnb.format.wrapper_state import WRAPPER_SCALARS, plain_wrapper
+
+__all__ = ["StockCheckpoint"]
+
+logger = logging.getLogger(__name__)
+
+def _saved_params(folder: str, rank_sds: list[dict[str, Any]], live: list[tuple[ParamEntry, ...]]):
+    """The stock checkpoint's groups: the running optimizer's when the sizes agree, else DeepSpeed's record.
+
+    They differ when the running optimizer isolates bitsandbytes overrides that stock DeepSpeed
+    dropped (:mod:`zero_bnb.checkpoint.regroup` then maps the state by parameter name).
+    """
+    sizes = [sum(sd["single_partition_of_fp32_groups"][g].numel() for sd in rank_sds)
+             for g in range(len(rank_sds[0]["single_partition_of_fp32_groups"]))]
+    if sizes == [sum(p.numel for p in group) for group in live]:
+        return live
+    return param_entries(next(iter(model_states_files(folder).values())))
+
+
+class StockCheckpoint:
+    """A stock DeepSpeed ZeRO-1 checkpoint, converted in memory to zero_bnb's layout."""
+
+    def __init__(self, manifest: Manifest, replicated: dict[str, Any], pieces: dict[tuple[int, int, str], torch.Tensor]):
+        self.manifest = manifest
+        self.replicated = replicated
+        self._pieces = pieces
+
+    def piece(self, rank: int, group_index: int, key: str) -> torch.Tensor:
+        return self._pieces[(rank, group_index, key)]
+
+    @classmethod
+    def open(cls, engine, load_dir: str, tag: str) -> StockCheckpoint:
+        """Read the stock files of ``load_dir/tag`` for ``engine`` (a ZeroBnbEngine).
+
+        Raises:
+            CheckpointMismatchError: the checkpoint was saved at another DP size.
+            CheckpointFormatError: the folder has no ZeRO optimizer files.
+            CheckpointCorruptError: a rank file cannot be read.
+        """
+        optimizer = engine.optimizer
+        folder = os.path.join(load_dir, tag)
+        names = zero_file_names(folder)
+        if not names:
+            raise CheckpointFormatError(
+                f"{folder} holds neither zero_bnb files ({SUBDIR}/) nor stock DeepSpeed ZeRO optimizer files "
+                f"(zero_pp_rank_*_mp_rank_00_optim_states.pt): it is not a complete ZeRO checkpoint; pass the tag of "
+                f"a complete one"
+            )
+        saved_dp = len(names)
+        if saved_dp != optimizer.dp_size:
+            raise CheckpointMismatchError(
+                f"{folder} was written by stock DeepSpeed at DP={saved_dp} and has no zero_bnb files; its 8-bit "
+                f"state can only be re-split at that DP size. Convert it once with `zero-bnb convert {folder} --to "
+                f"zero_bnb OUT` (or resume once at DP={saved_dp} with zero_bnb and save again): the result loads at "
+                f"any DP size (now DP={optimizer.dp_size})."
+            )
+        rank_sds = read_rank_files(names)
+        return cls.from_rank_states(
+            rank_sds,
+            spec=optimizer.zero_bnb_spec,
+            rule=optimizer.zero_bnb_rule,
+            params=_saved_params(folder, rank_sds, [optimizer.param_entries(g, engine.param_names)
+                                                   for g in range(optimizer.num_groups)]),
+            optimizer_class=type(optimizer.optimizer).__qualname__,
+            live_param_groups=optimizer.optimizer.param_groups,
+            log=optimizer.dp_rank == 0,
+        )
+
+    @classmethod
+    def from_rank_states(
+        cls,
+        rank_sds: list[dict[str, Any]],
+        *,
+        spec: OptimizerSpec,
+        rule: StateRule,
+        params: list[tuple[ParamEntry, ...]],
+        optimizer_class: str,
+        live_param_groups: list[dict[str, Any]] | None = None,
+        log: bool = True,
+    ) -> StockCheckpoint:
+        """Convert the ``optimizer_state_dict`` of every stock rank file (in rank order).
+
+        Args:
+            params: per flat group, its parameters with offsets (the running optimizer's, or
+                those recorded in DeepSpeed's model-states file).
+            live_param_groups: the running optimizer's param groups, used for hyper-parameters
+                when the files hold DeepSpeed's elastic layout (which stores none).
+
+        Raises:
+            CheckpointMismatchError: the files do not hold the groups ``params`` describes.
+        """
+        block = spec.block_size
+        states_per_rank = [group_states(sd) for sd in rank_sds]
+        pieces: dict[tuple[int, int, str], torch.Tensor] = {}
+        groups, replicated_groups = [], []
+        for g in range(len(rank_sds[0]["single_partition_of_fp32_groups"])):
+            lengths = [sd["single_partition_of_fp32_groups"][g].numel() for sd in rank_sds]
+            expected = sum(p.numel for p in params[g]) if g < len(params) else None
+            if sum(lengths) != expected:
+                raise CheckpointMismatchError(
+                    f"group {g} of the stock checkpoint holds {sum(lengths)} elements, the model's parameters "
+                    f"{expected}; build the model that wrote it"
+                )
+            partition = lengths[0] + rank_sds[0]["group_paddings"][g]
+            element_ranges = tuple((min(r * partition, sum(lengths)), min(r * partition, sum(lengths)) + n)
+                                   for r, n in enumerate(lengths))
+            numel = sum(lengths)
+            block_ranges = tuple((s // block, ceil_div(e, block)) for s, e in element_ranges)
+            aligned = partition % block == 0
+            first_state = states_per_rank[0][g]
+            entries, counters, replicated = [], {}, {}
+            requantized = []
+            for key, value in sorted(first_state.items()):
+                kind, reason = classify_state(key, value, spec=spec, rule=rule, partition_numel=partition)
+                triple = spec.triple_for(key)
+                if not aligned and triple is not None and first_state[triple.codes].dtype == torch.uint8:
+                    if key != triple.codes:
+                        continue  # absmax/qmap are folded into the dequantized codes below
+                    for r, n in enumerate(lengths):
+                        state = states_per_rank[r][g]
+                        pieces[(r, g, key)] = quant.dequantize(
+                            state[key][..., :n], state[triple.absmax][..., : ceil_div(n, block)], state[triple.qmap], block
+                        )
+                    entries.append(StateEntry(key, StateKind.ELEMENTWISE, "float32", f"{reason}; dequantized"))
+                    requantized.append(key)
+                    continue
+                dtype = str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else type(value).__name__
+                entries.append(StateEntry(key, kind, dtype, reason))
+                for r, n in enumerate(lengths):
+                    value_r = states_per_rank[r][g][key]
+                    if kind is StateKind.ELEMENTWISE:
+                        pieces[(r, g, key)] = value_r[..., :n]
+                    elif kind is StateKind.BLOCKWISE:
+                        pieces[(r, g, key)] = value_r[..., : block_ranges[r][1] - block_ranges[r][0]]
+                if kind is StateKind.COUNTER:
+                    counters[key] = value
+                elif kind is StateKind.REPLICATED:
+                    replicated[key] = value
+            for r, sd in enumerate(rank_sds):
+                pieces[(r, g, "fp32")] = sd["single_partition_of_fp32_groups"][g]
+            if requantized and log:
+                logger.warning(
+                    "zero_bnb: stock DeepSpeed partitions of group %d (%d elements) do not start on %d-element "
+                    "blocks; requantizing %s on the aligned grid once (lossy within 8-bit precision)",
+                    g, partition, block, requantized,
+                )
+            groups.append(GroupEntry(numel, params[g], tuple(entries), element_ranges, block_ranges))
+            base = rank_sds[0]["base_optimizer_state"]
+            param_group = base["param_groups"][g] if isinstance(base, dict) else (live_param_groups or [{}] * (g + 1))[g]
+            replicated_groups.append({
+                "param_group": {k: v for k, v in param_group.items() if k != "params"},
+                "counters": counters,
+                "replicated": replicated,
+            })
+        manifest = Manifest(
+            dp_world_size=len(rank_sds),
+            block_size=block,
+            optimizer_class=optimizer_class,
+            optimizer_spec=spec.name,
+            groups=tuple(groups),
+            shards=tuple(f"stock rank {r}" for r in range(len(rank_sds))),
+            versions={"deepspeed": str(rank_sds[0].get("ds_version", "unknown"))},
+        )
+        wrapper = plain_wrapper({name: rank_sds[0][name] for name in WRAPPER_SCALARS if name in rank_sds[0]})
+        return cls(manifest, {"groups": replicated_groups, "zero_wrapper": wrapper}, pieces)

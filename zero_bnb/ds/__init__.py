@@ -1,0 +1,9 @@
+"""The only code that touches DeepSpeed internals: the engine (``engine``), the block-aligned ZeRO and
+BF16 optimizer wrappers (``aligned``, ``zero_optimizer``), ``zero_bnb.initialize`` (``initialize``), the
+``deepspeed.initialize`` substitution behind ``zero_bnb.enable()`` (``substitute``) and DeepSpeed's
+loss-scaler objects (``loss_scaler``).
+
+May import: DeepSpeed, torch, every zero_bnb package except ``tools``, ``integrations``, ``cli``
+and ``testing``; one declared exception: ``substitute`` imports ``integrations.hf`` when a
+transformers Trainer is the caller (Trainer's scheduler fix on resume).
+"""

@@ -1,0 +1,344 @@
+"""``DeepSpeedEngine`` with zero_bnb's partitioning and elastic ZeRO checkpoints.
+
+This module and :mod:`zero_bnb.ds.zero_optimizer` are the only code that touches DeepSpeed
+internals. The engine is a real ``DeepSpeedEngine``; it differs only in
+
+* the ZeRO optimizer it builds (:mod:`zero_bnb.ds.zero_optimizer`: DeepSpeed's, block-aligned),
+* the optimizer files it writes (:mod:`zero_bnb.checkpoint.save`) and reads (:mod:`zero_bnb.checkpoint.restore`),
+  so that ``load_checkpoint`` works at any DP size,
+* how a checkpoint is committed (:mod:`zero_bnb.checkpoint.commit`: staged, fsynced, checksummed,
+  published by rename, ``latest`` last) and checked before loading (:mod:`zero_bnb.checkpoint.load`).
+
+Model weights, LR scheduler and client state stay in DeepSpeed's own file format.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import deepspeed.runtime.engine as ds_engine_module
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
+    TorchCheckpointEngine,
+)
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.zero.utils import ZeRORuntimeException
+
+from zero_bnb.checkpoint.batch import warn_if_batch_changed, with_batch
+from zero_bnb.checkpoint.collective import agree
+from zero_bnb.checkpoint.commit import SaveTransaction
+from zero_bnb.checkpoint.derived import DERIVED_PARAMS_KEY, derived_entries
+from zero_bnb.checkpoint.load import LoadPlan, open_for_load, plan_load
+from zero_bnb.checkpoint.recovery_script import write_recovery_script
+from zero_bnb.checkpoint.restore import apply_masters, apply_restore
+from zero_bnb.checkpoint.save import build_manifest, write_local_files
+from zero_bnb.checkpoint.state_checks import find_non_finite, verify_replicated_state
+from zero_bnb.core.config import ZeroBnbConfig
+from zero_bnb.core.state_spec import StateRule, declared, spec_for
+from zero_bnb.ds.zero_optimizer import BlockAlignedBF16Optimizer, BlockAlignedZeroOptimizer
+from zero_bnb.errors import CheckpointUsageError
+from zero_bnb.format.durable import makedirs, save_torch
+from zero_bnb.format.tags import resolve_tag
+from zero_bnb.format.unpickle import safe_load
+
+__all__ = ["DurableCheckpointEngine", "ZeroBnbEngine", "swapped_attribute"]
+
+logger = logging.getLogger(__name__)
+
+_PATCH_LOCK = threading.RLock()
+
+
+@contextmanager
+def swapped_attribute(owner: Any, name: str, replacement: Any) -> Iterator[None]:
+    """Rebind ``owner.name`` for the duration of a ``with`` block (serialised by a lock).
+
+    DeepSpeed builds its engine and ZeRO optimizer from module-level names; this is how
+    zero_bnb substitutes its subclasses without copying DeepSpeed's constructor calls.
+    """
+    if not hasattr(owner, name):
+        raise RuntimeError(
+            f"{getattr(owner, '__name__', owner)} has no attribute {name!r}: this DeepSpeed version is outside "
+            f"zero_bnb's supported range (see pyproject.toml)"
+        )
+    with _PATCH_LOCK:
+        original = getattr(owner, name)
+        setattr(owner, name, replacement)
+        try:
+            yield
+        finally:
+            setattr(owner, name, original)
+
+
+class DurableCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's ``torch.save`` checkpoint engine, writing durably into a :class:`SaveTransaction`.
+
+    Files DeepSpeed writes (the model-states file) are fsynced, checksummed and recorded
+    for the manifest like zero_bnb's own.
+    """
+
+    transaction: SaveTransaction | None = None
+    #: ``{path: loaded object}`` prepared (read and checked) by a load's plan; served by :meth:`load`.
+    planned: dict[str, Any] | None = None
+
+    def makedirs(self, path, exist_ok=False):
+        if self.transaction is None:
+            if not exist_ok and os.path.isdir(path):
+                raise FileExistsError(path)
+            makedirs(path)
+            return
+        with self.transaction.guard():  # DeepSpeed calls it outside any error handling of its own
+            makedirs(path)
+
+    def save(self, state_dict, path: str) -> None:
+        transaction = self.transaction
+        root = transaction.staging_folder if transaction is not None else os.path.dirname(path)
+        record = save_torch(state_dict, path, root=root)
+        if transaction is not None:
+            transaction.add([record])
+
+    def load(self, path: str, map_location=None):
+        """The planned object for ``path``, else ``torch.load(weights_only=True)`` (no code from the file runs)."""
+        if self.planned is not None and path in self.planned:
+            return self.planned[path]
+        return safe_load(path, "DeepSpeed checkpoint file", deepspeed_classes=True)
+
+
+class ZeroBnbEngine(DeepSpeedEngine):
+    """A ``DeepSpeedEngine`` (ZeRO stage 1 or 2) whose checkpoints load at any DP size.
+
+    Built by :func:`zero_bnb.initialize`; takes ``DeepSpeedEngine``'s arguments plus the
+    parsed :class:`~zero_bnb.core.config.ZeroBnbConfig`.
+    """
+
+    def __init__(self, *args: Any, zero_bnb_config: ZeroBnbConfig, **kwargs: Any) -> None:
+        self.zero_bnb_config = zero_bnb_config
+        super().__init__(*args, **kwargs)
+
+    # -- construction -------------------------------------------------------------------------
+
+    def _state_rule(self, spec) -> StateRule:
+        config = self.zero_bnb_config
+        keys = config.unsharded_state_keys
+        if keys is None:
+            keys = spec.replicated_by_default
+            if keys and self.global_rank == 0:
+                logger.info(
+                    "zero_bnb: zero_unsharded_state_keys not set; keeping %s replicated (the default for %s)",
+                    list(keys),
+                    spec.name,
+                )
+        return StateRule(unsharded_keys=frozenset(keys), max_numel=config.unsharded_state_max_numel)
+
+    def _do_optimizer_sanity_check(self, basic_optimizer):
+        # DeepSpeed warns "untested optimizer" for anything outside its own list; the families zero_bnb
+        # declares (zero_bnb.core.state_spec.SPECS) are tested under ZeRO here, so that warning is not shown for them.
+        if not declared(basic_optimizer):
+            return super()._do_optimizer_sanity_check(basic_optimizer)
+        with swapped_attribute(ds_engine_module, "is_zero_supported_optimizer", lambda optimizer: True):
+            return super()._do_optimizer_sanity_check(basic_optimizer)
+
+    def _configure_zero_optimizer(self, optimizer):
+        stage = self.zero_optimization_stage()
+        if stage not in (1, 2):
+            raise ZeRORuntimeException(
+                f"zero_bnb supports ZeRO stages 1 and 2, but zero_optimization.stage is {stage}; set it to 1 or 2"
+            )
+        return self._block_aligned("DeepSpeedZeroOptimizer", BlockAlignedZeroOptimizer, optimizer,
+                                   super()._configure_zero_optimizer)
+
+    def _configure_bf16_optimizer(self, optimizer):
+        return self._block_aligned("BF16_Optimizer", BlockAlignedBF16Optimizer, optimizer,
+                                   super()._configure_bf16_optimizer)
+
+    def _block_aligned(self, ds_name: str, cls: type, optimizer, build):
+        """Let DeepSpeed build its optimizer wrapper ``ds_name`` as zero_bnb's block-aligned ``cls``."""
+        spec = spec_for(optimizer)
+        factory = functools.partial(cls, zero_bnb_spec=spec, zero_bnb_rule=self._state_rule(spec))
+        with swapped_attribute(ds_engine_module, ds_name, factory):
+            wrapper = build(optimizer)
+        if not isinstance(wrapper, cls):
+            raise ZeRORuntimeException(
+                f"DeepSpeed built {type(wrapper).__name__} instead of zero_bnb's {cls.__name__}; features that "
+                f"replace it (zenflow, Muon) are not supported by zero_bnb"
+            )
+        verify_replicated_state(wrapper)
+        if self.global_rank == 0:
+            for index in range(wrapper.num_groups):
+                plan = wrapper.state_precision(index)
+                if plan is not None:
+                    limit = plan["eight_bit_up_to_dp"]
+                    logger.info(
+                        "zero_bnb: group %d: partition of %d elements at DP=%d -> %s state (optim_bits=%d, "
+                        "min_8bit_size=%d is decided per partition; %s)",
+                        index, plan["partition_numel"], wrapper.dp_size,
+                        "8-bit" if plan["eight_bit"] else "fp32", plan["optim_bits"], plan["min_8bit_size"],
+                        f"8-bit while DP <= {limit}" if limit is not None else "fp32 at every DP size",
+                    )
+        return wrapper
+
+    def _configure_checkpointing(self):
+        super()._configure_checkpointing()
+        if type(self.checkpoint_engine) is not TorchCheckpointEngine:
+            raise ZeRORuntimeException(
+                f"zero_bnb commits checkpoints atomically with its own writer, but the config selects "
+                f"{type(self.checkpoint_engine).__name__}; remove checkpoint.writer and datastates from the config"
+            )
+        self.checkpoint_engine = DurableCheckpointEngine(self._config)
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
+        """DeepSpeed's ``save_checkpoint``, committed atomically and written DP-independently.
+
+        Collective: all ranks must call it. Before any file is written, replicated optimizer
+        state is verified across ranks and master weights and state are scanned for NaN/Inf
+        (``zero_nonfinite_check``). Files go to a hidden staging folder, are fsynced and
+        checksummed, and the folder is renamed to ``save_dir/tag`` only when every rank has
+        succeeded; ``latest`` is replaced after that.
+
+        Raises:
+            zero_bnb.errors.CheckpointError: on every rank; the previous checkpoint and
+                ``latest`` are then unchanged.
+        """
+        if not save_dir or not isinstance(save_dir, (str, os.PathLike)):
+            raise CheckpointUsageError(f"save_dir must be a non-empty path, got {save_dir!r}")
+        save_dir = os.fspath(save_dir)
+        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        transaction = SaveTransaction(save_dir, tag, save_latest=save_latest)  # refuses unsafe tags on every rank
+        verify_replicated_state(self.optimizer)
+        non_finite = find_non_finite(self.optimizer, self.param_names, self.zero_bnb_config.nonfinite_check)
+        transaction.begin()
+        self.checkpoint_engine.transaction = transaction
+        try:
+            super().save_checkpoint(
+                save_dir,
+                tag=transaction.staging_tag,
+                client_state={} if client_state is None else client_state,
+                save_latest=False,
+                exclude_frozen_parameters=exclude_frozen_parameters,
+            )
+        except BaseException:
+            transaction.abort()  # an error outside every guard: at least leave no lock or staging folder
+            raise
+        finally:
+            self.checkpoint_engine.transaction = None
+        transaction.commit(
+            lambda files: with_batch(build_manifest(self.optimizer, self.param_names, files, non_finite), self),
+            after_publish=lambda: write_recovery_script(save_dir),  # DeepSpeed's zero_to_fp32.py habit
+        )
+        return True
+
+    def _save_checkpoint(self, save_dir, tag, client_state=None, exclude_frozen_parameters=False):
+        derived = self._derived_module_weights()
+        self._zero_bnb_dropped = set(derived)
+        extra = {DERIVED_PARAMS_KEY: derived} if derived else {}
+        try:
+            with self.checkpoint_engine.transaction.guard():
+                super()._save_checkpoint(save_dir, tag, client_state={**(client_state or {}), **extra},
+                                         exclude_frozen_parameters=exclude_frozen_parameters)
+        finally:
+            self._zero_bnb_dropped = set()
+
+    def _derived_module_weights(self) -> dict[str, list[str]]:
+        """Model-file entries to drop (``zero_derived_module_weights``): trained weights are their master weights
+        cast to the module dtype, so they can be stored once, in the shards. Off by default: DeepSpeed's model file
+        then holds the module weights for stock DeepSpeed, ``load_module_only`` and other readers."""
+        if not self.zero_bnb_config.derived_module_weights:
+            return {}
+        return derived_entries(self.module, {p: self.param_names[p] for p in self.optimizer.trained_params()})
+
+    def module_state_dict(self, destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False):
+        state = super().module_state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars,
+                                          exclude_frozen_parameters=exclude_frozen_parameters)
+        for key in getattr(self, "_zero_bnb_dropped", ()):
+            state.pop(prefix + key, None)
+        return state
+
+    def load_module_state_dict(self, checkpoint, strict=True, custom_load_fn=None, fetch_z3_params=False,
+                               z3_params_to_fetch=None, allowed_missing_keys=None):
+        if DERIVED_PARAMS_KEY in checkpoint:  # a plan puts the module weights back before this point
+            raise ZeRORuntimeException("zero_bnb checkpoints load only through ZeroBnbEngine.load_checkpoint")
+        return super().load_module_state_dict(checkpoint, strict=strict, custom_load_fn=custom_load_fn,
+                                              fetch_z3_params=fetch_z3_params, z3_params_to_fetch=z3_params_to_fetch,
+                                              allowed_missing_keys=allowed_missing_keys)
+
+    def _save_zero_checkpoint(self, save_path, tag):
+        transaction = self.checkpoint_engine.transaction
+        with transaction.guard():
+            transaction.add(write_local_files(self.optimizer, os.path.join(save_path, str(tag))))
+
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_module_strict=True,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        load_module_only=False,
+        custom_load_fn=None,
+    ):
+        """DeepSpeed's ``load_checkpoint``, at any DP size, with every check done before anything changes.
+
+        Collective: all ranks must call it. The checkpoint (zero_bnb, or stock DeepSpeed ZeRO-1
+        at its own DP size) is verified first: tag, manifest, files, checksums, parameter names
+        and shapes, optimizer and block size. Then every rank reads everything the load will
+        write (optimizer partitions, module weights checked against the model) into new tensors
+        and the ranks agree; only then is anything replaced. On any problem every rank raises
+        the same error and the engine is left exactly as it was. ``load_module_only`` and
+        ``load_optimizer_states=False`` restore the exact fp32 master weights too.
+
+        Returns:
+            DeepSpeed's ``(load_path, client_state)``; ``(None, None)`` when ``tag`` is ``None`` and
+            ``load_dir`` has no ``latest`` file.
+        """
+        if self.load_universal_checkpoint():
+            raise ZeRORuntimeException(
+                "checkpoint.load_universal is set, but zero_bnb engines load their own checkpoints at any DP size; "
+                "remove checkpoint.load_universal from the config"
+            )
+        folder_tag = agree(lambda: resolve_tag(load_dir, None if tag is None else str(tag)))
+        if folder_tag is None:
+            return super().load_checkpoint(load_dir, tag=None)  # DeepSpeed warns that there is no 'latest'
+        optimizer_states = load_optimizer_states and not load_module_only
+        saved = open_for_load(self, load_dir, folder_tag, optimizer_states=optimizer_states)
+        plan: LoadPlan = agree(lambda: plan_load(self, saved, self._get_ckpt_name(load_dir, folder_tag),
+                                                 optimizer_states=optimizer_states, strict=load_module_strict))
+        self._zero_bnb_plan = plan
+        self.checkpoint_engine.planned = {plan.model_file: plan.model_states}
+        warn_if_batch_changed(saved.manifest, self, os.path.join(load_dir, folder_tag))
+        try:
+            result = super().load_checkpoint(
+                load_dir,
+                tag=folder_tag,
+                load_module_strict=load_module_strict,
+                load_optimizer_states=load_optimizer_states,
+                load_lr_scheduler_states=load_lr_scheduler_states,
+                load_module_only=load_module_only,
+                custom_load_fn=custom_load_fn,
+            )
+        finally:
+            self._zero_bnb_plan = None
+            self.checkpoint_engine.planned = None
+        if not optimizer_states:
+            # DeepSpeed rebuilt the fp32 masters from the module's (maybe bf16) weights; the exact ones are on disk.
+            apply_masters(self.optimizer, plan.optimizer)
+        return result
+
+    def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
+        plan: LoadPlan | None = getattr(self, "_zero_bnb_plan", None)
+        if plan is None:
+            raise ZeRORuntimeException("zero_bnb loads ZeRO state only through ZeroBnbEngine.load_checkpoint")
+        apply_restore(self.optimizer, plan.optimizer)
+        if self.global_rank == 0:
+            logger.info(
+                "zero_bnb: loaded checkpoint %s saved at DP=%d into DP=%d",
+                os.path.join(load_dir, str(tag)),
+                plan.optimizer.saved_dp,
+                self.optimizer.dp_size,
+            )
+        return True

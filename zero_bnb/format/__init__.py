@@ -1,0 +1,11 @@
+"""The on-disk checkpoint format and its safe I/O: the manifest and its validation (``manifest``),
+payload checks, durable fsynced and hashed writes (``durable``), file and checksum checks
+(``integrity``), names that stay inside their folder (``paths``), ``weights_only`` loading
+(``unpickle``), the save-folder lock (``lock``), tags and pointer files (``tags``), the loss
+scaler as plain data (``wrapper_state``), DeepSpeed's stock file layout (``stock_files``) and the
+one reader of a checkpoint folder (``reader``).
+
+May import: torch, ``zero_bnb.errors``, ``zero_bnb.versions``, ``zero_bnb.core``. Never
+torch.distributed or DeepSpeed (``unpickle`` allows DeepSpeed's loss-scaler and enum classes by
+name when unpickling DeepSpeed's files, importing them only then).
+"""

@@ -1,0 +1,118 @@
+"""Check a zero_bnb checkpoint's files against its manifest: presence, sizes and SHA-256.
+
+Local functions, no collectives; the engine splits :func:`verify_checksums` across ranks,
+and :func:`zero_bnb.format.reader.verify_checkpoint` runs them all in one process (for tools and tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+from tqdm import tqdm
+
+from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
+from zero_bnb.format.durable import FileRecord, digest_file
+from zero_bnb.format.manifest import REPLICATED_NAME, SUBDIR, Manifest
+from zero_bnb.format.paths import check_relative_path, inside, resolved
+
+__all__ = ["check_file_list", "checksum_shares", "verify_checksums"]
+
+
+def checksum_shares(files: tuple[FileRecord, ...], world_size: int) -> list[list[int]]:
+    """Split the files among ``world_size`` ranks, largest first to the least-loaded rank.
+
+    Deterministic, so every rank computes the same split from the manifest.
+    """
+    shares: list[list[int]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for index in sorted(range(len(files)), key=lambda i: (-files[i].size, files[i].path)):
+        rank = loads.index(min(loads))
+        shares[rank].append(index)
+        loads[rank] += files[index].size
+    return shares
+
+
+def _names(folder: str) -> list[str]:
+    try:
+        return sorted(os.listdir(folder))
+    except OSError:
+        return []
+
+
+def check_file_list(tag_folder: str, manifest: Manifest) -> None:
+    """Every file the manifest lists is a regular file inside ``tag_folder`` with its recorded size.
+
+    Every shard and the replicated file must be listed, and the shards must be large enough
+    for the elements the manifest records (so no reader allocates more than the files hold).
+
+    Raises:
+        CheckpointCorruptError: lists every missing, truncated or grown file.
+        CheckpointFormatError: a listed path leaves the folder (a symlink pointing out, a
+            FIFO or device), or the recorded sizes cannot hold the recorded elements.
+    """
+    listed = {record.path for record in manifest.files}
+    if len(listed) != len(manifest.files):
+        raise CheckpointFormatError(f"checkpoint {tag_folder}: its manifest lists a file twice; it was edited")
+    model_files = [name for name in _names(tag_folder) if name.endswith("model_states.pt")]
+    required = [os.path.join(SUBDIR, name) for name in (*manifest.shards, REPLICATED_NAME)] + model_files
+    problems = [f"{path} is not listed in the manifest" for path in required if path not in listed]
+    for record in manifest.files:
+        path = os.path.join(tag_folder, check_relative_path(record.path, "manifest files[].path"))
+        if not inside(path, tag_folder):
+            raise CheckpointFormatError(f"{path} resolves to {resolved(path)}, outside the checkpoint folder "
+                                        f"{tag_folder}; checkpoint files must lie inside it")
+        if os.path.lexists(path) and not os.path.isfile(path):
+            raise CheckpointFormatError(f"{path} is not a regular file; checkpoint files must be regular files")
+        if not os.path.isfile(path):
+            problems.append(f"{record.path} is missing")
+            continue
+        size = os.path.getsize(path)
+        if size != record.size:
+            problems.append(f"{record.path} has {size} bytes, the manifest records {record.size} (truncated or overwritten)")
+    if problems:
+        raise CheckpointCorruptError(
+            f"checkpoint {tag_folder} is incomplete or damaged: {'; '.join(problems)}. Restore the files from a "
+            f"copy or load an earlier tag."
+        )
+    shard_paths = {os.path.join(SUBDIR, name) for name in manifest.shards}
+    shard_bytes = sum(record.size for record in manifest.files if record.path in shard_paths)
+    master_bytes = 4 * sum(group.numel for group in manifest.groups)
+    if master_bytes > shard_bytes:
+        raise CheckpointFormatError(
+            f"checkpoint {tag_folder}: its manifest records {master_bytes // 4} elements (groups[*].numel), whose "
+            f"fp32 master weights alone need {master_bytes} bytes, but its shards hold {shard_bytes} bytes; the "
+            f"manifest was edited or not written by zero_bnb"
+        )
+
+
+def verify_checksums(
+    tag_folder: str, manifest: Manifest, rank: int = 0, world_size: int = 1, *, progress: bool = False
+) -> int:
+    """Compare the SHA-256 of this rank's share of the files (see :func:`checksum_shares`) with the manifest.
+
+    Returns:
+        The number of bytes read.
+
+    Raises:
+        CheckpointCorruptError: names every file whose content differs from what was saved.
+    """
+    problems, read = [], 0
+    mine = checksum_shares(manifest.files, world_size)[rank]
+    total = sum(manifest.files[index].size for index in mine)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="sha256", disable=not progress) as bar:
+        for index in mine:
+            record = manifest.files[index]
+            size, digest = digest_file(os.path.join(tag_folder, record.path))
+            read += size
+            bar.update(size)
+            if (size, digest) != (record.size, record.sha256):
+                problems.append(
+                    f"{record.path} (sha256 {digest[:16]}..., {size} bytes; saved as {record.sha256[:16]}..., "
+                    f"{record.size} bytes)"
+                )
+    if problems:
+        raise CheckpointCorruptError(
+            f"checkpoint {tag_folder} holds damaged files whose content differs from what was saved: "
+            f"{'; '.join(problems)}. Restore them from a copy or load an earlier tag."
+        )
+    return read

@@ -1,0 +1,489 @@
+"""The DP-independent checkpoint layout: a manifest plus one shard file per saving rank.
+
+Pure I/O, no DeepSpeed and no collectives. Inside DeepSpeed's tag folder
+(``{save_dir}/{tag}/``) zero_bnb writes a folder ``zero_bnb/`` holding:
+
+* ``shard_{r}-of-{dp}.pt`` (one per saving rank ``r``): for every flat group, the fp32 master
+  weights and the element-wise and block-wise optimizer states of the real elements that
+  rank owned, padding stripped. Ranges are global, so any DP size can read them back.
+* ``replicated.pt`` (rank 0): per group the optimizer hyper-parameters, the counters
+  (``step``) and the replicated tensors (``qmap1``/``qmap2``), each saved once, whole; plus
+  the ZeRO wrapper's own scalars (loss scaler).
+* ``manifest.json`` (rank 0, written last): what the files hold, where every parameter and
+  every saved range lies, the versions that wrote it, and the size and SHA-256 of every
+  file of the tag folder (DeepSpeed's model file included). Its first field is the SHA-256
+  of the manifest itself, so a damaged manifest is detected too. A checkpoint without a
+  manifest is incomplete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from zero_bnb.core.layout import ceil_div
+from zero_bnb.core.state_spec import StateKind
+from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
+from zero_bnb.format.durable import FileRecord, write_text
+from zero_bnb.format.paths import check_name, check_relative_path
+from zero_bnb.format.unpickle import safe_load
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "MASTER_KEY",
+    "READABLE_VERSIONS",
+    "TENSOR_DTYPES",
+    "REPLICATED_NAME",
+    "SUBDIR",
+    "GroupEntry",
+    "Manifest",
+    "ParamEntry",
+    "StateEntry",
+    "jsonable",
+    "read_manifest",
+    "read_replicated",
+    "read_shard",
+    "shard_name",
+    "check_replicated",
+    "check_shard",
+    "write_manifest",
+]
+
+FORMAT_NAME = "zero_bnb"
+#: Version 2 stores the loss scaler as plain data (every file loads with ``weights_only=True``).
+FORMAT_VERSION = 2
+#: Versions this release reads (version 1 files hold DeepSpeed's pickled loss scaler, an allowed class).
+READABLE_VERSIONS = (1, 2)
+SUBDIR = "zero_bnb"
+MANIFEST_NAME = "manifest.json"
+REPLICATED_NAME = "replicated.pt"
+#: Key of the fp32 master weights in each shard group (beside ``"state"``).
+MASTER_KEY = "fp32"
+
+
+_CHECKSUM_FIELD = "manifest_sha256"
+_PLACEHOLDER = "0" * 64
+_CHECKSUM_PATTERN = re.compile(r'\A\{\n "manifest_sha256": "([0-9a-f]{64})",\n')
+
+
+def shard_name(rank: int, dp: int) -> str:
+    """File name of the shard written by ``rank`` of a save at DP size ``dp``."""
+    return f"shard_{rank:05d}-of-{dp:05d}.pt"
+
+
+@dataclass(frozen=True, slots=True)
+class ParamEntry:
+    """One parameter of a flat group: its name, shape and element offset in the group."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+
+@dataclass(frozen=True, slots=True)
+class StateEntry:
+    """One optimizer-state key of a flat group: its kind, dtype and why it got that kind.
+
+    ``lead`` is the shape before the partition axis, which is always the last one (``(2,)``
+    for AdEMAMix's two moments in one ``state1`` buffer; ``()`` for most states).
+    """
+
+    key: str
+    kind: StateKind
+    dtype: str
+    reason: str
+    lead: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class GroupEntry:
+    """One flat parameter group as saved.
+
+    ``element_ranges[r]`` / ``block_ranges[r]`` are the global ``[start, end)`` ranges held by
+    shard ``r``; they tile ``[0, numel)`` and ``[0, ceil(numel / block_size))``.
+    ``hyperparameters`` is a readable copy of the optimizer's param group (the exact values
+    are restored from ``replicated.pt``).
+    """
+
+    numel: int
+    params: tuple[ParamEntry, ...]
+    states: tuple[StateEntry, ...]
+    element_ranges: tuple[tuple[int, int], ...]
+    block_ranges: tuple[tuple[int, int], ...]
+    hyperparameters: dict[str, Any] = field(default_factory=dict)
+
+    def state(self, key: str) -> StateEntry | None:
+        for entry in self.states:
+            if entry.key == key:
+                return entry
+        return None
+
+
+def jsonable(value: Any) -> Any:
+    """A JSON-friendly rendering of a hyper-parameter value (tuples as lists, tensors as numbers)."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [jsonable(item) for item in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """Everything a loader needs to know before it opens a shard.
+
+    ``files`` lists every file of the tag folder with its size and SHA-256, paths relative to
+    the tag folder. ``non_finite`` maps parameter names to the saved tensors (``fp32`` or a
+    state key) that held NaN/Inf when the checkpoint was written.
+    """
+
+    dp_world_size: int
+    block_size: int
+    optimizer_class: str
+    optimizer_spec: str
+    groups: tuple[GroupEntry, ...]
+    shards: tuple[str, ...]
+    files: tuple[FileRecord, ...] = ()
+    non_finite: dict[str, list[str]] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+    batch: dict[str, int] = field(default_factory=dict)  # global, micro, accumulation, dp (zero_bnb.checkpoint.batch)
+    format_version: int = FORMAT_VERSION
+    format_name: str = FORMAT_NAME
+
+    def to_json(self) -> str:
+        """The manifest as JSON whose first field is the SHA-256 of the text itself."""
+        data = asdict(self)
+        for group in data["groups"]:
+            for state in group["states"]:
+                state["kind"] = state["kind"].value
+        text = json.dumps({_CHECKSUM_FIELD: _PLACEHOLDER, **data}, indent=1)
+        return text.replace(_PLACEHOLDER, hashlib.sha256(text.encode("utf-8")).hexdigest(), 1)
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "manifest") -> Manifest:
+        """Parse and check a manifest written by :meth:`to_json`.
+
+        Raises:
+            CheckpointCorruptError: the text does not match its own checksum.
+            CheckpointFormatError: not a zero_bnb manifest, or an unknown format version.
+        """
+        match = _CHECKSUM_PATTERN.match(text)
+        if match is None:
+            raise CheckpointCorruptError(
+                f"{source} does not start with its {_CHECKSUM_FIELD!r} field: it is damaged or not a zero_bnb "
+                f"manifest; load an earlier checkpoint tag"
+            )
+        unsigned = text[: match.start(1)] + _PLACEHOLDER + text[match.end(1) :]
+        actual = hashlib.sha256(unsigned.encode("utf-8")).hexdigest()
+        if actual != match.group(1):
+            raise CheckpointCorruptError(
+                f"{source} was modified or damaged: its content hashes to sha256 {actual[:16]}..., but it records "
+                f"{match.group(1)[:16]}...; load an earlier checkpoint tag"
+            )
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise CheckpointFormatError(f"{source} is not valid JSON ({error}); the checkpoint is damaged") from error
+        if data.get("format_name") != FORMAT_NAME:
+            raise CheckpointFormatError(f"{source} is not a zero_bnb manifest (format_name={data.get('format_name')!r})")
+        if data.get("format_version") not in READABLE_VERSIONS:
+            raise CheckpointFormatError(
+                f"{source} has format_version={data.get('format_version')!r}, but this zero_bnb reads versions "
+                f"{list(READABLE_VERSIONS)}; load it with the zero_bnb release that wrote it "
+                f"(versions recorded: {data.get('versions')!r:.200})"
+            )
+        _check_types(data, source)
+        try:
+            groups = tuple(
+                GroupEntry(
+                    numel=g["numel"],
+                    params=tuple(ParamEntry(p["name"], tuple(p["shape"]), p["offset"]) for p in g["params"]),
+                    states=tuple(StateEntry(s["key"], StateKind(s["kind"]), s["dtype"], s["reason"], tuple(s.get("lead", ()))) for s in g["states"]),
+                    element_ranges=tuple(tuple(r) for r in g["element_ranges"]),
+                    block_ranges=tuple(tuple(r) for r in g["block_ranges"]),
+                    hyperparameters=dict(g["hyperparameters"]),
+                )
+                for g in data["groups"]
+            )
+            manifest = cls(
+                dp_world_size=data["dp_world_size"],
+                block_size=data["block_size"],
+                optimizer_class=data["optimizer_class"],
+                optimizer_spec=data["optimizer_spec"],
+                groups=groups,
+                shards=tuple(data["shards"]),
+                files=tuple(FileRecord(f["path"], f["size"], f["sha256"]) for f in data["files"]),
+                non_finite={name: list(keys) for name, keys in data["non_finite"].items()},
+                versions=dict(data["versions"]),
+                batch=dict(data.get("batch", {})),
+                format_version=data["format_version"],
+                format_name=data["format_name"],
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise CheckpointFormatError(f"{source} is missing or has a malformed field ({error!r:.300})") from error
+        manifest.validate(source)
+        return manifest
+
+    def validate(self, source: str = "manifest") -> None:
+        """Check that every name is a safe path component and every range tiles its group.
+
+        Runs before any file the manifest names is opened or any tensor is allocated, so a
+        crafted manifest can neither reach outside its folder nor ask for absurd memory.
+
+        Raises:
+            CheckpointFormatError: names the field, its value and what it must be.
+        """
+        def fail(field_name: str, value: Any, rule: str) -> None:
+            raise CheckpointFormatError(f"{source}: {field_name}={value!r:.200} is invalid: {rule}; the manifest was "
+                                        f"not written by zero_bnb or was edited")
+
+        if not 1 <= self.dp_world_size <= _MAX_DP:
+            fail("dp_world_size", self.dp_world_size, f"it must lie in [1, {_MAX_DP}]")
+        if not 1 <= self.block_size <= _MAX_BLOCK:
+            fail("block_size", self.block_size, f"it must lie in [1, {_MAX_BLOCK}]")
+        expected_shards = tuple(shard_name(r, self.dp_world_size) for r in range(self.dp_world_size))
+        if self.shards != expected_shards:
+            fail("shards", self.shards, f"a save at DP={self.dp_world_size} writes {list(expected_shards)[:4]}...")
+        for index, record in enumerate(self.files):
+            check_relative_path(record.path, f"{source}: files[{index}].path")
+            if record.size < 0 or not _SHA256.fullmatch(record.sha256):
+                fail(f"files[{index}]", record, "size must be >= 0 and sha256 64 lowercase hex digits")
+        names = [param.name for group in self.groups for param in group.params]
+        if len(set(names)) != len(names):
+            fail("groups[*].params[*].name", sorted({n for n in names if names.count(n) > 1})[:5],
+                 "every parameter name must appear once")
+        for g, group in enumerate(self.groups):
+            where = f"groups[{g}]"
+            keys = [state.key for state in group.states]
+            if len(set(keys)) != len(keys) or MASTER_KEY in keys:
+                fail(f"{where}.states[*].key", keys, f"state keys must be unique and not {MASTER_KEY!r}")
+            if not 0 <= group.numel <= _MAX_NUMEL:
+                fail(f"{where}.numel", group.numel, f"it must lie in [0, {_MAX_NUMEL}]")
+            offset = 0
+            for p, param in enumerate(group.params):
+                check_name(param.name, f"{source}: {where}.params[{p}].name")
+                if param.offset != offset or any(size < 0 for size in param.shape):
+                    fail(f"{where}.params[{p}]", param, f"parameters are stored back to back: offset must be {offset}")
+                offset += param.numel
+            if offset != group.numel:
+                fail(f"{where}.numel", group.numel, f"its parameters hold {offset} elements")
+            blocks = ceil_div(group.numel, self.block_size)
+            for name, ranges, end in (("element_ranges", group.element_ranges, group.numel),
+                                      ("block_ranges", group.block_ranges, blocks)):
+                bounds = [0] + [bound for pair in ranges for bound in pair] + [end]
+                if len(ranges) != self.dp_world_size or any(len(pair) != 2 for pair in ranges) or any(
+                        bounds[i] != bounds[i + 1] for i in range(0, len(bounds), 2)) or any(
+                        bounds[i] > bounds[i + 1] for i in range(1, len(bounds) - 1, 2)):
+                    fail(f"{where}.{name}", ranges, f"{self.dp_world_size} ranges [start, end) in order must tile "
+                                                    f"[0, {end}) without gaps or overlaps")
+            for s, state in enumerate(group.states):
+                check_name(state.key, f"{source}: {where}.states[{s}].key")
+                if state.kind in (StateKind.ELEMENTWISE, StateKind.BLOCKWISE, StateKind.REPLICATED) and \
+                        state.dtype not in TENSOR_DTYPES:
+                    fail(f"{where}.states[{s}].dtype", state.dtype, f"tensor states have one of {sorted(TENSOR_DTYPES)}")
+                lead = 1
+                for size in state.lead:
+                    lead *= size
+                if not all(1 <= size for size in state.lead) or lead > _MAX_LEAD:
+                    fail(f"{where}.states[{s}].lead", state.lead, f"leading axes hold 1 to {_MAX_LEAD} rows")
+
+
+#: dtype names a saved tensor state may have (what bitsandbytes and torch optimizers keep).
+TENSOR_DTYPES = frozenset({"uint8", "int8", "int32", "int64", "float16", "bfloat16", "float32", "float64", "bool"})
+_MAX_DP = 1 << 20
+_MAX_BLOCK = 1 << 24
+_MAX_NUMEL = 1 << 50
+_MAX_LEAD = 64
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "dp_world_size": int, "block_size": int, "optimizer_class": str, "optimizer_spec": str, "groups": list,
+    "shards": list, "files": list, "non_finite": dict, "versions": dict, "format_version": int,
+}
+
+
+def _is(value: Any, kind: type | tuple[type, ...]) -> bool:
+    """``isinstance`` where a JSON ``true`` is not an int."""
+    return isinstance(value, kind) and not (isinstance(value, bool) and kind is int)
+
+
+def _check_types(data: dict[str, Any], source: str) -> None:
+    """Every field the readers index or compute with has its JSON type (bools are not ints)."""
+    problems = [f"{name} must be {getattr(kind, '__name__', kind)}" for name, kind in _FIELD_TYPES.items()
+                if not _is(data.get(name), kind)]
+    for g, group in enumerate(data.get("groups") or []):
+        if not isinstance(group, dict):
+            problems.append(f"groups[{g}] must be an object")
+            continue
+        ints = [("numel", group.get("numel"))]
+        ints += [(f"params[{p}].offset", param.get("offset")) for p, param in enumerate(group.get("params") or [])
+                 if isinstance(param, dict)]
+        ints += [(f"params[{p}].shape", size) for p, param in enumerate(group.get("params") or [])
+                 if isinstance(param, dict) for size in (param.get("shape") if isinstance(param.get("shape"), list) else [None])]
+        ints += [(name, bound) for name in ("element_ranges", "block_ranges")
+                 for pair in (group.get(name) if isinstance(group.get(name), list) else [[None]])
+                 for bound in (pair if isinstance(pair, list) else [None])]
+        ints += [(f"states[{s}].lead", size) for s, state in enumerate(group.get("states") or [])
+                 if isinstance(state, dict) for size in (state.get("lead", []) if isinstance(state.get("lead", []), list) else [None])]
+        problems += [f"groups[{g}].{name} must hold integers" for name, value in ints if not _is(value, int)]
+        strings = [(f"params[{p}].name", param.get("name")) for p, param in enumerate(group.get("params") or [])
+                   if isinstance(param, dict)]
+        strings += [(f"states[{s}].{key}", state.get(key)) for s, state in enumerate(group.get("states") or [])
+                    if isinstance(state, dict) for key in ("key", "dtype", "reason")]
+        problems += [f"groups[{g}].{name} must be a string" for name, value in strings if not isinstance(value, str)]
+    batch = data.get("batch", {})
+    if not (isinstance(batch, dict) and (not batch or (set(batch) == {"global", "micro", "accumulation", "dp"} and all(
+            _is(value, int) and value > 0 for value in batch.values())))):
+        problems.append("batch must be {} or {global, micro, accumulation, dp: positive integers}")
+    non_finite = data.get("non_finite")
+    if isinstance(non_finite, dict) and not all(isinstance(v, list) and all(isinstance(k, str) for k in v)
+                                                for v in non_finite.values()):
+        problems.append("non_finite must map parameter names to lists of strings")
+    for f, record in enumerate(data.get("files") or []):
+        if not (isinstance(record, dict) and isinstance(record.get("path"), str) and _is(record.get("size"), int)
+                and isinstance(record.get("sha256"), str)):
+            problems.append(f"files[{f}] must be {{path: string, size: integer, sha256: string}}")
+    if problems:
+        raise CheckpointFormatError(f"{source} has malformed fields: {'; '.join(problems[:8])}; the manifest was not "
+                                    f"written by zero_bnb or was edited")
+
+
+def write_manifest(manifest: Manifest, folder: str, *, root: str) -> FileRecord:
+    """Write ``manifest.json`` into ``folder``, durably; this marks the checkpoint complete."""
+    return write_text(manifest.to_json(), os.path.join(folder, MANIFEST_NAME), root=root)
+
+
+def read_manifest(folder: str) -> Manifest:
+    """Read and check the manifest of the zero_bnb folder ``folder``.
+
+    Raises:
+        CheckpointFormatError: there is no manifest (an incomplete or non-zero_bnb checkpoint),
+            it cannot be parsed, or its format version is unknown.
+        CheckpointCorruptError: the manifest does not match its own checksum.
+    """
+    path = os.path.join(folder, MANIFEST_NAME)
+    if not os.path.isfile(path):
+        raise CheckpointFormatError(f"{path} does not exist: {folder} is not a complete zero_bnb checkpoint")
+    with open(path, "rb") as handle:
+        raw = handle.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise CheckpointCorruptError(f"{path} is not UTF-8 text ({error}); the manifest is damaged") from error
+    return Manifest.from_json(text, source=path)
+
+
+def read_shard(folder: str, name: str) -> dict[str, Any]:
+    """Open one shard lazily (memory-mapped, ``weights_only``): only the slices a loader touches are read."""
+    return safe_load(os.path.join(folder, name), "shard file", mmap=True, root=folder)
+
+
+def read_replicated(folder: str, format_version: int = FORMAT_VERSION) -> dict[str, Any]:
+    """Read ``replicated.pt`` (hyper-parameters, counters, replicated tensors, loss scaler), ``weights_only``.
+
+    Version 1 files hold DeepSpeed's pickled loss scaler, which is then allowed by name.
+    """
+    return safe_load(os.path.join(folder, REPLICATED_NAME), "replicated-state file",
+                     deepspeed_classes=format_version < 2, root=folder)
+
+
+def _tensor_problem(value: Any, dtype: str, shape: tuple[int, ...]) -> str | None:
+    if not isinstance(value, torch.Tensor):
+        return f"is a {type(value).__name__}, not a tensor"
+    if str(value.dtype).removeprefix("torch.") != dtype or tuple(value.shape) != shape:
+        return f"is {str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}, the manifest says {dtype} {shape}"
+    return None
+
+
+def check_shard(shard: Any, manifest: Manifest, rank: int, source: str) -> None:
+    """Every tensor of shard ``rank`` has the dtype and shape the manifest's ranges give it.
+
+    Cheap on a memory-mapped shard (reads no tensor data). Raises ``CheckpointFormatError``
+    naming the group, key and both shapes.
+    """
+    groups = shard.get("groups") if isinstance(shard, dict) else None
+    if not isinstance(groups, list) or len(groups) != len(manifest.groups):
+        raise CheckpointFormatError(f"{source} does not hold the {len(manifest.groups)} groups its manifest lists")
+    problems = []
+    for index, (entry, group) in enumerate(zip(manifest.groups, groups)):
+        if not isinstance(group, dict) or not isinstance(group.get("state"), dict):
+            problems.append(f"group {index} is not {{'{MASTER_KEY}': tensor, 'state': {{...}}}}")
+            continue
+        start, end = entry.element_ranges[rank]
+        block_start, block_end = entry.block_ranges[rank]
+        problem = _tensor_problem(group.get(MASTER_KEY), "float32", (end - start,))
+        if problem:
+            problems.append(f"group {index} {MASTER_KEY} {problem}")
+        for state in entry.states:
+            if state.kind is StateKind.ELEMENTWISE:
+                length = end - start
+            elif state.kind is StateKind.BLOCKWISE:
+                length = block_end - block_start
+            else:
+                continue
+            problem = _tensor_problem(group["state"].get(state.key), state.dtype, (*state.lead, length))
+            if problem:
+                problems.append(f"group {index} state {state.key!r} {problem}")
+    if problems:
+        raise CheckpointFormatError(f"{source} does not match its manifest: {'; '.join(problems[:6])}; the checkpoint "
+                                    f"was edited or not written by zero_bnb")
+
+
+_NUMBER = (int, float)
+_NUMERIC_HYPERPARAMETERS = ("lr", "eps", "weight_decay", "momentum", "alpha", "dampening", "min_8bit_size",
+                            "percentile_clipping", "max_unorm", "t_alpha", "t_beta3")
+
+
+def _hyperparameter_problem(key: Any, value: Any) -> str | None:
+    """Why a saved param-group entry cannot be what an optimizer holds (``None`` if it can)."""
+    if not isinstance(key, str):
+        return "has a non-string name"
+    if key in _NUMERIC_HYPERPARAMETERS and (isinstance(value, bool) or not isinstance(value, _NUMBER + (type(None),))):
+        return "must be a number"
+    if key == "betas" and not (isinstance(value, (tuple, list)) and all(
+            isinstance(b, _NUMBER + (type(None),)) and not isinstance(b, bool) for b in value)):
+        return "must be a tuple of numbers"
+    return None
+
+
+def check_replicated(replicated: Any, manifest: Manifest, source: str) -> None:
+    """The replicated-state file holds, per group, the counters and replicated tensors the manifest lists."""
+    groups = replicated.get("groups") if isinstance(replicated, dict) else None
+    if not isinstance(groups, list) or len(groups) != len(manifest.groups) or not isinstance(
+            replicated.get("zero_wrapper", {}), dict):
+        raise CheckpointFormatError(f"{source} does not hold the {len(manifest.groups)} groups its manifest lists")
+    problems = []
+    for index, (entry, group) in enumerate(zip(manifest.groups, groups)):
+        if not isinstance(group, dict) or not all(isinstance(group.get(k), dict)
+                                                  for k in ("param_group", "counters", "replicated")):
+            problems.append(f"group {index} is not {{'param_group': {{}}, 'counters': {{}}, 'replicated': {{}}}}")
+            continue
+        for key, value in group["param_group"].items():
+            problem = _hyperparameter_problem(key, value)
+            if problem:
+                problems.append(f"group {index} hyper-parameter {key}={value!r:.80} {problem}")
+        for state in entry.states:
+            if state.kind is StateKind.COUNTER and state.key not in group["counters"]:
+                problems.append(f"group {index} has no counter {state.key!r}")
+            elif state.kind is StateKind.REPLICATED:
+                value = group["replicated"].get(state.key)
+                if not isinstance(value, torch.Tensor) or str(value.dtype).removeprefix("torch.") != state.dtype:
+                    problems.append(f"group {index} replicated {state.key!r} is not a {state.dtype} tensor")
+    if problems:
+        raise CheckpointFormatError(f"{source} does not match its manifest: {'; '.join(problems[:6])}; the checkpoint "
+                                    f"was edited or not written by zero_bnb")

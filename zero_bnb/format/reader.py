@@ -1,0 +1,109 @@
+"""Reading a zero_bnb checkpoint folder: manifest, file list, checksums, shards and replicated file.
+
+One reader for the engine's loads and the offline tools. Local, single process; the engine
+splits :meth:`CheckpointReader.verify` across ranks itself.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from zero_bnb.errors import CheckpointFormatError
+from zero_bnb.format.integrity import check_file_list, verify_checksums
+from zero_bnb.format.manifest import (
+    MASTER_KEY,
+    REPLICATED_NAME,
+    SUBDIR,
+    check_replicated,
+    check_shard,
+    read_manifest,
+    read_replicated,
+    read_shard,
+)
+from zero_bnb.format.tags import resolve_tag
+
+__all__ = ["CheckpointReader", "verify_checkpoint"]
+
+
+class CheckpointReader:
+    """A zero_bnb checkpoint folder, with shards opened lazily and memory-mapped.
+
+    Opening reads and checks the manifest and the presence and size of every file; call
+    :meth:`verify` before :attr:`replicated` or any shard is read. Files are read with
+    ``weights_only=True`` and checked against the manifest (dtypes, shapes) as they are opened.
+    """
+
+    def __init__(self, tag_folder: str) -> None:
+        self.tag_folder = tag_folder
+        self.folder = os.path.join(tag_folder, SUBDIR)
+        self.manifest = read_manifest(self.folder)
+        check_file_list(tag_folder, self.manifest)
+        self._replicated: dict[str, Any] | None = None
+        self._shards: dict[int, dict[str, Any]] = {}
+
+    def verify(self, rank: int = 0, world_size: int = 1, *, progress: bool = False) -> int:
+        """Check this rank's share of the files' SHA-256; returns the bytes read."""
+        return verify_checksums(self.tag_folder, self.manifest, rank, world_size, progress=progress)
+
+    @property
+    def replicated(self) -> dict[str, Any]:
+        """The replicated-state file (hyper-parameters, counters, qmaps, loss scaler), read once."""
+        if self._replicated is None:
+            replicated = read_replicated(self.folder, self.manifest.format_version)
+            check_replicated(replicated, self.manifest, os.path.join(self.folder, REPLICATED_NAME))
+            self._replicated = replicated
+        return self._replicated
+
+    def preload(self) -> None:
+        """Read the replicated file and open every shard (memory-mapped: only each index is read).
+
+        Call after :meth:`verify`: it unpickles ``replicated.pt``.
+        """
+        _ = self.replicated
+        for rank in range(len(self.manifest.shards)):
+            self._shard(rank)
+
+    def _shard(self, rank: int) -> dict[str, Any]:
+        if rank not in self._shards:
+            shard = read_shard(self.folder, self.manifest.shards[rank])
+            check_shard(shard, self.manifest, rank, os.path.join(self.folder, self.manifest.shards[rank]))
+            self._shards[rank] = shard
+        return self._shards[rank]
+
+    @staticmethod
+    def exists(tag_folder: str) -> bool:
+        """Whether ``tag_folder`` holds a zero_bnb checkpoint (complete or not)."""
+        return os.path.isdir(os.path.join(tag_folder, SUBDIR))
+
+    def piece(self, rank: int, group_index: int, key: str) -> torch.Tensor:
+        group = self._shard(rank)["groups"][group_index]
+        return group[MASTER_KEY] if key == MASTER_KEY else group["state"][key]
+
+
+def verify_checkpoint(load_dir: str, tag: str | None = None, *, progress: bool = False) -> CheckpointReader:
+    """Run every consistency and checksum check on one zero_bnb checkpoint, in this process.
+
+    Local: no collectives. After the checksums, the shards (memory-mapped) and the replicated
+    file are read with ``weights_only=True`` and checked against the manifest (dtypes, shapes).
+
+    Args:
+        load_dir: the folder passed to ``save_checkpoint``.
+        tag: the checkpoint tag; ``None`` reads it from ``latest``.
+
+    Returns:
+        The verified checkpoint (its ``tag_folder`` and ``manifest``).
+
+    Raises:
+        CheckpointFormatError: no such checkpoint, no ``latest``, or not a zero_bnb checkpoint.
+        CheckpointCorruptError: a file is missing, truncated or damaged.
+    """
+    folder_tag = resolve_tag(load_dir, tag)
+    if folder_tag is None:
+        raise CheckpointFormatError(f"{load_dir} has no 'latest' file; pass the checkpoint tag explicitly")
+    reader = CheckpointReader(os.path.join(load_dir, folder_tag))
+    reader.verify(progress=progress)
+    reader.preload()
+    return reader

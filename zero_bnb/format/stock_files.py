@@ -1,0 +1,96 @@
+"""DeepSpeed's own checkpoint files, read safely: ZeRO optimizer files of every rank and the model file.
+
+Stock DeepSpeed writes ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` per DP rank (or
+``bf16_zero_pp_rank_...`` for its BF16 optimizer) and ``mp_rank_00_model_states.pt``; zero_bnb
+checkpoints keep DeepSpeed's model file too. Every read goes through
+:func:`~zero_bnb.format.unpickle.safe_load`. Local, single process.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+from zero_bnb.errors import CheckpointFormatError, malformed
+from zero_bnb.format.manifest import ParamEntry
+from zero_bnb.format.paths import check_name
+from zero_bnb.format.unpickle import check_checkpoint_file, safe_load
+
+__all__ = ["MODEL_STATES", "group_states", "model_states_files", "param_entries", "read_rank_files",
+           "zero_file_names"]
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+
+_BNB_WRAPPED = "__bnb_optimizer_quant_state__"
+
+
+def _unwrap(state: dict[str, Any]) -> dict[str, Any]:
+    state = dict(state)
+    state.update(state.pop(_BNB_WRAPPED, {}))
+    return state
+
+
+def group_states(optimizer_sd: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per-group base-optimizer state of one stock rank file (rigid or elastic layout)."""
+    base = optimizer_sd["base_optimizer_state"]
+    if isinstance(base, dict):  # rigid: the base optimizer's own state_dict()
+        return [_unwrap(base["state"].get(group["params"][0], {})) for group in base["param_groups"]]
+    return [_unwrap(group_state) for group_state in base]  # elastic: one dict per group
+
+
+def zero_file_names(tag_folder: str) -> list[str]:
+    """Stock DeepSpeed ZeRO optimizer files of ``tag_folder`` (tensor-parallel rank 0), in DP-rank order."""
+    for prefix in ("zero_pp_rank", "bf16_zero_pp_rank"):
+        names = []
+        while os.path.lexists(name := os.path.join(tag_folder, f"{prefix}_{len(names)}_mp_rank_00_optim_states.pt")):
+            names.append(name)
+        if names:
+            return names
+    return []
+
+
+def read_rank_files(names: list[str]) -> list[dict[str, Any]]:
+    """The ``optimizer_state_dict`` of each stock rank file.
+
+    Raises:
+        CheckpointCorruptError: a file cannot be read (named).
+    """
+    rank_sds = []
+    for name in names:
+        loaded = safe_load(name, "stock DeepSpeed optimizer file", deepspeed_classes=True)
+        if not isinstance(loaded, dict) or not isinstance(loaded.get("optimizer_state_dict"), dict):
+            raise CheckpointFormatError(f"stock DeepSpeed optimizer file {name} holds no optimizer_state_dict; it is "
+                                        f"not a DeepSpeed ZeRO checkpoint file")
+        rank_sds.append(loaded["optimizer_state_dict"])
+    return rank_sds
+
+
+def model_states_files(tag_folder: str) -> dict[str, str]:
+    """``{file name: path}`` of DeepSpeed's model-states file in ``tag_folder`` (exactly one is supported)."""
+    files = sorted(glob.glob(os.path.join(glob.escape(tag_folder), "*model_states.pt")))
+    if [os.path.basename(f) for f in files] != [MODEL_STATES]:
+        raise CheckpointFormatError(
+            f"{tag_folder} holds model-states files {[os.path.basename(f) for f in files]}; the tools handle one "
+            f"{MODEL_STATES} (no tensor or pipeline parallelism)"
+        )
+    check_checkpoint_file(files[0], "DeepSpeed model file", tag_folder)  # it may be copied byte for byte
+    return {MODEL_STATES: files[0]}
+
+
+def param_entries(model_file: str) -> list[tuple[ParamEntry, ...]]:
+    """Per flat group, its parameters with offsets, from DeepSpeed's ``param_shapes`` record."""
+    model_states = safe_load(model_file, "DeepSpeed model file", deepspeed_classes=True)
+    params = []
+    with malformed(f"DeepSpeed model file {model_file}"):
+        for g, group_shapes in enumerate(model_states["param_shapes"]):
+            offset, entries = 0, []
+            for name, shape in group_shapes.items():
+                entry = ParamEntry(check_name(name, f"{model_file}: param_shapes[{g}] name"),
+                                   tuple(int(size) for size in shape), offset)
+                if any(size < 0 for size in entry.shape):
+                    raise CheckpointFormatError(f"{model_file}: parameter {name!r} has shape {entry.shape}")
+                entries.append(entry)
+                offset += entry.numel
+            params.append(tuple(entries))
+    return params

@@ -1,0 +1,84 @@
+"""Tags and pointer files of a save folder: which tag folder ``latest`` (or an explicit tag) names.
+
+Local, read-only: names and the pointer file, no checkpoint content. The save protocol
+(:mod:`zero_bnb.checkpoint.commit`) writes what these functions read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from zero_bnb.errors import CheckpointFormatError, CheckpointUsageError
+from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR
+from zero_bnb.format.paths import check_tag
+
+__all__ = ["LATEST_NAME", "aside_tag", "resolve_tag"]
+
+logger = logging.getLogger(__name__)
+
+LATEST_NAME = "latest"
+_ASIDE_SUFFIX = ".zero_bnb-replaced"
+
+
+def aside_tag(tag: str) -> str:
+    """Name the previous folder of ``tag`` takes while a re-save of ``tag`` is published."""
+    return f".{tag}{_ASIDE_SUFFIX}"
+
+
+def _tags_in(load_dir: str) -> list[str]:
+    try:
+        return sorted(name for name in os.listdir(load_dir)
+                      if not name.startswith(".") and os.path.isdir(os.path.join(load_dir, name)))
+    except OSError:
+        return []
+
+
+def resolve_tag(load_dir: str, tag: str | None, *, latest_name: str = LATEST_NAME) -> str | None:
+    """The folder name under ``load_dir`` to load for ``tag`` (``None``: the one ``latest_name`` names).
+
+    Local; reads only names, no file content beyond the pointer file (``latest``, or
+    ``latest_universal`` for DeepSpeed universal checkpoints). Returns ``None`` when ``tag`` is
+    ``None`` and there is no pointer file (DeepSpeed then loads nothing and warns).
+
+    Raises:
+        CheckpointUsageError: ``tag`` is unsafe or reserved (``latest``, ``../x``, an absolute path).
+        CheckpointFormatError: ``latest`` is damaged or names a missing folder, or ``tag`` does
+            not exist; the message lists the tags present.
+    """
+    source = "the tag argument"
+    if tag is None:
+        latest = os.path.join(load_dir, latest_name)
+        if os.path.islink(latest):
+            raise CheckpointFormatError(
+                f"{latest} is a symbolic link; zero_bnb follows only a regular pointer file, as DeepSpeed writes it. "
+                f"Replace it with a file holding the tag, or pass tag= (tags in {load_dir}: {_tags_in(load_dir)})"
+            )
+        if not os.path.isfile(latest):
+            return None
+        with open(latest, "rb") as handle:
+            raw = handle.read(4097)
+        try:
+            tag = check_tag(raw.decode("utf-8").strip())
+        except (UnicodeDecodeError, CheckpointUsageError) as error:
+            shown = "".join(c if c.isprintable() and c.isascii() else "?" for c in raw[:40].decode("latin-1"))
+            raise CheckpointFormatError(
+                f"{latest} is damaged: it holds {len(raw)} bytes starting {shown!r}, not a checkpoint tag; pass tag= "
+                f"explicitly (tags in {load_dir}: {_tags_in(load_dir)})"
+            ) from error
+        source = f"{latest}"
+    else:
+        tag = check_tag(str(tag))
+    if os.path.isdir(os.path.join(load_dir, tag)):
+        return tag
+    aside = aside_tag(tag)
+    if os.path.isfile(os.path.join(load_dir, aside, SUBDIR, MANIFEST_NAME)):
+        logger.warning(
+            "zero_bnb: %s is missing but its previous version %s is complete (a save of the same tag was "
+            "interrupted); loading that", os.path.join(load_dir, tag), os.path.join(load_dir, aside)
+        )
+        return aside
+    raise CheckpointFormatError(
+        f"checkpoint folder {os.path.join(load_dir, tag)} (tag {tag!r} from {source}) does not exist; "
+        f"tags in {load_dir}: {_tags_in(load_dir)}"
+    )

@@ -1,0 +1,148 @@
+"""Read checkpoint files without executing code from them.
+
+Every checkpoint file zero_bnb reads (its own shards and replicated file, DeepSpeed's model
+file, stock DeepSpeed optimizer files, universal checkpoints) goes through :func:`safe_load`:
+``torch.load(weights_only=True)``, which rebuilds tensors and plain Python data only. A
+checksum proves that a file is the one the manifest names, not that its author is friendly,
+so no file is ever unpickled with ``weights_only=False``.
+
+DeepSpeed pickles a few of its own classes into its files (the fp16 loss scaler, ZeRO's
+stage enum, tensor-fragment addresses). Those, and only those, are allowed by name
+(:data:`DEEPSPEED_GLOBALS`); they are plain records whose unpickling runs no code of the
+file's choosing. Anything else is refused with :class:`~zero_bnb.errors.CheckpointFormatError`
+naming the class. A user who trusts a file that holds other classes (in a ``client_state``,
+say) allows them explicitly with ``torch.serialization.add_safe_globals``.
+
+Before unpickling, the file must be a regular file inside the folder it belongs to (no
+symlink out of a checkpoint, no FIFO), and a zip archive (``torch.save``'s format) must hold
+uncompressed entries only, so a small file cannot inflate into a huge one. After loading,
+every tensor must own the memory its shape claims (no stride-0 expansion of one element into
+billions), so that no reader allocates more than the file holds.
+
+Local, no collectives; any process may call it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import re
+import stat
+import zipfile
+from typing import Any
+
+import torch
+
+from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
+from zero_bnb.format.paths import inside, resolved
+
+__all__ = ["DEEPSPEED_GLOBALS", "check_checkpoint_file", "safe_load"]
+
+#: ``module.Class`` names DeepSpeed stores in its checkpoint files, allowed when unpickling.
+DEEPSPEED_GLOBALS = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
+_GLOBAL_PATTERN = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def _deepspeed_globals() -> list[Any]:
+    """The allowed DeepSpeed classes, imported on first need (reading zero_bnb's own files needs none)."""
+    found = []
+    for qualified in DEEPSPEED_GLOBALS:
+        module, _, name = qualified.rpartition(".")
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):  # another DeepSpeed version: the class cannot be in its files
+            continue
+    return found
+
+
+def check_checkpoint_file(path: str, what: str, root: str) -> None:
+    """Refuse a file that resolves outside ``root``, is not a regular file, or is a crafted zip (see module doc)."""
+    if not inside(path, root):
+        raise CheckpointFormatError(f"{what} {path} resolves to {resolved(path)}, outside {root}; checkpoint files "
+                                    f"must lie inside their checkpoint folder")
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{what} {path} is missing; the checkpoint is incomplete") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointFormatError(f"{what} {path} is not a regular file; checkpoint files must be regular files")
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as archive:
+            entries = archive.infolist()
+        compressed = [entry.filename for entry in entries if entry.compress_type != zipfile.ZIP_STORED]
+        declared = sum(entry.file_size for entry in entries)
+        if compressed or declared > os.path.getsize(path):
+            raise CheckpointFormatError(
+                f"{what} {path} holds compressed entries ({compressed[:3]}) or entries larger than the file "
+                f"({declared} bytes declared); torch.save writes neither, so the file was crafted or damaged"
+            )
+
+
+def _check_tensors(value: Any, path: str, what: str, depth: int = 0) -> None:
+    """Every tensor in ``value`` owns the bytes its shape needs (refuses stride-0 expansions)."""
+    if depth > 64:
+        raise CheckpointFormatError(f"{what} {path} nests containers more than 64 levels deep")
+    if isinstance(value, torch.Tensor):
+        needed = value.numel() * value.element_size()
+        if needed and value.untyped_storage().nbytes() < needed:
+            raise CheckpointFormatError(
+                f"{what} {path} holds a tensor of shape {tuple(value.shape)} ({needed} bytes) backed by "
+                f"{value.untyped_storage().nbytes()} bytes (an expanded view); torch.save of a real tensor never "
+                f"does this, so the file was crafted"
+            )
+    elif isinstance(value, dict):
+        for item in value.values():
+            _check_tensors(item, path, what, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_tensors(item, path, what, depth + 1)
+
+
+def safe_load(path: str, what: str, *, mmap: bool = False, deepspeed_classes: bool = False,
+              root: str | None = None) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU, with clear errors.
+
+    Args:
+        path: the file.
+        what: how to name the file in errors ("shard file", "DeepSpeed model file", ...).
+        mmap: memory-map the file (only the tensors that are touched are read).
+        deepspeed_classes: also allow :data:`DEEPSPEED_GLOBALS` (files DeepSpeed wrote).
+        root: the checkpoint folder ``path`` must lie in, symlinks resolved (default: the
+            folder that names it, so the file cannot be a symlink to elsewhere).
+
+    Raises:
+        CheckpointCorruptError: the file is missing or cannot be read as a torch file.
+        CheckpointFormatError: the file lies outside ``root`` or is not a regular file, is a
+            zip with compressed entries, holds an object of a class that is not allowed, or a
+            tensor that claims more memory than it owns.
+    """
+    check_checkpoint_file(path, what, os.path.dirname(path) or "." if root is None else root)
+    allowed = _deepspeed_globals() if deepspeed_classes else []
+    try:
+        with torch.serialization.safe_globals(allowed):
+            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as error:
+        match = _GLOBAL_PATTERN.search(str(error))
+        if match is None:
+            raise CheckpointCorruptError(
+                f"{what} {path} cannot be read (UnpicklingError: {str(error).splitlines()[0]}); the file is damaged"
+            ) from error
+        raise CheckpointFormatError(
+            f"{what} {path} holds a pickled object of class {match.group(1)}, which zero_bnb does not unpickle "
+            f"because unpickling it could run code from the file. If you wrote this file yourself and trust it, "
+            f"allow the class before loading: torch.serialization.add_safe_globals([{match.group(1)}])"
+        ) from error
+    except Exception as error:  # torch raises many types for damaged archives
+        raise CheckpointCorruptError(
+            f"{what} {path} cannot be read ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+            f"the file is damaged"
+        ) from error
+    _check_tensors(loaded, path, what)
+    return loaded

@@ -1,0 +1,5 @@
+"""Helpers for the demo, the tests and the benchmarks: a toy model and training loop (``toy``), a
+local gloo launcher (``launch``), whole-state gathering for comparisons (``consolidate``).
+
+May import: anything in zero_bnb.
+"""

@@ -1,0 +1,104 @@
+"""Gather a ZeRO-1 engine's partitioned optimizer state into whole, per-parameter tensors.
+
+For inspection and verification (the demo and the tests compare a resumed engine against
+the one that saved). It reads the live partitions only, not checkpoint files. It gathers
+everything on one rank, so it is meant for models that fit in that rank's memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zero_bnb.core import quant
+from zero_bnb.core.state_spec import StateKind, classify_state
+from zero_bnb.ds.aligned import BlockAligned
+
+__all__ = ["consolidated_state", "state_differences"]
+
+
+def consolidated_state(engine, dst: int = 0) -> dict[str, Any] | None:
+    """Whole optimizer state of ``engine`` on rank ``dst`` (``None`` on the other ranks).
+
+    Collective: all ranks of the data-parallel group must call it.
+
+    Returns:
+        ``{"params": {name: {"fp32": master weights, "<state key>": values}}, "counters":
+        [{key: value} per group], "raw": [{key: tensor} per group]}``. Element-wise 8-bit
+        codes appear in ``"params"`` dequantized (as the optimizer sees them) and, with their
+        ``absmax``, unchanged in ``"raw"`` (real elements and blocks only, padding removed).
+    """
+    optimizer: BlockAligned = engine.optimizer
+    spec = optimizer.zero_bnb_spec
+    local = []
+    for index in range(optimizer.num_groups):
+        state = optimizer.optimizer.state.get(optimizer.master_partition(index), {})
+        local.append({
+            "master": optimizer.master_partition(index).detach().cpu().clone(),
+            "state": {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()},
+        })
+    gathered: list[Any] = [None] * optimizer.dp_size if optimizer.dp_rank == dst else None
+    dist.gather_object(local, gathered, dst=dst, group=optimizer.dp_process_group)
+    if optimizer.dp_rank != dst:
+        return None
+
+    result: dict[str, Any] = {"params": {}, "counters": [], "raw": []}
+    for index in range(optimizer.num_groups):
+        geometry = optimizer.geometry(index)
+        parts = [ranks[index] for ranks in gathered]
+        master = torch.cat([p["master"] for p in parts])[: geometry.numel]
+        state0 = parts[0]["state"]
+        counters, raw = {}, {}
+        for key, value in state0.items():
+            kind, _ = classify_state(
+                key, value, spec=spec, rule=optimizer.zero_bnb_rule, partition_numel=geometry.partition_numel
+            )
+            if kind is StateKind.ELEMENTWISE:
+                raw[key] = torch.cat([p["state"][key] for p in parts], dim=-1)[..., : geometry.numel]
+            elif kind is StateKind.BLOCKWISE:
+                raw[key] = torch.cat([p["state"][key] for p in parts], dim=-1)[..., : geometry.num_blocks]
+            elif kind is StateKind.REPLICATED:
+                raw[key] = value
+            else:
+                counters[key] = value
+        values = {}
+        for key, tensor in raw.items():
+            triple = spec.triple_for(key)
+            if triple is not None and key == triple.codes and tensor.dtype == torch.uint8:
+                values[key] = quant.dequantize(tensor, raw[triple.absmax], raw[triple.qmap], geometry.block_size)
+            elif triple is None and tensor.shape[-1:] == (geometry.numel,) or triple is not None and key == triple.codes:
+                values[key] = tensor
+        for entry in optimizer.param_entries(index, engine.param_names):
+            window = slice(entry.offset, entry.offset + entry.numel)
+            result["params"][entry.name] = {
+                "fp32": master[window].view(entry.shape),
+                **{key: v[..., window].reshape(*v.shape[:-1], *entry.shape) for key, v in values.items()},
+            }
+        result["counters"].append(counters)
+        result["raw"].append(raw)
+    return result
+
+
+def state_differences(saved: dict[str, Any], loaded: dict[str, Any]) -> tuple[int, list[str]]:
+    """Compare two :func:`consolidated_state` results bit for bit.
+
+    Returns:
+        How many per-parameter tensors were compared, and a description of each difference
+        (a tensor that differs or is missing, or differing counters); empty when identical.
+    """
+    checked, different = 0, []
+    for name, tensors in saved["params"].items():
+        other = loaded["params"].get(name, {})
+        if other.keys() != tensors.keys():
+            different.append(f"{name}: keys {sorted(tensors)} != {sorted(other)}")
+        for key, value in tensors.items():
+            checked += 1
+            if key in other and not torch.equal(value, other[key]):
+                different.append(f"{name}.{key}")
+    if saved["params"].keys() != loaded["params"].keys():
+        different.append(f"parameters {sorted(saved['params'])} != {sorted(loaded['params'])}")
+    if saved["counters"] != loaded["counters"]:
+        different.append(f"counters {saved['counters']} != {loaded['counters']}")
+    return checked, different

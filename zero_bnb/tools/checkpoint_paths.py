@@ -1,0 +1,103 @@
+"""Finding checkpoints on disk: save folders, tag folders, pointer files and their kind.
+
+Local, single-process helpers of the checkpoint tools (:mod:`zero_bnb.tools.convert`, the CLI).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+from zero_bnb.errors import CheckpointUsageError
+from zero_bnb.format.manifest import SUBDIR
+from zero_bnb.format.paths import check_tag
+from zero_bnb.format.reader import CheckpointReader, verify_checkpoint
+from zero_bnb.format.stock_files import zero_file_names
+from zero_bnb.format.tags import resolve_tag
+
+__all__ = ["UNIVERSAL_LATEST", "detect", "locate", "open_verified", "require_zero_bnb"]
+
+UNIVERSAL_LATEST = "latest_universal"
+
+
+def locate(path: str, tag: str | None = None, *, latest: str = "latest") -> tuple[str, str]:
+    """``(save_dir, folder_tag)`` of the checkpoint at ``path`` (a save folder or a tag folder).
+
+    Raises:
+        CheckpointUsageError: ``path`` is not a folder, or neither a tag folder nor a save folder
+            with a pointer file.
+        CheckpointFormatError: the pointer file is damaged or names a missing tag.
+    """
+    path = os.path.normpath(path)
+    if not os.path.isdir(path):
+        raise CheckpointUsageError(f"{path} is not a folder; pass a checkpoint save folder or one of its tag folders")
+    is_tag_folder = os.path.isdir(os.path.join(path, SUBDIR)) or glob.glob(
+        os.path.join(glob.escape(path), "mp_rank_*_model_states.pt"))
+    if tag is None and is_tag_folder:
+        absolute = os.path.abspath(path)
+        return os.path.dirname(absolute), check_tag(os.path.basename(absolute))
+    if tag is None and not os.path.isfile(os.path.join(path, latest)):
+        raise CheckpointUsageError(
+            f"{path} holds no '{latest}' file and is not a tag folder; pass the tag folder (for example "
+            f"{os.path.join(path, 'global_step100')}) or --tag"
+        )
+    return path, resolve_tag(path, tag, latest_name=latest)
+
+
+def detect(path: str, tag: str | None = None) -> str:
+    """What the checkpoint at ``path`` is: ``"zero_bnb"``, ``"universal"`` or ``"stock"`` (DeepSpeed ZeRO).
+
+    A save folder holding only ``latest_universal`` is universal; a tag folder is judged by its content.
+
+    Raises:
+        CheckpointUsageError: none of them.
+    """
+    path = os.path.normpath(path)
+    if os.path.isfile(os.path.join(path, UNIVERSAL_LATEST)) and not os.path.isfile(os.path.join(path, "latest")):
+        save_dir, folder_tag = locate(path, tag, latest=UNIVERSAL_LATEST)
+    else:
+        save_dir, folder_tag = locate(path, tag)
+    tag_folder = os.path.join(save_dir, folder_tag)
+    if os.path.isfile(os.path.join(tag_folder, "zero", "optimizer_state.pt")):
+        return "universal"
+    if os.path.isdir(os.path.join(tag_folder, SUBDIR)):
+        return "zero_bnb"
+    if zero_file_names(tag_folder):
+        return "stock"
+    raise CheckpointUsageError(
+        f"{tag_folder} is neither a zero_bnb, a DeepSpeed universal nor a stock DeepSpeed ZeRO checkpoint"
+    )
+
+
+def require_zero_bnb(path: str, tag: str | None, command: str) -> None:
+    """Refuse a stock or universal checkpoint given to a command that reads zero_bnb checkpoints.
+
+    Raises:
+        CheckpointUsageError: names what ``path`` is and the command that reads it.
+    """
+    kind = detect(path, tag)
+    if kind == "stock":
+        raise CheckpointUsageError(
+            f"{path} is a stock DeepSpeed checkpoint, not a zero_bnb one; {command} reads zero_bnb checkpoints. "
+            f"Convert it first: zero-bnb convert {path} --to zero_bnb OUT"
+        )
+    if kind == "universal":
+        raise CheckpointUsageError(
+            f"{path} is a DeepSpeed universal checkpoint, not a zero_bnb one; {command} reads zero_bnb checkpoints. "
+            f"Convert it first: zero-bnb convert {path} --to zero_bnb OUT (or load it in DeepSpeed with "
+            f"checkpoint.load_universal: true)"
+        )
+
+
+def open_verified(path: str, tag: str | None, *, command: str = "this tool") -> tuple[str, CheckpointReader]:
+    """``(folder_tag, reader)`` of the zero_bnb checkpoint at ``path``, every check passed, files opened.
+
+    Raises:
+        CheckpointUsageError: ``path`` is a stock or universal checkpoint (the message names
+            the conversion).
+        zero_bnb.errors.CheckpointError: any check failed.
+    """
+    require_zero_bnb(path, tag, command)
+    reader = verify_checkpoint(*locate(path, tag))
+    reader.preload()
+    return os.path.basename(reader.tag_folder), reader

@@ -1,0 +1,260 @@
+"""Checkpoint conversion as Python functions: zero_bnb <-> DeepSpeed universal, and stock DeepSpeed rescue.
+
+(``inspect`` and ``export`` live in :mod:`zero_bnb.tools.views`.) All functions run in one process, without a DeepSpeed engine or ``torch.distributed``. The
+command line (``zero-bnb inspect|verify|convert|export``) is a thin layer over them.
+
+Paths: ``path`` may be a save folder (holding ``latest`` / ``latest_universal`` and tag
+folders; ``tag=None`` then follows the pointer file) or one tag folder. Outputs of
+:func:`from_universal` and :func:`rescue_stock` are save folders (the result goes to
+``out_dir/<tag>`` and ``latest`` is updated); the output of :func:`to_universal` is the
+universal tag folder itself, as for DeepSpeed's ``ds_to_universal --output_folder``, and
+``latest_universal`` goes into its parent. Outputs are committed atomically under the
+folder's lock, never overlap the input, and replace an existing output only with ``force``.
+Every input file is read with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import metadata
+from typing import Any
+
+import bitsandbytes as bnb
+import torch
+from tqdm import tqdm
+
+from zero_bnb.checkpoint.commit import local_commit
+from zero_bnb.checkpoint.derived import restore_derived
+from zero_bnb.checkpoint.stock_import import StockCheckpoint
+from zero_bnb.checkpoint.whole import FullGroup, gather_full, moments, per_parameter
+from zero_bnb.core.layout import GroupGeometry
+from zero_bnb.core.state_spec import BNB_ADAM, UNIVERSAL_TARGETS, StateRule, spec_named
+from zero_bnb.ds.loss_scaler import live_wrapper
+from zero_bnb.errors import CheckpointFormatError, CheckpointUsageError, malformed
+from zero_bnb.format.durable import makedirs, save_torch
+from zero_bnb.format.manifest import ParamEntry, StateEntry
+from zero_bnb.format.paths import check_tag
+from zero_bnb.format.stock_files import (
+    MODEL_STATES,
+    group_states,
+    model_states_files,
+    param_entries,
+    read_rank_files,
+    zero_file_names,
+)
+from zero_bnb.format.unpickle import safe_load
+from zero_bnb.format.wrapper_state import WRAPPER_SCALARS, plain_wrapper
+from zero_bnb.tools.checkpoint_paths import UNIVERSAL_LATEST, locate, open_verified
+from zero_bnb.tools.offline import QuantizationReport, quantize_moment, write_checkpoint
+from zero_bnb.tools.outputs import check_output_folder
+
+__all__ = ["TARGET_OPTIMIZERS", "from_universal", "rescue_stock", "to_universal"]
+
+# Keys of DeepSpeed's universal checkpoint files (deepspeed.checkpoint.constants), part of their format.
+PARAM, CAT_DIM, PARAM_GROUPS = "param", "cat_dim", "param_groups"
+
+TARGET_OPTIMIZERS = UNIVERSAL_TARGETS
+_ADAM_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+
+
+def _output_tag_folder(out: str) -> tuple[str, str]:
+    """``(save folder, tag)`` of the tag folder ``out`` (``ckpt/global_step3_universal``)."""
+    out_dir, out_tag = os.path.split(os.path.normpath(out))
+    return out_dir or ".", check_tag(out_tag)
+
+
+def to_universal(path: str, out: str, *, tag: str | None = None, force: bool = False,
+                 progress: bool = False) -> dict[str, Any]:
+    """Write a zero_bnb checkpoint as a DeepSpeed universal checkpoint in the tag folder ``out``.
+
+    ``latest_universal`` in ``out``'s parent then names it (DeepSpeed's convention, as for
+    ``ds_to_universal --output_folder``). Every parameter gets ``fp32.pt``, ``exp_avg.pt``,
+    ``exp_avg_sq.pt`` (8-bit moments dequantized exactly) and ``step.pt``;
+    ``zero/optimizer_state.pt`` holds the Adam hyper-parameters and loss scaler. Stock DeepSpeed
+    loads it with ``checkpoint.load_universal: true`` into ``torch.optim.AdamW`` (or ``Adam``)
+    at any DP size.
+
+    Raises:
+        CheckpointUsageError: ``out`` overlaps the input, exists (without ``force``) or has a
+            reserved name; nothing was read or written.
+    """
+    out_dir, out_tag = _output_tag_folder(out)
+    save_dir, folder_tag = locate(path, tag)
+    check_output_folder(os.path.join(out_dir, out_tag), source_tag_folder=os.path.join(save_dir, folder_tag),
+                        force=force)
+    folder_tag, reader = open_verified(save_dir, folder_tag, command="convert")
+    manifest = reader.manifest
+    spec = spec_named(manifest.optimizer_spec)
+    groups = gather_full(reader)
+    weights = {name: value for group in groups for name, value in per_parameter(group, group.fp32).items()}
+    model_files = {}
+    for name, source in model_states_files(reader.tag_folder).items():
+        model_states = safe_load(source, "DeepSpeed model file", deepspeed_classes=True)
+        with malformed(f"DeepSpeed model file {source}"):
+            restore_derived(model_states, weights.__getitem__)  # DeepSpeed reads the module weights from this file
+        model_files[name] = model_states
+    param_groups, written = [], 0
+    with local_commit(out_dir, out_tag, latest_name=UNIVERSAL_LATEST, replace=force) as staging:
+        zero_folder = os.path.join(staging, "zero")
+        for index, group in enumerate(tqdm(groups, desc="groups", unit="group", disable=not progress)):
+            tensors = {"fp32": group.fp32, **moments(group, spec, manifest.block_size)}
+            sliced = {key: per_parameter(group, flat) for key, flat in tensors.items()}
+            step = group.state.get("step", 0)
+            for param in group.params:
+                folder = os.path.join(zero_folder, param.name)
+                makedirs(folder)
+                for key, by_name in sliced.items():
+                    save_torch({PARAM: by_name[param.name].clone(), CAT_DIM: 0}, os.path.join(folder, f"{key}.pt"),
+                               root=staging)
+                save_torch(torch.tensor(float(step)), os.path.join(folder, "step.pt"), root=staging)
+                written += 1
+            hyper = {k: group.param_group[k] for k in _ADAM_HYPERPARAMETERS if k in group.param_group}
+            param_groups.append({**hyper, "params": [index]})
+        wrapper = live_wrapper(reader.replicated.get("zero_wrapper", {}))  # stock DeepSpeed unpickles this file
+        optimizer_state = {name: wrapper.get(name) for name in WRAPPER_SCALARS}
+        optimizer_state.update({"ds_version": metadata.version("deepspeed"), "zero_stage": 1,
+                                "partition_count": manifest.dp_world_size, PARAM_GROUPS: param_groups})
+        save_torch(optimizer_state, os.path.join(zero_folder, "optimizer_state.pt"), root=staging)
+        for name, model_states in model_files.items():
+            save_torch(model_states, os.path.join(staging, name), root=staging)
+    return {"output": os.path.join(out_dir, out_tag), "parameters": written,
+            "moments": sorted(spec.moment_names.values()),
+            "dropped_hyperparameters": sorted({k for g in groups for k in g.param_group} - {*_ADAM_HYPERPARAMETERS})}
+
+
+def _load_universal(path: str, tag: str | None) -> tuple[str, str, dict, list[tuple[ParamEntry, ...]]]:
+    save_dir, folder_tag = locate(path, tag, latest=UNIVERSAL_LATEST)
+    tag_folder = os.path.join(save_dir, folder_tag)
+    state_path = os.path.join(tag_folder, "zero", "optimizer_state.pt")
+    if not os.path.isfile(state_path):
+        raise CheckpointFormatError(f"{tag_folder} is not a DeepSpeed universal checkpoint: {state_path} is missing")
+    optimizer_state = safe_load(state_path, "universal optimizer-state file", deepspeed_classes=True)
+    params = param_entries(model_states_files(tag_folder)[MODEL_STATES])
+    with malformed(f"universal optimizer-state file {state_path}"):
+        if len(optimizer_state[PARAM_GROUPS]) != len(params):
+            raise CheckpointFormatError(f"{state_path} has {len(optimizer_state[PARAM_GROUPS])} parameter groups, "
+                                        f"the model file {len(params)}; the checkpoint is inconsistent")
+    return tag_folder, folder_tag, optimizer_state, params
+
+
+def _read_param_file(tag_folder: str, param: ParamEntry, key: str) -> torch.Tensor:
+    path = os.path.join(tag_folder, "zero", param.name, f"{key}.pt")
+    if not os.path.isfile(path):
+        raise CheckpointFormatError(f"the universal checkpoint has no {key} for parameter {param.name!r} "
+                                    f"({path} is missing)")
+    value = safe_load(path, "universal parameter file", root=tag_folder)
+    with malformed(f"universal parameter file {path}"):
+        if key == "step":
+            return float(value)
+        tensor = value[PARAM]
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() != param.numel:
+            raise CheckpointFormatError(f"{path} holds {getattr(tensor, 'shape', type(tensor).__name__)}, but "
+                                        f"parameter {param.name!r} has shape {param.shape}")
+        return tensor.reshape(-1).float()
+
+
+def _fresh_bnb_state(optimizer_name: str, numel: int, hyper: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The state and param group ``bnb.optim.<optimizer_name>`` creates for the DP=1 partition of a group."""
+    partition = GroupGeometry(numel, 1, BNB_ADAM.block_size).partition_numel
+    param = torch.nn.Parameter(torch.empty(partition))
+    optimizer = getattr(bnb.optim, optimizer_name)([param], **hyper)
+    BNB_ADAM.init_state(optimizer, 0, param)
+    return optimizer.state[param], {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+
+
+def _entries(state: dict[str, Any], reason: str) -> tuple[StateEntry, ...]:
+    return tuple(StateEntry(key, BNB_ADAM.kinds[key], "", reason) for key in sorted(state))
+
+
+def _target(path: str, tag: str | None, out_dir: str, out_tag: str | None, *, latest: str,
+            force: bool) -> tuple[str, str]:
+    """Locate the input, check the output ``out_dir/out_tag`` against it; returns ``(input tag folder, out tag)``."""
+    save_dir, folder_tag = locate(path, tag, latest=latest)
+    out_tag = check_tag(out_tag or folder_tag.lstrip("."))
+    check_output_folder(os.path.join(out_dir, out_tag), source_tag_folder=os.path.join(save_dir, folder_tag),
+                        force=force)
+    return os.path.join(save_dir, folder_tag), out_tag
+
+
+def from_universal(path: str, out_dir: str, *, tag: str | None = None, out_tag: str | None = None,
+                   optimizer: str = "AdamW8bit", force: bool = False, progress: bool = False) -> dict[str, Any]:
+    """Start 8-bit training from a DeepSpeed universal (fp32 Adam) checkpoint.
+
+    Moments are quantized once, on the global 256-element block grid, for every group that
+    ``bnb.optim.<optimizer>`` keeps in 8 bits at DP=1 (a load at a DP size where a partition
+    falls under ``min_8bit_size`` dequantizes exactly). Returns the quantization error.
+    """
+    if optimizer not in TARGET_OPTIMIZERS:
+        raise CheckpointUsageError(f"--optimizer must be one of {list(TARGET_OPTIMIZERS)}, got {optimizer!r}")
+    _, out_tag = _target(path, tag, out_dir, out_tag, latest=UNIVERSAL_LATEST, force=force)
+    tag_folder, folder_tag, optimizer_state, params = _load_universal(path, tag)
+    report = QuantizationReport()
+    groups = []
+    with malformed(f"universal checkpoint {tag_folder}"):
+        for index, group_params in enumerate(tqdm(params, desc="groups", unit="group", disable=not progress)):
+            saved_group = optimizer_state[PARAM_GROUPS][index]
+            hyper = {k: saved_group[k] for k in _ADAM_HYPERPARAMETERS if k in saved_group}
+            numel = sum(p.numel for p in group_params)
+            flat = {key: torch.cat([_read_param_file(tag_folder, p, key) for p in group_params])
+                    for key in ("fp32", "exp_avg", "exp_avg_sq")}
+            steps = {_read_param_file(tag_folder, p, "step") for p in group_params}
+            if len(steps) != 1:
+                raise CheckpointFormatError(f"parameters of group {index} have different steps {sorted(steps)}")
+            state, param_group = _fresh_bnb_state(optimizer, numel, hyper)
+            state["step"] = int(steps.pop())
+            for key, name in BNB_ADAM.moment_names.items():
+                triple = BNB_ADAM.triple_for(key)
+                if state[key].dtype == torch.uint8:
+                    state[key], state[triple.absmax] = quantize_moment(flat[name], state[triple.qmap], BNB_ADAM.block_size,
+                                                                       name, report)
+                else:
+                    state[key] = flat[name].clone()
+            groups.append(FullGroup(numel, group_params, _entries(state, "converted from a universal checkpoint"),
+                                    flat["fp32"], state, param_group))
+    wrapper = plain_wrapper({name: optimizer_state.get(name) for name in WRAPPER_SCALARS if name in optimizer_state})
+    published = write_checkpoint(out_dir, out_tag, groups, spec=BNB_ADAM, block_size=BNB_ADAM.block_size,
+                                 optimizer_class=f"bitsandbytes.optim.{optimizer}", wrapper=wrapper,
+                                 extra_files=model_states_files(tag_folder), replace=force)
+    return {"output": published, "quantized_elements": report.quantized_elements,
+            "max_abs_error": report.max_abs_error, "relative_rms_error": report.relative_rms_error}
+
+
+def rescue_stock(path: str, out_dir: str, *, tag: str | None = None, out_tag: str | None = None,
+                 force: bool = False) -> dict[str, Any]:
+    """Rewrite a stock DeepSpeed ZeRO-1 + bitsandbytes checkpoint (any DP size) as a zero_bnb checkpoint.
+
+    Each rank's 8-bit partition is dequantized with its own ``absmax`` and map, then requantized
+    once on the aligned global grid (partitions that were already block-aligned are copied
+    exactly). Returns the error introduced.
+    """
+    tag_folder, out_tag = _target(path, tag, out_dir, out_tag, latest="latest", force=force)
+    names = zero_file_names(tag_folder)
+    if not names:
+        raise CheckpointFormatError(f"{tag_folder} holds no stock DeepSpeed ZeRO optimizer files (zero_pp_rank_*)")
+    model_file = model_states_files(tag_folder)[MODEL_STATES]
+    rank_sds = read_rank_files(names)
+    with malformed(f"stock DeepSpeed checkpoint {tag_folder}"):
+        stock = StockCheckpoint.from_rank_states(
+            rank_sds, spec=BNB_ADAM, rule=StateRule(unsharded_keys=frozenset(BNB_ADAM.replicated_by_default)),
+            params=param_entries(model_file), optimizer_class="stock DeepSpeed checkpoint", log=False)
+        groups = gather_full(stock)
+    report = QuantizationReport()
+    with malformed(f"stock DeepSpeed checkpoint {tag_folder}"):
+        for index, group in enumerate(groups):
+            original = group_states(rank_sds[0])[index]
+            for key in BNB_ADAM.moment_names:
+                triple = BNB_ADAM.triple_for(key)
+                if group.state[key].dtype != torch.uint8 and original[key].dtype == torch.uint8:
+                    qmap = original[triple.qmap]
+                    group.state[key], group.state[triple.absmax] = quantize_moment(
+                        group.state[key], qmap, BNB_ADAM.block_size, BNB_ADAM.moment_names[key], report)
+                    group.state[triple.qmap] = qmap
+            group.states = _entries(group.state, "rescued from a stock DeepSpeed checkpoint")
+    wrapper = stock.replicated["zero_wrapper"]
+    published = write_checkpoint(out_dir, out_tag, groups, spec=BNB_ADAM,
+                                 block_size=BNB_ADAM.block_size, optimizer_class="bitsandbytes (rescued)",
+                                 wrapper=wrapper, extra_files={MODEL_STATES: model_file}, replace=force)
+    return {"output": published, "saved_dp_size": len(names), "requantized_elements": report.quantized_elements,
+            "max_abs_error": report.max_abs_error, "relative_rms_error": report.relative_rms_error}
+
+

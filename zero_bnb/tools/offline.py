@@ -1,0 +1,139 @@
+"""Whole checkpoints in one process: write groups as a zero_bnb checkpoint, quantize moments once.
+
+The building blocks of the conversion tools (:mod:`zero_bnb.tools.convert`). No collectives
+and no DeepSpeed engine: any single process may call these functions.
+:func:`write_checkpoint` writes whole groups (:class:`~zero_bnb.checkpoint.whole.FullGroup`)
+as a DP=1 zero_bnb checkpoint, which - like every zero_bnb checkpoint - loads at any DP size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zero_bnb import versions
+from zero_bnb.checkpoint.commit import local_commit
+from zero_bnb.checkpoint.whole import FullGroup
+from zero_bnb.core import quant
+from zero_bnb.core.layout import ceil_div
+from zero_bnb.core.state_spec import OptimizerSpec, StateKind
+from zero_bnb.format.durable import FileRecord, copy_file, makedirs, save_torch
+from zero_bnb.format.manifest import (
+    MASTER_KEY,
+    REPLICATED_NAME,
+    SUBDIR,
+    GroupEntry,
+    Manifest,
+    StateEntry,
+    jsonable,
+    shard_name,
+    write_manifest,
+)
+from zero_bnb.format.tags import LATEST_NAME
+from zero_bnb.format.wrapper_state import plain_wrapper
+
+__all__ = ["QuantizationReport", "quantize_moment", "write_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class QuantizationReport:
+    """Error introduced by quantizing fp32 moments once: per state key, worst over groups."""
+
+    max_abs_error: dict[str, float] = field(default_factory=dict)
+    relative_rms_error: dict[str, float] = field(default_factory=dict)
+    quantized_elements: int = 0
+
+    def add(self, key: str, original: torch.Tensor, restored: torch.Tensor) -> None:
+        difference = (restored - original).abs()
+        norm = float(original.norm())
+        self.max_abs_error[key] = max(self.max_abs_error.get(key, 0.0), float(difference.max()) if difference.numel() else 0.0)
+        relative = float(difference.norm()) / norm if norm > 0 else 0.0
+        self.relative_rms_error[key] = max(self.relative_rms_error.get(key, 0.0), relative)
+        self.quantized_elements += original.numel()
+
+
+def quantize_moment(values: torch.Tensor, qmap: torch.Tensor, block_size: int, key: str,
+                    report: QuantizationReport) -> tuple[torch.Tensor, torch.Tensor]:
+    """8-bit codes and absmax of fp32 ``values`` on the global block grid; the error goes to ``report``."""
+    codes, absmax = quant.quantize(values, qmap, block_size)
+    report.add(key, values, quant.dequantize(codes, absmax, qmap, block_size))
+    return codes, absmax
+
+
+def _dtype_name(value: Any) -> str:
+    return str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def write_checkpoint(
+    save_dir: str,
+    tag: str,
+    groups: list[FullGroup],
+    *,
+    spec: OptimizerSpec,
+    block_size: int,
+    optimizer_class: str,
+    wrapper: dict[str, Any],
+    extra_files: dict[str, str | Callable[[str, str], FileRecord]],
+    save_latest: bool = True,
+    replace: bool = False,
+) -> str:
+    """Write ``groups`` as a DP=1 zero_bnb checkpoint ``save_dir/tag``, committed atomically.
+
+    Args:
+        extra_files: file name in the tag folder -> source path copied byte for byte, or a
+            writer ``(path, root) -> FileRecord`` (DeepSpeed's model-states file, so that
+            ``engine.load_checkpoint`` finds the weights).
+        wrapper: the ZeRO wrapper's scalars (loss scaler, ...).
+        replace: replace an existing ``save_dir/tag`` (else it is refused, under the lock).
+
+    Returns:
+        The published tag folder.
+    """
+    shard_groups, replicated_groups, entries = [], [], []
+    for group in groups:
+        kinds = {item.key: item.kind for item in group.states}
+        sharded = {k: v for k, v in group.state.items() if kinds[k] in (StateKind.ELEMENTWISE, StateKind.BLOCKWISE)}
+        shard_groups.append({MASTER_KEY: group.fp32.contiguous(), "state": sharded})
+        replicated_groups.append({
+            "param_group": group.param_group,
+            "counters": {k: v for k, v in group.state.items() if kinds[k] is StateKind.COUNTER},
+            "replicated": {k: v for k, v in group.state.items() if kinds[k] is StateKind.REPLICATED},
+        })
+        states = tuple(StateEntry(item.key, item.kind, _dtype_name(group.state[item.key]), item.reason,
+                                  tuple(group.state[item.key].shape[:-1])
+                                  if item.kind in (StateKind.ELEMENTWISE, StateKind.BLOCKWISE) else ())
+                       for item in group.states)
+        entries.append(GroupEntry(
+            numel=group.numel, params=tuple(group.params), states=states,
+            element_ranges=((0, group.numel),), block_ranges=((0, ceil_div(group.numel, block_size)),),
+            hyperparameters={k: jsonable(v) for k, v in group.param_group.items() if k != "params"},
+        ))
+    with local_commit(save_dir, tag, latest_name=LATEST_NAME if save_latest else None, replace=replace) as staging:
+        folder = os.path.join(staging, SUBDIR)
+        makedirs(folder)
+        files: list[FileRecord] = [
+            save_torch({"rank": 0, "dp": 1, "groups": shard_groups}, os.path.join(folder, shard_name(0, 1)),
+                       root=staging),
+            save_torch({"groups": replicated_groups, "zero_wrapper": plain_wrapper(wrapper)},
+                       os.path.join(folder, REPLICATED_NAME), root=staging),
+        ]
+        for name, source in extra_files.items():
+            target = os.path.join(staging, name)
+            files.append(copy_file(source, target, root=staging) if isinstance(source, str) else source(target, staging))
+        manifest = Manifest(
+            dp_world_size=1, block_size=block_size, optimizer_class=optimizer_class, optimizer_spec=spec.name,
+            groups=tuple(entries), shards=(shard_name(0, 1),), files=tuple(sorted(files, key=lambda f: f.path)),
+            versions=versions.installed(),
+        )
+        manifest.validate(f"the checkpoint being written to {os.path.join(save_dir, tag)}")
+        write_manifest(manifest, folder, root=staging)
+    published = os.path.join(save_dir, tag)
+    logger.info("zero_bnb: wrote %s (%d groups)", published, len(groups))
+    return published

@@ -1,0 +1,91 @@
+"""Where an offline tool may write: never over its input, never over an existing output unasked.
+
+The checkpoint tools (:mod:`zero_bnb.tools.convert`, :mod:`zero_bnb.tools.views`) call these checks before
+they read more than the input's location, so a mistyped output path costs nothing. Local,
+single-process; pure path logic plus ``os.path`` look-ups.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from zero_bnb.errors import CheckpointUsageError
+from zero_bnb.format.lock import LOCK_NAME
+from zero_bnb.format.paths import RESERVED_TAGS, inside, overlaps, resolved
+
+#: What marks a folder as a checkpoint that ``force`` may replace (zero_bnb, DeepSpeed, universal).
+_CHECKPOINT_MARKERS = (os.path.join("zero_bnb", "manifest.json"), os.path.join("zero", "optimizer_state.pt"),
+                       "mp_rank_00_model_states.pt")
+
+__all__ = ["check_output_file", "check_output_folder", "replacing_file"]
+
+
+def check_output_folder(target: str, *, source_tag_folder: str, force: bool) -> None:
+    """Refuse to write the checkpoint folder ``target`` over, inside or around the input checkpoint,
+    or over an existing folder unless ``force``.
+
+    Args:
+        target: the tag folder the tool will publish. It may sit beside the input in the same
+            save folder (a migration written as a new tag there, which the pointer file then
+            names; the input's own folder is never touched).
+        source_tag_folder: the input checkpoint's tag folder.
+        force: replace an existing ``target``.
+
+    Raises:
+        CheckpointUsageError: names both paths and the fix.
+    """
+    if overlaps(target, source_tag_folder):
+        raise CheckpointUsageError(
+            f"the output {target} overlaps the checkpoint being read ({source_tag_folder}): writing it would "
+            f"replace or mix with the input. Write into another folder"
+        )
+    if os.path.lexists(target) and not force:
+        raise CheckpointUsageError(
+            f"the output {target} already exists; pass --force (force=True) to replace it (the old one is kept "
+            f"until the new one is complete), or choose another output"
+        )
+    if os.path.lexists(target) and (os.path.islink(target) or not any(
+            os.path.isfile(os.path.join(target, marker)) for marker in _CHECKPOINT_MARKERS)):
+        raise CheckpointUsageError(
+            f"the output {target} exists and is not a checkpoint folder (it holds none of "
+            f"{list(_CHECKPOINT_MARKERS)}); --force replaces only checkpoints. Choose another output"
+        )
+
+
+def check_output_file(path: str, *, source_tag_folder: str, source_save_dir: str, force: bool) -> None:
+    """Refuse to write the file ``path`` inside the input checkpoint, over a pointer file or a folder,
+    or over an existing file unless ``force``.
+
+    Raises:
+        CheckpointUsageError: names the path and the fix.
+    """
+    name = os.path.basename(path)
+    if not name or path.endswith(("/", os.sep)) or name in (".", ".."):
+        raise CheckpointUsageError(f"the output {path!r} names no file; give the file to write, e.g. model.safetensors")
+    if inside(path, source_tag_folder) or (
+            resolved(os.path.dirname(os.path.abspath(path))) == resolved(source_save_dir)
+            and (name in RESERVED_TAGS or name == LOCK_NAME or name.startswith("."))):
+        raise CheckpointUsageError(
+            f"the output {path} is part of the checkpoint being read ({source_tag_folder}) or a name zero_bnb "
+            f"reserves in its save folder; write it elsewhere"
+        )
+    if os.path.isdir(path):
+        raise CheckpointUsageError(f"the output {path} is a folder; name the file to write, e.g. "
+                                   f"{os.path.join(path, 'model.safetensors')}")
+    if os.path.lexists(path) and not force:
+        raise CheckpointUsageError(f"the output {path} already exists; pass --force (force=True) to replace it, or "
+                                   f"choose another file")
+
+
+@contextmanager
+def replacing_file(path: str) -> Iterator[str]:
+    """Yield a temporary path beside ``path``; on success it atomically replaces ``path``, on failure it is removed."""
+    temporary = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.zero_bnb-tmp")
+    try:
+        yield temporary
+        os.replace(temporary, path)
+    finally:
+        if os.path.lexists(temporary):
+            os.remove(temporary)

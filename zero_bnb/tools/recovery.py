@@ -1,0 +1,88 @@
+"""``zero_to_fp32.py`` for zero_bnb checkpoints: the consolidated fp32 state dict, DeepSpeed's habit kept.
+
+Stock DeepSpeed copies ``zero_to_fp32.py`` into every save folder; people run
+``python zero_to_fp32.py . out_dir`` there, or import
+``get_fp32_state_dict_from_zero_checkpoint`` from it. zero_bnb's optimizer files are not
+DeepSpeed's, so DeepSpeed's script cannot read them (``can't find *_optim_states.pt``).
+:func:`zero_bnb.checkpoint.recovery_script.write_recovery_script` puts a script with the same
+name, arguments and output files into the save folder; it calls the functions here (the
+export of ``zero-bnb export``).
+
+Local, single process; no DeepSpeed engine and no ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from tqdm import tqdm
+
+from zero_bnb.checkpoint.whole import gather_full, moments, per_parameter
+from zero_bnb.core.state_spec import spec_named
+from zero_bnb.errors import CheckpointFormatError, malformed
+from zero_bnb.format.reader import CheckpointReader
+from zero_bnb.format.stock_files import MODEL_STATES, model_states_files
+from zero_bnb.format.unpickle import safe_load
+from zero_bnb.tools.checkpoint_paths import open_verified
+
+__all__ = ["fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+def _fp32_tensors(reader: CheckpointReader, moments_too: bool, progress: bool) -> dict[str, torch.Tensor]:
+    spec = spec_named(reader.manifest.optimizer_spec)
+    tensors: dict[str, torch.Tensor] = {}
+
+    def add(name: str, value: torch.Tensor) -> None:
+        if name in tensors:
+            raise CheckpointFormatError(f"two tensors of {reader.tag_folder} would be exported as {name!r} (a "
+                                        f"parameter is named like another's moment); the manifest was edited")
+        tensors[name] = value.contiguous()
+
+    for group in tqdm(gather_full(reader), desc="groups", unit="group", disable=not progress):
+        for name, value in per_parameter(group, group.fp32).items():
+            add(name, value)
+        if moments_too:
+            for moment, flat in moments(group, spec, reader.manifest.block_size).items():
+                for name, value in per_parameter(group, flat).items():
+                    add(f"{name}.{moment}", value)
+    return tensors
+
+
+def fp32_state_dict(path: str, tag: str | None = None, *, moments_too: bool = False, progress: bool = False,
+                    command: str = "zero_to_fp32") -> dict[str, torch.Tensor]:
+    """Every trained parameter's fp32 master weight by name, from any saved DP size.
+
+    With ``moments_too``, also ``<name>.exp_avg`` / ``<name>.exp_avg_sq`` (8-bit moments dequantized
+    exactly). ``path`` is a save folder (``tag=None`` follows ``latest``) or a tag folder; the
+    checkpoint is verified first.
+    """
+    _, reader = open_verified(path, tag, command=command)
+    return _fp32_tensors(reader, moments_too, progress)
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None,
+                                             exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+    """DeepSpeed's function of the same name, for zero_bnb checkpoints: a module ``state_dict`` in fp32.
+
+    Trained parameters come from the master weights; tied parameters appear under every name
+    (DeepSpeed's ``shared_params``); buffers and, unless ``exclude_frozen_parameters``, frozen
+    parameters come from DeepSpeed's model file (read with ``weights_only=True``).
+    """
+    _, reader = open_verified(checkpoint_dir, tag, command="zero_to_fp32")
+    state = _fp32_tensors(reader, moments_too=False, progress=False)
+    model_file = model_states_files(reader.tag_folder)[MODEL_STATES]
+    model_states = safe_load(model_file, "DeepSpeed model file", deepspeed_classes=True)
+    with malformed(f"DeepSpeed model file {model_file}"):
+        module = model_states.get("module") or {}
+        extra = list(model_states.get("buffer_names") or [])
+        if not exclude_frozen_parameters:
+            extra += list(model_states.get("frozen_param_shapes") or {})
+        for name in extra:
+            if name in module and name not in state:
+                state[name] = module[name].float() if module[name].is_floating_point() else module[name]
+        for alias, source in (model_states.get("shared_params") or {}).items():
+            if source in state:
+                state[alias] = state[source]
+    return state

@@ -1,0 +1,84 @@
+"""Read-only views of a zero_bnb checkpoint: a summary (``inspect``) and consolidated fp32 weights (``export``).
+
+Single-process functions; no DeepSpeed engine or ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from zero_bnb.core.state_spec import StateKind
+from zero_bnb.tools.checkpoint_paths import locate, open_verified, require_zero_bnb
+from zero_bnb.tools.outputs import check_output_file, replacing_file
+from zero_bnb.tools.recovery import fp32_state_dict
+
+__all__ = ["export_fp32", "inspect_checkpoint"]
+
+
+def inspect_checkpoint(path: str, tag: str | None = None) -> dict[str, Any]:
+    """A JSON-friendly summary of a zero_bnb checkpoint (verified first).
+
+    Per group: its parameters, and per state key the kind, dtype, bytes on disk, and whether it
+    is 8-bit; plus the saved DP size, block size, optimizer, versions and total bytes.
+    """
+    folder_tag, reader = open_verified(path, tag, command="inspect")
+    manifest = reader.manifest
+    groups = []
+    for index, entry in enumerate(manifest.groups):
+        states = []
+        for item in entry.states:
+            if item.kind in (StateKind.ELEMENTWISE, StateKind.BLOCKWISE):
+                nbytes = sum(reader.piece(r, index, item.key).nbytes for r in range(len(manifest.shards)))
+            elif item.kind is StateKind.REPLICATED:
+                nbytes = reader.replicated["groups"][index]["replicated"][item.key].nbytes
+            else:
+                nbytes = 0
+            states.append({"key": item.key, "kind": item.kind.value, "dtype": item.dtype, "bytes": nbytes,
+                           "8bit": item.dtype == "uint8", "reason": item.reason})
+        groups.append({
+            "numel": entry.numel,
+            "parameters": [{"name": p.name, "shape": list(p.shape), "offset": p.offset} for p in entry.params],
+            "states": states,
+            "hyperparameters": entry.hyperparameters,
+        })
+    return {
+        "path": reader.tag_folder,
+        "tag": folder_tag,
+        "saved_dp_size": manifest.dp_world_size,
+        "block_size": manifest.block_size,
+        "optimizer_class": manifest.optimizer_class,
+        "optimizer_family": manifest.optimizer_spec,
+        "parameters": sum(entry.numel for entry in manifest.groups),
+        "bytes": sum(record.size for record in manifest.files),
+        "files": [{"path": f.path, "bytes": f.size, "sha256": f.sha256} for f in manifest.files],
+        "non_finite": manifest.non_finite,
+        "versions": manifest.versions,
+        "format_version": manifest.format_version,
+        "groups": groups,
+    }
+
+
+def export_fp32(path: str, out_path: str, *, tag: str | None = None, moments_too: bool = False,
+                force: bool = False, progress: bool = False) -> dict[str, Any]:
+    """Consolidated fp32 weights (like DeepSpeed's ``zero_to_fp32``) as one safetensors file.
+
+    With ``moments_too``, also ``<name>.exp_avg`` / ``<name>.exp_avg_sq`` (8-bit moments
+    dequantized exactly). ``out_path`` must lie outside the checkpoint; an existing file is
+    replaced (atomically) only with ``force``.
+
+    Raises:
+        CheckpointUsageError: ``out_path`` is part of the input, a folder, or exists without
+            ``force``; nothing was read or written.
+    """
+    from safetensors.torch import save_file
+
+    require_zero_bnb(path, tag, "export")
+    save_dir, folder_tag = locate(path, tag)
+    check_output_file(out_path, source_tag_folder=os.path.join(save_dir, folder_tag), source_save_dir=save_dir,
+                      force=force)
+    tensors = fp32_state_dict(path, tag, moments_too=moments_too, progress=progress, command="export")
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with replacing_file(out_path) as temporary:
+        save_file(tensors, temporary, metadata={"format": "pt", "source": os.path.join(save_dir, folder_tag)})
+    return {"output": out_path, "tensors": len(tensors), "bytes": os.path.getsize(out_path)}
