@@ -216,6 +216,10 @@ def hostile(rank, world, workdir, foreign_pid):
             out[label + ":bf16_rounding_would_differ"] = any(
                 not torch.equal(s["fp32"], s["fp32"].bfloat16().float()) for s in saved["params"].values())
 
+    # A failed initialize leaves the user's optimizer and bitsandbytes' process-wide manager as they were:
+    # no chunked update left installed, param groups and override entries restored, other entries untouched.
+    out.update(_failed_initialize(world))
+
     logging.getLogger("zero_bnb").removeHandler(handler)
     gathered = [None] * world
     dist.all_gather_object(gathered, out)
@@ -235,3 +239,37 @@ def saving_job(rank, world, workdir, seed, rounds):
         torch.save({"results": results, "fp32": {n: s["fp32"] for n, s in state["params"].items()}},
                    os.path.join(workdir, f"job_{seed}.pt"))
 
+
+
+def _failed_initialize(world):
+    import bitsandbytes as bnb
+
+    import zero_bnb
+    from zero_bnb.testing.toy import build_model, param_groups
+
+    model = build_model()
+    optimizer = bnb.optim.Adam8bit(param_groups(model), lr=1e-2)
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    manager.index2config.clear()
+    first = optimizer.param_groups[0]["params"][0]
+    manager.override_config([first], "optim_bits", 32)
+    manager.register_parameters(optimizer.param_groups)  # a position-based entry (0, 0) too
+    manager.index2config[(7, 7)] = {"optim_bits": 32}  # another optimizer's position-based override
+    before_groups = [list(group["params"]) for group in optimizer.param_groups]
+    before_index, before_pid = dict(manager.index2config), dict(manager.pid2config)
+    config = RUN.ds_config(world, zero_optimization={"stage": 1, "round_robin_gradients": True})
+    error = _error(lambda: zero_bnb.initialize(model=model, optimizer=optimizer, config=config))
+    result = {
+        "failed_initialize": error,
+        "failed_initialize_groups_restored": [list(group["params"]) for group in optimizer.param_groups] == before_groups,
+        "failed_initialize_index_restored": manager.index2config == before_index and (0, 0) in before_index,
+        "failed_initialize_pid_restored": manager.pid2config == before_pid and id(first) in before_pid,
+        "failed_initialize_no_chunked_update": "update_step" not in optimizer.__dict__,
+    }
+    engine, *_ = zero_bnb.initialize(model=model, optimizer=optimizer, config=RUN.ds_config(world))
+    result["initialize_after_failure_isolated"] = engine.zero_bnb_isolated == [
+        name for name, param in model.named_parameters() if param is first]
+    result["other_optimizers_override_kept"] = manager.index2config.get((7, 7)) == {"optim_bits": 32}
+    manager.index2config.clear()
+    manager.pid2config.clear()
+    return result

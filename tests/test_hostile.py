@@ -413,6 +413,16 @@ def test_weights_only_loads_in_bf16_take_the_exact_fp32_masters(ranks):
         assert ranks[0][label + ":masters"] and ranks[0][label + ":modules"], label
 
 
+def test_a_failed_initialize_leaves_the_optimizer_and_bitsandbytes_manager_as_they_were(ranks):
+    _, ranks = ranks
+    message = _same(ranks, "failed_initialize")
+    assert message is not None and "round_robin_gradients" in message, message
+    for key in ("failed_initialize_groups_restored", "failed_initialize_index_restored", "failed_initialize_pid_restored",
+                "failed_initialize_no_chunked_update", "other_optimizers_override_kept",
+                "initialize_after_failure_isolated"):
+        assert _same(ranks, key) is True, key
+
+
 def test_two_jobs_saving_into_one_folder_never_mix_their_checkpoints(tmp_path):
     threads = [threading.Thread(target=run_distributed, args=(saving_job, 1, str(tmp_path), seed, 5))
                for seed in (1, 2)]

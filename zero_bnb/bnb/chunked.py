@@ -19,7 +19,7 @@ import torch
 from zero_bnb.core.layout import ceil_div
 from zero_bnb.core.state_spec import OptimizerSpec, StateKind
 
-__all__ = ["KERNEL_MAX_NUMEL", "ChunkedUpdate"]
+__all__ = ["KERNEL_MAX_NUMEL", "ChunkedUpdate", "uninstall_chunked_update"]
 
 #: Largest element count bitsandbytes' kernels take (a signed 32-bit int).
 KERNEL_MAX_NUMEL = 2**31 - 1
@@ -78,3 +78,9 @@ class ChunkedUpdate:
                 del self.optimizer.state[piece]
         state["step"] = step + 1
         return None
+
+
+def uninstall_chunked_update(optimizer: Any) -> None:
+    """Remove a :class:`ChunkedUpdate` installed on ``optimizer`` (its class's ``update_step`` applies again)."""
+    if isinstance(optimizer.__dict__.get("update_step"), ChunkedUpdate):
+        del optimizer.update_step

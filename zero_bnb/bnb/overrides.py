@@ -18,46 +18,85 @@ Local; call it on every rank (it only edits this process's optimizer and bitsand
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["attach_overrides", "isolate_overridden_parameters"]
+__all__ = ["Isolation", "attach_overrides", "isolate_overridden_parameters"]
 
 logger = logging.getLogger(__name__)
 
 
-def _overrides(optimizer: Any) -> dict[int, dict[str, Any]]:
-    """Parameter id -> override config, from every way bitsandbytes lets users register one."""
+def _overrides(optimizer: Any) -> tuple[dict[int, dict[str, Any]], list[tuple[int, int]]]:
+    """Parameter id -> override config, from every way bitsandbytes lets users register one; and the
+    positions ``(group, index)`` of this optimizer that position-based entries applied to."""
     manager = optimizer.mng
     found: dict[int, dict[str, Any]] = {}
+    positions = []
     for group_index, group in enumerate(optimizer.param_groups):
         for index, param in enumerate(group["params"]):
             if (group_index, index) in manager.index2config:
                 found[id(param)] = dict(manager.index2config[(group_index, index)])
+                positions.append((group_index, index))
             if id(param) in manager.pid2config:
                 found.setdefault(id(param), {}).update(manager.pid2config[id(param)])
     for module, attribute, config in manager.module_weight_config_triple:
         found.setdefault(id(getattr(module, attribute)), {}).update(config)
-    return found
+    return found, positions
 
 
-def isolate_overridden_parameters(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[int, dict]:
+@dataclass
+class Isolation:
+    """What :func:`isolate_overridden_parameters` changed, to attach after construction or undo on failure."""
+
+    optimizer: Any
+    groups: dict[int, dict] = field(default_factory=dict)  # flat group index -> override config
+    _param_groups: list = field(default_factory=list)
+    _index_entries: dict = field(default_factory=dict)
+    _pid_entries: dict = field(default_factory=dict)
+    _triples: list = field(default_factory=list)
+
+    def undo(self) -> None:
+        """Put the user's optimizer and bitsandbytes' manager back as they were (construction failed). Local."""
+        if not self.groups:
+            return
+        manager = self.optimizer.mng
+        self.optimizer.param_groups[:] = self._param_groups
+        manager.index2config.update(self._index_entries)
+        manager.pid2config.update(self._pid_entries)
+        manager.module_weight_config_triple[:] = self._triples
+        self.optimizer.__dict__.pop("zero_bnb_group_origin", None)
+        self.groups = {}
+
+
+def isolate_overridden_parameters(optimizer: torch.optim.Optimizer, names: dict[int, str], *,
+                                  bitsandbytes: bool) -> Isolation:
     """Give every parameter with a bitsandbytes override a param group of its own.
+
+    Only this optimizer's entries leave bitsandbytes' process-wide manager: the position-based
+    ones that applied to its parameters (positions change with the new groups) and those
+    registered for the isolated parameters; other optimizers' entries stay.
 
     Args:
         optimizer: the client optimizer, before ``deepspeed.initialize`` sees it.
         names: parameter id -> name, for the log.
+        bitsandbytes: whether the optimizer's declared family is bitsandbytes'.
 
     Returns:
-        Group index -> override config, for :func:`attach_overrides`.
+        The isolation: flat group index -> override config, for :func:`attach_overrides`; call
+        :meth:`Isolation.undo` if the engine is not built.
     """
-    if getattr(optimizer, "mng", None) is None:
-        return {}
-    found = _overrides(optimizer)
+    isolation = Isolation(optimizer)
+    if not bitsandbytes:
+        return isolation
+    found, positions = _overrides(optimizer)
     if not found:
-        return {}
+        return isolation
     manager = optimizer.mng
+    isolation._param_groups = list(optimizer.param_groups)
+    isolation._index_entries = {position: manager.index2config[position] for position in positions}
+    isolation._triples = list(manager.module_weight_config_triple)
     kept_groups, isolated, kept_origin, isolated_origin = [], [], [], []
     for origin, group in enumerate(optimizer.param_groups):
         hyper = {k: v for k, v in group.items() if k != "params"}
@@ -71,18 +110,17 @@ def isolate_overridden_parameters(optimizer: torch.optim.Optimizer, names: dict[
     # Which of the user's param groups each group came from (per-group scheduler state of a run without isolation).
     optimizer.zero_bnb_group_origin = tuple(kept_origin + isolated_origin)
     handled = {id(p) for _, p in isolated}
-    manager.index2config.clear()
+    for position in positions:
+        del manager.index2config[position]
     manager.module_weight_config_triple[:] = [
         triple for triple in manager.module_weight_config_triple if id(getattr(triple[0], triple[1])) not in handled
     ]
-    for param_id in handled:
-        manager.pid2config.pop(param_id, None)
-    groups = {}
+    isolation._pid_entries = {pid: manager.pid2config.pop(pid) for pid in handled if pid in manager.pid2config}
     for offset, (_, param) in enumerate(isolated):
-        groups[len(kept_groups) + offset] = found[id(param)]
+        isolation.groups[len(kept_groups) + offset] = found[id(param)]
         logger.info("zero_bnb: %s keeps its bitsandbytes override %s in flat group %d",
                     names.get(id(param), f"parameter {tuple(param.shape)}"), found[id(param)], len(kept_groups) + offset)
-    return groups
+    return isolation
 
 
 def attach_overrides(optimizer: torch.optim.Optimizer, flat_params: list[torch.Tensor], groups: dict[int, dict]) -> None:

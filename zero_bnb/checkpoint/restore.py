@@ -251,7 +251,7 @@ class _GroupRestorer:
             elif saved.kind is StateKind.BLOCKWISE:
                 current.zero_()
                 self.gather_blocks(key, current)
-            elif saved.kind is StateKind.ELEMENTWISE:
+            else:  # element-wise: the manifest admits no other kind (Manifest.validate)
                 saved_dtype = getattr(torch, saved.dtype)
                 if saved_dtype == current.dtype:
                     self._restore_same_dtype(key, current, state, triple)
@@ -267,8 +267,6 @@ class _GroupRestorer:
                         f"state {key!r} of group {self.index} was saved as {saved.dtype} but the optimizer holds it "
                         f"as {current.dtype}, and zero_bnb knows no exact conversion"
                     )
-            else:
-                raise CheckpointMismatchError(f"state {key!r} of group {self.index} has unsupported kind {saved.kind}")
         return state, notes
 
     def _converted(self, triple, state: dict[str, Any]) -> bool:

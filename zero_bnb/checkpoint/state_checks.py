@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from zero_bnb.checkpoint.partitioned import PartitionedOptimizer
-from zero_bnb.core.state_spec import StateKind, UnsupportedOptimizerError, classify_state
+from zero_bnb.core.state_spec import ClassifiedBy, StateKind, UnsupportedOptimizerError, classify_state
 from zero_bnb.errors import NonFiniteStateError, ReplicatedStateMismatch
 from zero_bnb.format.manifest import StateEntry
 
@@ -39,6 +39,7 @@ class Classified:
 
     entry: StateEntry
     value: Any
+    by: ClassifiedBy
 
 
 def _base_state(optimizer: PartitionedOptimizer, group_index: int) -> dict[str, Any]:
@@ -50,7 +51,7 @@ def classify_group_state(optimizer: PartitionedOptimizer, group_index: int) -> l
     partition_numel = optimizer.geometry(group_index).partition_numel
     classified = []
     for key, value in sorted(_base_state(optimizer, group_index).items()):
-        kind, reason = classify_state(
+        kind, by, reason = classify_state(
             key, value, spec=optimizer.zero_bnb_spec, rule=optimizer.zero_bnb_rule, partition_numel=partition_numel
         )
         if kind is StateKind.PARTITION_SCALAR:
@@ -61,7 +62,7 @@ def classify_group_state(optimizer: PartitionedOptimizer, group_index: int) -> l
         dtype = str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else type(value).__name__
         partitioned = kind in (StateKind.ELEMENTWISE, StateKind.BLOCKWISE) and isinstance(value, torch.Tensor)
         lead = tuple(value.shape[:-1]) if partitioned else ()
-        classified.append(Classified(StateEntry(key, kind, dtype, reason, lead), value))
+        classified.append(Classified(StateEntry(key, kind, dtype, reason, lead), value, by))
     return classified
 
 
@@ -70,6 +71,13 @@ def _digest(value: Any) -> str:
         data = value.detach().to("cpu").contiguous().reshape(-1)
         return f"{tuple(value.shape)}:{value.dtype}:" + hashlib.sha256(data.view(torch.uint8).numpy()).hexdigest()
     return repr(value)
+
+
+#: What to do when state tagged replicated by a user rule differs across ranks, by the rule.
+_FIXES = {
+    ClassifiedBy.THRESHOLD: "list exact keys in zero_unsharded_state_keys or lower zero_unsharded_state_max_numel",
+    ClassifiedBy.NAMED: "remove it from zero_unsharded_state_keys",
+}
 
 
 def verify_replicated_state(optimizer: PartitionedOptimizer) -> None:
@@ -89,6 +97,7 @@ def verify_replicated_state(optimizer: PartitionedOptimizer) -> None:
                 entry.dtype,
                 entry.reason,
                 _digest(item.value) if entry.kind in (StateKind.REPLICATED, StateKind.COUNTER) else "",
+                item.by,
             )
     gathered: list[Any] = [None] * optimizer.dp_size
     dist.all_gather_object(gathered, local, group=optimizer.dp_process_group)
@@ -100,15 +109,9 @@ def verify_replicated_state(optimizer: PartitionedOptimizer) -> None:
             continue
         differing = [rank for rank, view in enumerate(views) if view != views[0]]
         first = views[0] or views[differing[0]]
-        kind, dtype, reason, _ = first
-        shape = first[3].split(":", 1)[0] if first[3] else "?"
-        fix = (
-            "list exact keys in zero_unsharded_state_keys or lower zero_unsharded_state_max_numel"
-            if "zero_unsharded_state_max_numel" in reason
-            else "remove it from zero_unsharded_state_keys"
-            if "zero_unsharded_state_keys" in reason
-            else "make sure every rank steps the optimizer the same number of times"
-        )
+        kind, dtype, reason, digest, by = first
+        shape = digest.split(":", 1)[0] if digest else "?"
+        fix = _FIXES.get(by, "make sure every rank steps the optimizer the same number of times")
         raise ReplicatedStateMismatch(
             f"optimizer state {key!r} of group {group_index} (kind {kind}, {dtype}, shape {shape}) was tagged "
             f"{kind} ({reason}) but differs between rank 0 and rank(s) {differing}; {fix}. Nothing was saved."

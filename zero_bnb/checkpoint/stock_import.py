@@ -150,7 +150,7 @@ class StockCheckpoint:
             entries, counters, replicated = [], {}, {}
             requantized = []
             for key, value in sorted(first_state.items()):
-                kind, reason = classify_state(key, value, spec=spec, rule=rule, partition_numel=partition)
+                kind, _, reason = classify_state(key, value, spec=spec, rule=rule, partition_numel=partition)
                 triple = spec.triple_for(key)
                 if not aligned and triple is not None and first_state[triple.codes].dtype == torch.uint8:
                     if key != triple.codes:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 __all__ = [
+    "Classification",
+    "ClassifiedBy",
     "OptimizerSpec",
     "QuantizedTriple",
     "StateKind",
@@ -24,6 +26,7 @@ __all__ = [
     "UnsupportedOptimizerError",
     "classify_state",
     "declared",
+    "family_of",
     "spec_for",
     "spec_named",
 ]
@@ -84,6 +87,7 @@ class OptimizerSpec:
             ``torch.optim.Adam``) gives the same quantity, e.g. ``state1`` -> ``exp_avg``.
         layout_hyperparameters: param-group keys that decide which state keys exist (such as
             ``amsgrad``); a checkpoint must match them, checked before anything is loaded.
+        bitsandbytes: the family is bitsandbytes' (chunked updates, per-parameter overrides).
     """
 
     name: str
@@ -96,6 +100,9 @@ class OptimizerSpec:
     init_state: Callable[[torch.optim.Optimizer, int, torch.Tensor], None] | None = None
     moment_names: Mapping[str, str] = field(default_factory=dict)
     layout_hyperparameters: tuple[str, ...] = ()
+    #: a bitsandbytes optimizer: steps through ``update_step`` (chunked above 2^31 elements) and
+    #: honours ``GlobalOptimManager`` overrides.
+    bitsandbytes: bool = False
 
     def triple_for(self, key: str) -> QuantizedTriple | None:
         """The 8-bit triple in which ``key`` is the codes, absmax or map, if any."""
@@ -113,6 +120,23 @@ class StateRule:
     max_numel: int | None = None
 
 
+class ClassifiedBy(str, enum.Enum):
+    """Which rule gave a state entry its kind (errors choose their fix by it)."""
+
+    NAMED = "zero_unsharded_state_keys"
+    THRESHOLD = "zero_unsharded_state_max_numel"
+    DECLARED = "declaration"
+    UNDECLARED = "shape"
+
+
+class Classification(NamedTuple):
+    """The kind of one state entry, the rule that decided it, and a readable reason."""
+
+    kind: StateKind
+    by: ClassifiedBy
+    reason: str
+
+
 def classify_state(
     key: str,
     value: Any,
@@ -120,7 +144,7 @@ def classify_state(
     spec: OptimizerSpec,
     rule: StateRule,
     partition_numel: int,
-) -> tuple[StateKind, str]:
+) -> Classification:
     """Kind of one state entry of a flat partition, and why (for the manifest and errors).
 
     Exact names in ``zero_unsharded_state_keys`` win, then the size threshold, then the
@@ -132,16 +156,18 @@ def classify_state(
             tell its kind.
     """
     if key in rule.unsharded_keys:
-        return StateKind.REPLICATED, "listed in zero_unsharded_state_keys"
+        return Classification(StateKind.REPLICATED, ClassifiedBy.NAMED, "listed in zero_unsharded_state_keys")
     is_tensor = isinstance(value, torch.Tensor)
     if is_tensor and rule.max_numel is not None and value.numel() <= rule.max_numel:
-        return StateKind.REPLICATED, f"{value.numel()} elements <= zero_unsharded_state_max_numel={rule.max_numel}"
+        return Classification(StateKind.REPLICATED, ClassifiedBy.THRESHOLD,
+                              f"{value.numel()} elements <= zero_unsharded_state_max_numel={rule.max_numel}")
     if key in spec.kinds:
-        return spec.kinds[key], f"declared by {spec.name}"
+        return Classification(spec.kinds[key], ClassifiedBy.DECLARED, f"declared by {spec.name}")
     if not is_tensor or value.dim() == 0:
-        return StateKind.COUNTER, "undeclared scalar"
+        return Classification(StateKind.COUNTER, ClassifiedBy.UNDECLARED, "undeclared scalar")
     if value.numel() == partition_numel:
-        return StateKind.ELEMENTWISE, "undeclared, one value per partition element"
+        return Classification(StateKind.ELEMENTWISE, ClassifiedBy.UNDECLARED,
+                              "undeclared, one value per partition element")
     raise UnsupportedOptimizerError(
         f"optimizer state key {key!r} (shape {tuple(value.shape)}, dtype {value.dtype}) is not declared by "
         f"{spec.name} and its size does not match the partition ({partition_numel} elements), so zero_bnb cannot "
@@ -208,6 +234,7 @@ BNB_ADAM = OptimizerSpec(
     check=_check_bnb,
     init_state=_init_bnb_state,
     moment_names={"state1": "exp_avg", "state2": "exp_avg_sq"},
+    bitsandbytes=True,
 )
 
 
@@ -223,6 +250,7 @@ def _bnb_one_state(optimizer_name: str, classes: str, moment: str) -> OptimizerS
         check=_check_bnb,
         init_state=_init_bnb_state,
         moment_names={"state1": moment},
+        bitsandbytes=True,
     )
 
 
@@ -236,6 +264,7 @@ BNB_ADEMAMIX = OptimizerSpec(
     check=_check_bnb,
     init_state=_init_bnb_state,
     moment_names={"state1": "exp_avg_fast_slow", "state2": "exp_avg_sq"},
+    bitsandbytes=True,
 )
 
 BNB_LION = _bnb_one_state("lion", "Lion (Lion8bit, Lion32bit)", "exp_avg")
@@ -277,7 +306,12 @@ def spec_named(name: str) -> OptimizerSpec:
 
 def declared(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` belongs to a family zero_bnb declares (whatever its settings)."""
-    return any(spec.matches(optimizer) for spec in SPECS)
+    return family_of(optimizer) is not None
+
+
+def family_of(optimizer: Any) -> OptimizerSpec | None:
+    """The declared family of ``optimizer`` without checking its settings (``None``: undeclared)."""
+    return next((spec for spec in SPECS if spec.matches(optimizer)), None)
 
 
 def spec_for(optimizer: torch.optim.Optimizer) -> OptimizerSpec:

@@ -49,8 +49,8 @@ class BlockAligned:
         self.zero_bnb_spec = spec
         self.zero_bnb_rule = rule
         self._zero_bnb_dp = dist.get_world_size(group=dp_group)
-        if callable(getattr(init_optimizer, "update_step", None)):  # bitsandbytes: partitions may exceed 2^31
-            init_optimizer.update_step = ChunkedUpdate(init_optimizer, spec)
+        if spec.bitsandbytes:  # partitions may exceed 2^31 (DeepSpeed's constructor already steps once);
+            init_optimizer.update_step = ChunkedUpdate(init_optimizer, spec)  # removed if construction fails
 
     def block_alignment(self, alignment: int) -> int:
         """The padding multiple to use where DeepSpeed asks for ``alignment`` (``2 * dp``)."""

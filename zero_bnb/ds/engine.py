@@ -37,6 +37,7 @@ from zero_bnb.checkpoint.load import LoadPlan, open_for_load, plan_load
 from zero_bnb.checkpoint.recovery_script import write_recovery_script
 from zero_bnb.checkpoint.restore import apply_masters, apply_restore
 from zero_bnb.checkpoint.save import build_manifest, write_local_files
+from zero_bnb.bnb.chunked import uninstall_chunked_update
 from zero_bnb.checkpoint.state_checks import find_non_finite, verify_replicated_state
 from zero_bnb.core.config import ZeroBnbConfig
 from zero_bnb.core.state_spec import StateRule, declared, spec_for
@@ -143,11 +144,7 @@ class ZeroBnbEngine(DeepSpeedEngine):
             return super()._do_optimizer_sanity_check(basic_optimizer)
 
     def _configure_zero_optimizer(self, optimizer):
-        stage = self.zero_optimization_stage()
-        if stage not in (1, 2):
-            raise ZeRORuntimeException(
-                f"zero_bnb supports ZeRO stages 1 and 2, but zero_optimization.stage is {stage}; set it to 1 or 2"
-            )
+        # zero_bnb.initialize refused stages other than 1 and 2 before DeepSpeed started.
         return self._block_aligned("DeepSpeedZeroOptimizer", BlockAlignedZeroOptimizer, optimizer,
                                    super()._configure_zero_optimizer)
 
@@ -159,14 +156,17 @@ class ZeroBnbEngine(DeepSpeedEngine):
         """Let DeepSpeed build its optimizer wrapper ``ds_name`` as zero_bnb's block-aligned ``cls``."""
         spec = spec_for(optimizer)
         factory = functools.partial(cls, zero_bnb_spec=spec, zero_bnb_rule=self._state_rule(spec))
-        with swapped_attribute(ds_engine_module, ds_name, factory):
-            wrapper = build(optimizer)
-        if not isinstance(wrapper, cls):
-            raise ZeRORuntimeException(
-                f"DeepSpeed built {type(wrapper).__name__} instead of zero_bnb's {cls.__name__}; features that "
-                f"replace it (zenflow, Muon) are not supported by zero_bnb"
-            )
-        verify_replicated_state(wrapper)
+        try:
+            with swapped_attribute(ds_engine_module, ds_name, factory):
+                wrapper = build(optimizer)
+            if not isinstance(wrapper, cls):
+                raise ZeRORuntimeException(
+                    f"DeepSpeed built {type(wrapper).__name__} instead of zero_bnb's {cls.__name__}; features that "
+                    f"replace it (zenflow, Muon) are not supported by zero_bnb"
+                )
+        except BaseException:
+            uninstall_chunked_update(optimizer)  # the user's optimizer leaves a failed construction as it came
+            raise
         if self.global_rank == 0:
             for index in range(wrapper.num_groups):
                 plan = wrapper.state_precision(index)

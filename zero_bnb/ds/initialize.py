@@ -12,6 +12,7 @@ from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
 from zero_bnb.bnb.overrides import attach_overrides, isolate_overridden_parameters
 from zero_bnb.core.config import ZeroBnbConfigError, load_ds_config, refuse_optimizer_section, split_config
+from zero_bnb.core.state_spec import family_of
 from zero_bnb.ds.engine import ZeroBnbEngine, swapped_attribute
 from zero_bnb.ds.substitute import calling_deepspeed, underlying_initialize
 
@@ -60,6 +61,11 @@ def _refuse_unsupported(ds_config: dict, mpu: Any) -> None:
         )
 
 
+def _build(ds_initialize, engine_factory, **kwargs):
+    with swapped_attribute(deepspeed, "DeepSpeedEngine", engine_factory), calling_deepspeed():
+        return ds_initialize(**kwargs)
+
+
 def initialize(
     args=None,
     model=None,
@@ -98,27 +104,25 @@ def initialize(
     refuse_optimizer_section(ds_config, optimizer)
     if optimizer is not None and "zero_allow_untested_optimizer" not in ds_config:
         ds_config["zero_allow_untested_optimizer"] = True
-    overridden = {}
+    isolation = None
     if optimizer is not None and model is not None:
-        overridden = isolate_overridden_parameters(optimizer, {id(p): name for name, p in model.named_parameters()})
+        family = family_of(optimizer)
+        isolation = isolate_overridden_parameters(optimizer, {id(p): name for name, p in model.named_parameters()},
+                                                  bitsandbytes=family is not None and family.bitsandbytes)
+    overridden = isolation.groups if isolation is not None else {}
 
     engine_factory = functools.partial(ZeroBnbEngine, zero_bnb_config=zero_bnb_config)
     ds_initialize = underlying_initialize()  # never zero_bnb's own dispatcher (zero_bnb.enable)
-    with swapped_attribute(deepspeed, "DeepSpeedEngine", engine_factory), calling_deepspeed():
-        result = ds_initialize(
-            args=args,
-            model=model,
-            optimizer=optimizer,
-            model_parameters=model_parameters,
-            training_data=training_data,
-            lr_scheduler=lr_scheduler,
-            distributed_port=distributed_port,
-            mpu=mpu,
-            dist_init_required=dist_init_required,
-            collate_fn=collate_fn,
-            config=ds_config,
-            mesh_param=mesh_param,
-        )
+    try:
+        result = _build(ds_initialize, engine_factory, args=args,
+                        model=model, optimizer=optimizer, model_parameters=model_parameters,
+                        training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port,
+                        mpu=mpu, dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
+                        mesh_param=mesh_param)
+    except BaseException:
+        if isolation is not None:
+            isolation.undo()  # a failed initialize leaves the user's optimizer and bitsandbytes' manager as they were
+        raise
     if overridden:
         zero_optimizer = result[0].optimizer
         flat = [zero_optimizer.master_partition(index) for index in range(zero_optimizer.num_groups)]

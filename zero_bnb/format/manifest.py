@@ -294,6 +294,8 @@ class Manifest:
                                                     f"[0, {end}) without gaps or overlaps")
             for s, state in enumerate(group.states):
                 check_name(state.key, f"{source}: {where}.states[{s}].key")
+                if state.kind is StateKind.PARTITION_SCALAR:
+                    fail(f"{where}.states[{s}].kind", state.kind.value, "zero_bnb never saves per-partition scalars")
                 if state.kind in (StateKind.ELEMENTWISE, StateKind.BLOCKWISE, StateKind.REPLICATED) and \
                         state.dtype not in TENSOR_DTYPES:
                     fail(f"{where}.states[{s}].dtype", state.dtype, f"tensor states have one of {sorted(TENSOR_DTYPES)}")

@@ -52,9 +52,9 @@ def consolidated_state(engine, dst: int = 0) -> dict[str, Any] | None:
         state0 = parts[0]["state"]
         counters, raw = {}, {}
         for key, value in state0.items():
-            kind, _ = classify_state(
+            kind = classify_state(
                 key, value, spec=spec, rule=optimizer.zero_bnb_rule, partition_numel=geometry.partition_numel
-            )
+            ).kind
             if kind is StateKind.ELEMENTWISE:
                 raw[key] = torch.cat([p["state"][key] for p in parts], dim=-1)[..., : geometry.numel]
             elif kind is StateKind.BLOCKWISE:
