@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from zero_bnb.core.layout import ceil_div
+from zero_bnb.core.kinds import is_partitioned, to_axis
 from zero_bnb.core.state_spec import OptimizerSpec, StateKind
 
 __all__ = ["KERNEL_MAX_NUMEL", "ChunkedUpdate", "uninstall_chunked_update"]
@@ -45,15 +45,14 @@ class ChunkedUpdate:
         piece = {}
         for key, value in state.items():
             kind = self.spec.kinds.get(key)
-            if kind in (StateKind.ELEMENTWISE, StateKind.BLOCKWISE) and value.dim() > 1:
-                raise ValueError(
-                    f"state {key!r} has shape {tuple(value.shape)}: pieces of its last axis are not contiguous, so a "
-                    f"partition above {self.limit} elements cannot be updated in pieces; use a larger DP size"
-                )
-            if kind is StateKind.ELEMENTWISE:
-                piece[key] = value[..., start:end]
-            elif kind is StateKind.BLOCKWISE:
-                piece[key] = value[..., start // block : ceil_div(end, block)]
+            if kind is not None and is_partitioned(kind):
+                if value.dim() > 1:
+                    raise ValueError(
+                        f"state {key!r} has shape {tuple(value.shape)}: pieces of its last axis are not contiguous, "
+                        f"so a partition above {self.limit} elements cannot be updated in pieces; use a larger DP size"
+                    )
+                first, last = to_axis(kind, start, end, block)
+                piece[key] = value[..., first:last]
             elif kind is StateKind.PARTITION_SCALAR:
                 raise ValueError(f"state {key!r} holds one value for the whole partition; it cannot be updated in pieces")
             else:

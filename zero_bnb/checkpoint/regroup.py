@@ -27,6 +27,7 @@ from zero_bnb.core.layout import ceil_div
 from zero_bnb.core.state_spec import OptimizerSpec, StateKind
 from zero_bnb.errors import CheckpointMismatchError
 from zero_bnb.format.manifest import GroupEntry, Manifest, ParamEntry, StateEntry
+from zero_bnb.format.payload import ReplicatedGroup, ReplicatedPayload
 
 __all__ = ["RegroupedState", "by_name", "for_engine", "live_params"]
 
@@ -48,7 +49,7 @@ def for_engine(engine: Any, saved: SavedState) -> SavedState:
 class RegroupedState:
     """A :class:`~zero_bnb.checkpoint.restore.SavedState` in the running optimizer's grouping (one whole shard per group)."""
 
-    def __init__(self, manifest: Manifest, replicated: dict[str, Any], pieces: dict[tuple[int, str], torch.Tensor]):
+    def __init__(self, manifest: Manifest, replicated: ReplicatedPayload, pieces: dict[tuple[int, str], torch.Tensor]):
         self.manifest = manifest
         self.replicated = replicated
         self._pieces = pieces
@@ -167,11 +168,11 @@ def _regroup(saved: SavedState, live: list[tuple[ParamEntry, ...]], spec: Optimi
         ) + tuple(StateEntry(key, kind, "", "regrouped by parameter name") for key, (kind, _) in others[first].items())
         entries.append(GroupEntry(numel, tuple(params), states, ((0, numel),), ((0, ceil_div(numel, block)),),
                                   saved.manifest.groups[first].hyperparameters))
-        replicated_groups.append({
-            "param_group": hyper,
-            "counters": {k: v for k, (kind, v) in others[first].items() if kind is StateKind.COUNTER},
-            "replicated": {k: v for k, (kind, v) in others[first].items() if kind is StateKind.REPLICATED},
-        })
+        replicated_groups.append(ReplicatedGroup(
+            param_group=hyper,
+            counters={k: v for k, (kind, v) in others[first].items() if kind is StateKind.COUNTER},
+            replicated={k: v for k, (kind, v) in others[first].items() if kind is StateKind.REPLICATED},
+        ))
     if log:
         logger.warning(
             "zero_bnb: the checkpoint's %d flat groups differ from the optimizer's %d (bitsandbytes overrides isolate "
@@ -183,8 +184,7 @@ def _regroup(saved: SavedState, live: list[tuple[ParamEntry, ...]], spec: Optimi
     manifest = Manifest(dp_world_size=1, block_size=block, optimizer_class=old.optimizer_class,
                         optimizer_spec=old.optimizer_spec, groups=tuple(entries), shards=("regrouped",),
                         non_finite=old.non_finite, versions=old.versions, batch=old.batch)
-    wrapper = saved.replicated.get("zero_wrapper", {})
-    return RegroupedState(manifest, {"groups": replicated_groups, "zero_wrapper": wrapper}, pieces)
+    return RegroupedState(manifest, ReplicatedPayload(tuple(replicated_groups), saved.replicated.wrapper), pieces)
 
 
 def _differs(a: Any, b: Any) -> bool:

@@ -21,11 +21,12 @@ import torch
 
 from zero_bnb.checkpoint.partitioned import PartitionedOptimizer
 from zero_bnb.core import quant
+from zero_bnb.core.kinds import is_partitioned, local_range, saved_ranges, whole_length
 from zero_bnb.core.layout import plan_copy
 from zero_bnb.core.state_spec import StateKind
 from zero_bnb.errors import CheckpointMismatchError
 from zero_bnb.format.manifest import MASTER_KEY, GroupEntry, Manifest
-from zero_bnb.format.wrapper_state import check_plain, plain_wrapper
+from zero_bnb.format.payload import ReplicatedPayload
 
 __all__ = [
     "MASTER_KEY",
@@ -44,10 +45,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 class SavedState(Protocol):
-    """What :func:`plan_restore` reads: a manifest, the replicated file, and shard pieces."""
+    """What :func:`plan_restore` reads: a manifest, the replicated payload, and shard pieces."""
 
     manifest: Manifest
-    replicated: dict[str, Any]
+    replicated: ReplicatedPayload
 
     def piece(self, rank: int, group_index: int, key: str) -> torch.Tensor:
         """Saved tensor ``key`` (``"fp32"`` for master weights) of group ``group_index`` from shard ``rank``."""
@@ -169,23 +170,22 @@ class _GroupRestorer:
         self.saved = saved
         self.index = group_index
         self.entry: GroupEntry = saved.manifest.groups[group_index]
-        self.record = saved.replicated["groups"][group_index]
-        geometry = optimizer.geometry(group_index)
+        self.record = saved.replicated.groups[group_index]
+        self.geometry = geometry = optimizer.geometry(group_index)
         self.block_size = geometry.block_size
         self.elements = geometry.element_range(optimizer.dp_rank)
         self.blocks = geometry.block_range(optimizer.dp_rank)
         self.param = optimizer.master_partition(group_index)
 
-    def gather_elements(self, key: str, out: torch.Tensor) -> None:
-        gather_range(self.saved, self.index, key, self.entry.element_ranges, self.elements, out)
-
-    def gather_blocks(self, key: str, out: torch.Tensor) -> None:
-        gather_range(self.saved, self.index, key, self.entry.block_ranges, self.blocks, out)
+    def gather(self, kind: StateKind, key: str, out: torch.Tensor) -> None:
+        """This rank's range of saved ``key`` (of partitioned ``kind``) into ``out[..., :length]``."""
+        ranges = saved_ranges(kind, self.entry.element_ranges, self.entry.block_ranges)
+        gather_range(self.saved, self.index, key, ranges, local_range(kind, self.geometry, self.optimizer.dp_rank), out)
 
     def master(self) -> torch.Tensor:
         """The new partition's master weights (padding zero), in a new tensor."""
         values = torch.zeros(self.param.numel(), dtype=self.param.dtype)
-        self.gather_elements(MASTER_KEY, values)
+        self.gather(StateKind.ELEMENTWISE, MASTER_KEY, values)
         return values
 
     def fresh_state(self) -> dict[str, Any]:
@@ -203,11 +203,9 @@ class _GroupRestorer:
                     base.state[self.param] = previous
         state: dict[str, Any] = {}
         for saved in self.entry.states:
-            dtype = getattr(torch, saved.dtype, None)
-            if saved.kind is StateKind.ELEMENTWISE:
-                state[saved.key] = torch.zeros(*saved.lead, self.param.numel(), dtype=dtype, device=self.param.device)
-            elif saved.kind is StateKind.BLOCKWISE:
-                state[saved.key] = torch.zeros(*saved.lead, self.param.numel() // self.block_size, dtype=dtype,
+            if is_partitioned(saved.kind):
+                length = whole_length(saved.kind, self.param.numel(), self.block_size)  # the padded partition
+                state[saved.key] = torch.zeros(*saved.lead, length, dtype=getattr(torch, saved.dtype),
                                                device=self.param.device)
         return state
 
@@ -235,13 +233,13 @@ class _GroupRestorer:
                         f"optimizer configuration"
                     )
             if saved.kind is StateKind.COUNTER:
-                value = self.record["counters"][key]
+                value = self.record.counters[key]
                 if isinstance(value, torch.Tensor):
                     value = value.clone().to(current.device if isinstance(current, torch.Tensor) else "cpu")
                 state[key] = value
             elif saved.kind is StateKind.REPLICATED:
                 device = current.device if isinstance(current, torch.Tensor) else self.param.device
-                state[key] = self.record["replicated"][key].clone().to(device)
+                state[key] = self.record.replicated[key].clone().to(device)
             elif current is None:
                 raise CheckpointMismatchError(
                     f"the checkpoint holds {saved.kind.value} state {key!r} for group {self.index}, which the "
@@ -250,7 +248,7 @@ class _GroupRestorer:
                 )
             elif saved.kind is StateKind.BLOCKWISE:
                 current.zero_()
-                self.gather_blocks(key, current)
+                self.gather(StateKind.BLOCKWISE, key, current)
             else:  # element-wise: the manifest admits no other kind (Manifest.validate)
                 saved_dtype = getattr(torch, saved.dtype)
                 if saved_dtype == current.dtype:
@@ -277,26 +275,26 @@ class _GroupRestorer:
 
     def _restore_same_dtype(self, key, current, state, triple) -> None:
         if current.dtype == torch.uint8 and triple is not None:
-            current.fill_(quant.zero_code(self.record["replicated"].get(triple.qmap, state.get(triple.qmap))))
+            current.fill_(quant.zero_code(self.record.replicated.get(triple.qmap, state.get(triple.qmap))))
         else:
             current.zero_()
-        self.gather_elements(key, current)
+        self.gather(StateKind.ELEMENTWISE, key, current)
 
     def _dequantize_into(self, triple, current: torch.Tensor) -> None:
         n = self.elements[1] - self.elements[0]
         lead = tuple(current.shape[:-1])
         codes = torch.empty(*lead, n, dtype=torch.uint8)
         absmax = torch.empty(*lead, self.blocks[1] - self.blocks[0], dtype=torch.float32)
-        self.gather_elements(triple.codes, codes)
-        self.gather_blocks(triple.absmax, absmax)
-        qmap = self.record["replicated"][triple.qmap]
+        self.gather(StateKind.ELEMENTWISE, triple.codes, codes)
+        self.gather(StateKind.BLOCKWISE, triple.absmax, absmax)
+        qmap = self.record.replicated[triple.qmap]
         current.zero_()
         current[..., :n].copy_(quant.dequantize(codes, absmax, qmap, self.block_size))
 
     def _quantize_into(self, triple, state: dict[str, Any]) -> None:
         n = self.elements[1] - self.elements[0]
         values = torch.empty(*state[triple.codes].shape[:-1], n, dtype=torch.float32)
-        self.gather_elements(triple.codes, values)
+        self.gather(StateKind.ELEMENTWISE, triple.codes, values)
         qmap = state[triple.qmap]
         codes, absmax = quant.quantize(values, qmap.to("cpu"), self.block_size)
         state[triple.codes].fill_(quant.zero_code(qmap))
@@ -308,7 +306,7 @@ class _GroupRestorer:
         if not load_optimizer_states:
             return GroupPlan(self.index, self.master(), None, None, [])
         state, notes = self.planned_state()
-        return GroupPlan(self.index, self.master(), state, dict(self.record["param_group"]), notes)
+        return GroupPlan(self.index, self.master(), state, dict(self.record.param_group), notes)
 
 
 @dataclass
@@ -348,8 +346,7 @@ def plan_restore(
               for index in range(optimizer.num_groups)]
     wrapper = {}
     if load_optimizer_states:
-        wrapper = plain_wrapper(saved.replicated.get("zero_wrapper", {}))  # version 1 files hold DeepSpeed's object
-        check_plain(wrapper, "the checkpoint's ZeRO wrapper scalars")
+        wrapper = dict(saved.replicated.wrapper)  # plain data, checked when read
     return RestorePlan(groups, load_optimizer_states, wrapper, saved.manifest.dp_world_size)
 
 

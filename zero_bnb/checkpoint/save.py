@@ -13,19 +13,19 @@ from typing import Any
 
 import torch
 
-from zero_bnb import versions
 from zero_bnb.checkpoint.partitioned import PartitionedOptimizer
 from zero_bnb.checkpoint.state_checks import classify_group_state
+from zero_bnb.core.kinds import is_partitioned, saved_length
 from zero_bnb.core.state_spec import StateKind
-from zero_bnb.format.durable import FileRecord, makedirs, save_torch
-from zero_bnb.format.manifest import (
-    MASTER_KEY,
-    REPLICATED_NAME,
-    SUBDIR,
-    GroupEntry,
-    Manifest,
-    jsonable,
-    shard_name,
+from zero_bnb.format.durable import FileRecord, makedirs
+from zero_bnb.format.manifest import SUBDIR, GroupEntry, Manifest
+from zero_bnb.format.payload import (
+    ReplicatedGroup,
+    ReplicatedPayload,
+    ShardGroup,
+    ShardPayload,
+    write_replicated,
+    write_shard,
 )
 
 __all__ = ["build_manifest", "write_local_files"]
@@ -51,35 +51,26 @@ def write_local_files(optimizer: PartitionedOptimizer, tag_folder: str) -> list[
     """
     folder = os.path.join(tag_folder, SUBDIR)
     makedirs(folder)
-    rank, dp = optimizer.dp_rank, optimizer.dp_size
+    rank = optimizer.dp_rank
     shard_groups, replicated_groups = [], []
     for group_index in range(optimizer.num_groups):
         geometry = optimizer.geometry(group_index)
-        e_start, e_end = geometry.element_range(rank)
-        b_start, b_end = geometry.block_range(rank)
         sharded, replicated, counters = {}, {}, {}
         for item in classify_group_state(optimizer, group_index):
             key, kind, value = item.entry.key, item.entry.kind, item.value
-            if kind is StateKind.ELEMENTWISE:
-                sharded[key] = _valid_slice(value, e_end - e_start)
-            elif kind is StateKind.BLOCKWISE:
-                sharded[key] = _valid_slice(value, b_end - b_start)
+            if is_partitioned(kind):
+                sharded[key] = _valid_slice(value, saved_length(kind, geometry, rank))
             elif kind is StateKind.REPLICATED:
                 replicated[key] = value.detach().to("cpu", copy=True)
             else:
                 counters[key] = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
         master = optimizer.master_partition(group_index)
-        shard_groups.append({MASTER_KEY: _valid_slice(master, e_end - e_start), "state": sharded})
-        replicated_groups.append(
-            {"param_group": _hyperparameters(optimizer, group_index), "counters": counters, "replicated": replicated}
-        )
-
-    records = [save_torch({"rank": rank, "dp": dp, "groups": shard_groups}, os.path.join(folder, shard_name(rank, dp)),
-                          root=tag_folder)]
+        shard_groups.append(ShardGroup(_valid_slice(master, saved_length(StateKind.ELEMENTWISE, geometry, rank)), sharded))
+        replicated_groups.append(ReplicatedGroup(_hyperparameters(optimizer, group_index), counters, replicated))
+    records = [write_shard(ShardPayload(rank, optimizer.dp_size, tuple(shard_groups)), folder, root=tag_folder)]
     if rank == 0:
-        wrapper = optimizer.wrapper_scalars()
-        records.append(save_torch({"groups": replicated_groups, "zero_wrapper": wrapper},
-                                  os.path.join(folder, REPLICATED_NAME), root=tag_folder))
+        payload = ReplicatedPayload(tuple(replicated_groups), optimizer.wrapper_scalars())
+        records.append(write_replicated(payload, folder, root=tag_folder))
     return records
 
 
@@ -97,30 +88,15 @@ def build_manifest(
     for group_index in range(optimizer.num_groups):
         geometry = optimizer.geometry(group_index)
         precision = optimizer.state_precision(group_index)
-        groups.append(
-            GroupEntry(
-                numel=geometry.numel,
-                params=optimizer.param_entries(group_index, names),
-                states=tuple(item.entry for item in classify_group_state(optimizer, group_index)),
-                element_ranges=tuple(geometry.element_ranges()),
-                block_ranges=tuple(geometry.block_ranges()),
-                hyperparameters={
-                    **{k: jsonable(v) for k, v in _hyperparameters(optimizer, group_index).items()},
-                    **({"state_precision": precision} if precision else {}),
-                },
-            )
-        )
+        groups.append(GroupEntry.describe(
+            geometry.numel, optimizer.param_entries(group_index, names),
+            tuple(item.entry for item in classify_group_state(optimizer, group_index)),
+            geometry.element_ranges(), geometry.block_ranges(), _hyperparameters(optimizer, group_index),
+            **({"state_precision": precision} if precision else {}),
+        ))
     base = optimizer.optimizer
-    manifest = Manifest(
-        dp_world_size=optimizer.dp_size,
-        block_size=optimizer.zero_bnb_spec.block_size,
+    return Manifest.create(
+        dp_world_size=optimizer.dp_size, block_size=optimizer.zero_bnb_spec.block_size,
         optimizer_class=f"{type(base).__module__}.{type(base).__qualname__}",
-        optimizer_spec=optimizer.zero_bnb_spec.name,
-        groups=tuple(groups),
-        shards=tuple(shard_name(r, optimizer.dp_size) for r in range(optimizer.dp_size)),
-        files=tuple(sorted(files, key=lambda record: record.path)),
-        non_finite=non_finite,
-        versions=versions.installed(),
+        optimizer_spec=optimizer.zero_bnb_spec.name, groups=tuple(groups), files=files, non_finite=non_finite,
     )
-    manifest.validate("the manifest being written")
-    return manifest

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from zero_bnb.checkpoint.partitioned import PartitionedOptimizer
+from zero_bnb.core.kinds import is_partitioned, local_range, saved_length, to_axis
 from zero_bnb.core.state_spec import ClassifiedBy, StateKind, UnsupportedOptimizerError, classify_state
 from zero_bnb.errors import NonFiniteStateError, ReplicatedStateMismatch
 from zero_bnb.format.manifest import StateEntry
@@ -59,10 +60,7 @@ def classify_group_state(optimizer: PartitionedOptimizer, group_index: int) -> l
                 f"optimizer state {key!r} of group {group_index} holds one value per partition, which cannot be "
                 f"re-split at another DP size; change the optimizer settings that create it"
             )
-        dtype = str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else type(value).__name__
-        partitioned = kind in (StateKind.ELEMENTWISE, StateKind.BLOCKWISE) and isinstance(value, torch.Tensor)
-        lead = tuple(value.shape[:-1]) if partitioned else ()
-        classified.append(Classified(StateEntry(key, kind, dtype, reason, lead), value, by))
+        classified.append(Classified(StateEntry.describe(key, kind, value, reason), value, by))
     return classified
 
 
@@ -128,28 +126,20 @@ def _local_non_finite(optimizer: PartitionedOptimizer, names: dict) -> dict[str,
     rank = optimizer.dp_rank
     for group_index in range(optimizer.num_groups):
         geometry = optimizer.geometry(group_index)
-        e_start, e_end = geometry.element_range(rank)
-        b_start, b_end = geometry.block_range(rank)
-        tensors = [("fp32", optimizer.master_partition(group_index).detach()[..., : e_end - e_start], False)]
+        master = optimizer.master_partition(group_index).detach()
+        tensors = [("fp32", StateKind.ELEMENTWISE, master[..., : saved_length(StateKind.ELEMENTWISE, geometry, rank)])]
         for item in classify_group_state(optimizer, group_index):
-            value = item.value
-            if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
-                continue
-            if item.entry.kind is StateKind.ELEMENTWISE:
-                tensors.append((item.entry.key, value.detach()[..., : e_end - e_start], False))
-            elif item.entry.kind is StateKind.BLOCKWISE:
-                tensors.append((item.entry.key, value.detach()[..., : b_end - b_start], True))
-        for key, tensor, per_block in tensors:
+            value, kind = item.value, item.entry.kind
+            if is_partitioned(kind) and isinstance(value, torch.Tensor) and value.is_floating_point():
+                tensors.append((item.entry.key, kind, value.detach()[..., : saved_length(kind, geometry, rank)]))
+        for key, kind, tensor in tensors:
             if _all_finite(tensor):
                 continue
+            first, last = local_range(kind, geometry, rank)
             for param in optimizer.param_entries(group_index, names):
-                start, end = param.offset, param.offset + param.numel
-                if per_block:
-                    lo, hi = max(start // geometry.block_size, b_start), min(-(-end // geometry.block_size), b_end)
-                    piece = tensor[..., lo - b_start : hi - b_start] if lo < hi else tensor[..., :0]
-                else:
-                    lo, hi = max(start, e_start), min(end, e_end)
-                    piece = tensor[..., lo - e_start : hi - e_start] if lo < hi else tensor[..., :0]
+                start, end = to_axis(kind, param.offset, param.offset + param.numel, geometry.block_size)
+                lo, hi = max(start, first), min(end, last)
+                piece = tensor[..., lo - first : hi - first] if lo < hi else tensor[..., :0]
                 if not _all_finite(piece):
                     found.setdefault(param.name, set()).add(key)
     return {name: sorted(keys) for name, keys in found.items()}

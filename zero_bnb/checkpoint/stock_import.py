@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from zero_bnb.core import quant
+from zero_bnb.core.kinds import is_partitioned, saved_ranges
 from zero_bnb.core.layout import ceil_div
 from zero_bnb.core.state_spec import OptimizerSpec, StateKind, StateRule, classify_state
 from zero_bnb.errors import (
@@ -30,6 +31,7 @@ from zero_bnb.format.manifest import (
     ParamEntry,
     StateEntry,
 )
+from zero_bnb.format.payload import ReplicatedGroup, ReplicatedPayload
 from zero_bnb.format.stock_files import (
     group_states,
     model_states_files,
@@ -59,7 +61,8 @@ def _saved_params(folder: str, rank_sds: list[dict[str, Any]], live: list[tuple[
 class StockCheckpoint:
     """A stock DeepSpeed ZeRO-1 checkpoint, converted in memory to zero_bnb's layout."""
 
-    def __init__(self, manifest: Manifest, replicated: dict[str, Any], pieces: dict[tuple[int, int, str], torch.Tensor]):
+    def __init__(self, manifest: Manifest, replicated: ReplicatedPayload,
+                 pieces: dict[tuple[int, int, str], torch.Tensor]):
         self.manifest = manifest
         self.replicated = replicated
         self._pieces = pieces
@@ -163,14 +166,10 @@ class StockCheckpoint:
                     entries.append(StateEntry(key, StateKind.ELEMENTWISE, "float32", f"{reason}; dequantized"))
                     requantized.append(key)
                     continue
-                dtype = str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else type(value).__name__
-                entries.append(StateEntry(key, kind, dtype, reason))
-                for r, n in enumerate(lengths):
-                    value_r = states_per_rank[r][g][key]
-                    if kind is StateKind.ELEMENTWISE:
-                        pieces[(r, g, key)] = value_r[..., :n]
-                    elif kind is StateKind.BLOCKWISE:
-                        pieces[(r, g, key)] = value_r[..., : block_ranges[r][1] - block_ranges[r][0]]
+                entries.append(StateEntry.describe(key, kind, value, reason))
+                if is_partitioned(kind):
+                    for r, (start, end) in enumerate(saved_ranges(kind, element_ranges, block_ranges)):
+                        pieces[(r, g, key)] = states_per_rank[r][g][key][..., : end - start]
                 if kind is StateKind.COUNTER:
                     counters[key] = value
                 elif kind is StateKind.REPLICATED:
@@ -186,11 +185,11 @@ class StockCheckpoint:
             groups.append(GroupEntry(numel, params[g], tuple(entries), element_ranges, block_ranges))
             base = rank_sds[0]["base_optimizer_state"]
             param_group = base["param_groups"][g] if isinstance(base, dict) else (live_param_groups or [{}] * (g + 1))[g]
-            replicated_groups.append({
-                "param_group": {k: v for k, v in param_group.items() if k != "params"},
-                "counters": counters,
-                "replicated": replicated,
-            })
+            replicated_groups.append(ReplicatedGroup(
+                param_group={k: v for k, v in param_group.items() if k != "params"},
+                counters=counters,
+                replicated=replicated,
+            ))
         manifest = Manifest(
             dp_world_size=len(rank_sds),
             block_size=block,
@@ -201,4 +200,4 @@ class StockCheckpoint:
             versions={"deepspeed": str(rank_sds[0].get("ds_version", "unknown"))},
         )
         wrapper = plain_wrapper({name: rank_sds[0][name] for name in WRAPPER_SCALARS if name in rank_sds[0]})
-        return cls(manifest, {"groups": replicated_groups, "zero_wrapper": wrapper}, pieces)
+        return cls(manifest, ReplicatedPayload(tuple(replicated_groups), wrapper), pieces)

@@ -13,7 +13,7 @@ import torch
 
 from zero_bnb.checkpoint.restore import SavedState, gather_range
 from zero_bnb.core import quant
-from zero_bnb.core.layout import ceil_div
+from zero_bnb.core.kinds import is_partitioned, saved_ranges, whole_length
 from zero_bnb.core.state_spec import OptimizerSpec, StateKind
 from zero_bnb.format.manifest import MASTER_KEY, StateEntry
 
@@ -42,24 +42,21 @@ def gather_full(saved: SavedState) -> list[FullGroup]:
     groups = []
     block_size = saved.manifest.block_size
     for index, entry in enumerate(saved.manifest.groups):
-        record = saved.replicated["groups"][index]
+        record = saved.replicated.groups[index]
         fp32 = torch.empty(entry.numel, dtype=torch.float32)
         gather_range(saved, index, MASTER_KEY, entry.element_ranges, (0, entry.numel), fp32)
         state: dict[str, Any] = {}
         for item in entry.states:
-            dtype = getattr(torch, item.dtype, None)
-            if item.kind is StateKind.ELEMENTWISE:
-                state[item.key] = torch.empty(*item.lead, entry.numel, dtype=dtype)
-                gather_range(saved, index, item.key, entry.element_ranges, (0, entry.numel), state[item.key])
-            elif item.kind is StateKind.BLOCKWISE:
-                blocks = ceil_div(entry.numel, block_size)
-                state[item.key] = torch.empty(*item.lead, blocks, dtype=dtype)
-                gather_range(saved, index, item.key, entry.block_ranges, (0, blocks), state[item.key])
+            if is_partitioned(item.kind):
+                length = whole_length(item.kind, entry.numel, block_size)
+                state[item.key] = torch.empty(*item.lead, length, dtype=getattr(torch, item.dtype))
+                ranges = saved_ranges(item.kind, entry.element_ranges, entry.block_ranges)
+                gather_range(saved, index, item.key, ranges, (0, length), state[item.key])
             elif item.kind is StateKind.REPLICATED:
-                state[item.key] = record["replicated"][item.key]
+                state[item.key] = record.replicated[item.key]
             else:
-                state[item.key] = record["counters"][item.key]
-        groups.append(FullGroup(entry.numel, entry.params, entry.states, fp32, state, dict(record["param_group"])))
+                state[item.key] = record.counters[item.key]
+        groups.append(FullGroup(entry.numel, entry.params, entry.states, fp32, state, dict(record.param_group)))
     return groups
 
 

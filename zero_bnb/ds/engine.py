@@ -29,6 +29,7 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
+from zero_bnb.bnb.chunked import uninstall_chunked_update
 from zero_bnb.checkpoint.batch import warn_if_batch_changed, with_batch
 from zero_bnb.checkpoint.collective import agree
 from zero_bnb.checkpoint.commit import SaveTransaction
@@ -37,7 +38,6 @@ from zero_bnb.checkpoint.load import LoadPlan, open_for_load, plan_load
 from zero_bnb.checkpoint.recovery_script import write_recovery_script
 from zero_bnb.checkpoint.restore import apply_masters, apply_restore
 from zero_bnb.checkpoint.save import build_manifest, write_local_files
-from zero_bnb.bnb.chunked import uninstall_chunked_update
 from zero_bnb.checkpoint.state_checks import find_non_finite, verify_replicated_state
 from zero_bnb.core.config import ZeroBnbConfig
 from zero_bnb.core.state_spec import StateRule, declared, spec_for

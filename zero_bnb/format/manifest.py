@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
+from zero_bnb import versions
 from zero_bnb.core.layout import ceil_div
 from zero_bnb.core.state_spec import StateKind
 from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
 from zero_bnb.format.durable import FileRecord, write_text
 from zero_bnb.format.paths import check_name, check_relative_path
-from zero_bnb.format.unpickle import safe_load
 
 __all__ = [
     "FORMAT_VERSION",
@@ -48,11 +48,7 @@ __all__ = [
     "StateEntry",
     "jsonable",
     "read_manifest",
-    "read_replicated",
-    "read_shard",
     "shard_name",
-    "check_replicated",
-    "check_shard",
     "write_manifest",
 ]
 
@@ -108,6 +104,14 @@ class StateEntry:
     reason: str
     lead: tuple[int, ...] = ()
 
+    @classmethod
+    def describe(cls, key: str, kind: StateKind, value: Any, reason: str) -> StateEntry:
+        """The entry of a state value: its dtype name, and leading axes if it is split by partition."""
+        is_tensor = isinstance(value, torch.Tensor)
+        dtype = str(value.dtype).removeprefix("torch.") if is_tensor else type(value).__name__
+        split = is_tensor and kind in (StateKind.ELEMENTWISE, StateKind.BLOCKWISE)
+        return cls(key, kind, dtype, reason, tuple(value.shape[:-1]) if split else ())
+
 
 @dataclass(frozen=True, slots=True)
 class GroupEntry:
@@ -125,6 +129,14 @@ class GroupEntry:
     element_ranges: tuple[tuple[int, int], ...]
     block_ranges: tuple[tuple[int, int], ...]
     hyperparameters: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def describe(cls, numel: int, params: tuple[ParamEntry, ...], states: tuple[StateEntry, ...],
+                 element_ranges, block_ranges, param_group: dict[str, Any], **extra: Any) -> GroupEntry:
+        """An entry whose ``hyperparameters`` are a JSON rendering of ``param_group`` (plus ``extra``)."""
+        hyper = {k: jsonable(v) for k, v in param_group.items() if k != "params"}
+        return cls(numel, tuple(params), tuple(states), tuple(map(tuple, element_ranges)),
+                   tuple(map(tuple, block_ranges)), {**hyper, **extra})
 
     def state(self, key: str) -> StateEntry | None:
         for entry in self.states:
@@ -165,6 +177,22 @@ class Manifest:
     batch: dict[str, int] = field(default_factory=dict)  # global, micro, accumulation, dp (zero_bnb.checkpoint.batch)
     format_version: int = FORMAT_VERSION
     format_name: str = FORMAT_NAME
+
+    @classmethod
+    def create(cls, *, dp_world_size: int, block_size: int, optimizer_class: str, optimizer_spec: str,
+               groups: tuple[GroupEntry, ...], files: list[FileRecord], non_finite: dict[str, list[str]] | None = None,
+               source: str = "the manifest being written") -> Manifest:
+        """The manifest of a checkpoint being written (shards named for ``dp_world_size``, files sorted,
+        installed versions), validated like one being read. The one constructor of both write paths."""
+        manifest = cls(
+            dp_world_size=dp_world_size, block_size=block_size, optimizer_class=optimizer_class,
+            optimizer_spec=optimizer_spec, groups=tuple(groups),
+            shards=tuple(shard_name(rank, dp_world_size) for rank in range(dp_world_size)),
+            files=tuple(sorted(files, key=lambda record: record.path)), non_finite=dict(non_finite or {}),
+            versions=versions.installed(),
+        )
+        manifest.validate(source)
+        return manifest
 
     def to_json(self) -> str:
         """The manifest as JSON whose first field is the SHA-256 of the text itself."""
@@ -388,104 +416,3 @@ def read_manifest(folder: str) -> Manifest:
     except UnicodeDecodeError as error:
         raise CheckpointCorruptError(f"{path} is not UTF-8 text ({error}); the manifest is damaged") from error
     return Manifest.from_json(text, source=path)
-
-
-def read_shard(folder: str, name: str) -> dict[str, Any]:
-    """Open one shard lazily (memory-mapped, ``weights_only``): only the slices a loader touches are read."""
-    return safe_load(os.path.join(folder, name), "shard file", mmap=True, root=folder)
-
-
-def read_replicated(folder: str, format_version: int = FORMAT_VERSION) -> dict[str, Any]:
-    """Read ``replicated.pt`` (hyper-parameters, counters, replicated tensors, loss scaler), ``weights_only``.
-
-    Version 1 files hold DeepSpeed's pickled loss scaler, which is then allowed by name.
-    """
-    return safe_load(os.path.join(folder, REPLICATED_NAME), "replicated-state file",
-                     deepspeed_classes=format_version < 2, root=folder)
-
-
-def _tensor_problem(value: Any, dtype: str, shape: tuple[int, ...]) -> str | None:
-    if not isinstance(value, torch.Tensor):
-        return f"is a {type(value).__name__}, not a tensor"
-    if str(value.dtype).removeprefix("torch.") != dtype or tuple(value.shape) != shape:
-        return f"is {str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}, the manifest says {dtype} {shape}"
-    return None
-
-
-def check_shard(shard: Any, manifest: Manifest, rank: int, source: str) -> None:
-    """Every tensor of shard ``rank`` has the dtype and shape the manifest's ranges give it.
-
-    Cheap on a memory-mapped shard (reads no tensor data). Raises ``CheckpointFormatError``
-    naming the group, key and both shapes.
-    """
-    groups = shard.get("groups") if isinstance(shard, dict) else None
-    if not isinstance(groups, list) or len(groups) != len(manifest.groups):
-        raise CheckpointFormatError(f"{source} does not hold the {len(manifest.groups)} groups its manifest lists")
-    problems = []
-    for index, (entry, group) in enumerate(zip(manifest.groups, groups)):
-        if not isinstance(group, dict) or not isinstance(group.get("state"), dict):
-            problems.append(f"group {index} is not {{'{MASTER_KEY}': tensor, 'state': {{...}}}}")
-            continue
-        start, end = entry.element_ranges[rank]
-        block_start, block_end = entry.block_ranges[rank]
-        problem = _tensor_problem(group.get(MASTER_KEY), "float32", (end - start,))
-        if problem:
-            problems.append(f"group {index} {MASTER_KEY} {problem}")
-        for state in entry.states:
-            if state.kind is StateKind.ELEMENTWISE:
-                length = end - start
-            elif state.kind is StateKind.BLOCKWISE:
-                length = block_end - block_start
-            else:
-                continue
-            problem = _tensor_problem(group["state"].get(state.key), state.dtype, (*state.lead, length))
-            if problem:
-                problems.append(f"group {index} state {state.key!r} {problem}")
-    if problems:
-        raise CheckpointFormatError(f"{source} does not match its manifest: {'; '.join(problems[:6])}; the checkpoint "
-                                    f"was edited or not written by zero_bnb")
-
-
-_NUMBER = (int, float)
-_NUMERIC_HYPERPARAMETERS = ("lr", "eps", "weight_decay", "momentum", "alpha", "dampening", "min_8bit_size",
-                            "percentile_clipping", "max_unorm", "t_alpha", "t_beta3")
-
-
-def _hyperparameter_problem(key: Any, value: Any) -> str | None:
-    """Why a saved param-group entry cannot be what an optimizer holds (``None`` if it can)."""
-    if not isinstance(key, str):
-        return "has a non-string name"
-    if key in _NUMERIC_HYPERPARAMETERS and (isinstance(value, bool) or not isinstance(value, _NUMBER + (type(None),))):
-        return "must be a number"
-    if key == "betas" and not (isinstance(value, (tuple, list)) and all(
-            isinstance(b, _NUMBER + (type(None),)) and not isinstance(b, bool) for b in value)):
-        return "must be a tuple of numbers"
-    return None
-
-
-def check_replicated(replicated: Any, manifest: Manifest, source: str) -> None:
-    """The replicated-state file holds, per group, the counters and replicated tensors the manifest lists."""
-    groups = replicated.get("groups") if isinstance(replicated, dict) else None
-    if not isinstance(groups, list) or len(groups) != len(manifest.groups) or not isinstance(
-            replicated.get("zero_wrapper", {}), dict):
-        raise CheckpointFormatError(f"{source} does not hold the {len(manifest.groups)} groups its manifest lists")
-    problems = []
-    for index, (entry, group) in enumerate(zip(manifest.groups, groups)):
-        if not isinstance(group, dict) or not all(isinstance(group.get(k), dict)
-                                                  for k in ("param_group", "counters", "replicated")):
-            problems.append(f"group {index} is not {{'param_group': {{}}, 'counters': {{}}, 'replicated': {{}}}}")
-            continue
-        for key, value in group["param_group"].items():
-            problem = _hyperparameter_problem(key, value)
-            if problem:
-                problems.append(f"group {index} hyper-parameter {key}={value!r:.80} {problem}")
-        for state in entry.states:
-            if state.kind is StateKind.COUNTER and state.key not in group["counters"]:
-                problems.append(f"group {index} has no counter {state.key!r}")
-            elif state.kind is StateKind.REPLICATED:
-                value = group["replicated"].get(state.key)
-                if not isinstance(value, torch.Tensor) or str(value.dtype).removeprefix("torch.") != state.dtype:
-                    problems.append(f"group {index} replicated {state.key!r} is not a {state.dtype} tensor")
-    if problems:
-        raise CheckpointFormatError(f"{source} does not match its manifest: {'; '.join(problems[:6])}; the checkpoint "
-                                    f"was edited or not written by zero_bnb")

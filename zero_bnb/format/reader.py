@@ -7,22 +7,13 @@ splits :meth:`CheckpointReader.verify` across ranks itself.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 
 from zero_bnb.errors import CheckpointFormatError
 from zero_bnb.format.integrity import check_file_list, verify_checksums
-from zero_bnb.format.manifest import (
-    MASTER_KEY,
-    REPLICATED_NAME,
-    SUBDIR,
-    check_replicated,
-    check_shard,
-    read_manifest,
-    read_replicated,
-    read_shard,
-)
+from zero_bnb.format.manifest import SUBDIR, read_manifest
+from zero_bnb.format.payload import ReplicatedPayload, ShardPayload, read_replicated, read_shard
 from zero_bnb.format.tags import resolve_tag
 
 __all__ = ["CheckpointReader", "verify_checkpoint"]
@@ -41,20 +32,18 @@ class CheckpointReader:
         self.folder = os.path.join(tag_folder, SUBDIR)
         self.manifest = read_manifest(self.folder)
         check_file_list(tag_folder, self.manifest)
-        self._replicated: dict[str, Any] | None = None
-        self._shards: dict[int, dict[str, Any]] = {}
+        self._replicated: ReplicatedPayload | None = None
+        self._shards: dict[int, ShardPayload] = {}
 
     def verify(self, rank: int = 0, world_size: int = 1, *, progress: bool = False) -> int:
         """Check this rank's share of the files' SHA-256; returns the bytes read."""
         return verify_checksums(self.tag_folder, self.manifest, rank, world_size, progress=progress)
 
     @property
-    def replicated(self) -> dict[str, Any]:
+    def replicated(self) -> ReplicatedPayload:
         """The replicated-state file (hyper-parameters, counters, qmaps, loss scaler), read once."""
         if self._replicated is None:
-            replicated = read_replicated(self.folder, self.manifest.format_version)
-            check_replicated(replicated, self.manifest, os.path.join(self.folder, REPLICATED_NAME))
-            self._replicated = replicated
+            self._replicated = read_replicated(self.folder, self.manifest)
         return self._replicated
 
     def preload(self) -> None:
@@ -66,11 +55,9 @@ class CheckpointReader:
         for rank in range(len(self.manifest.shards)):
             self._shard(rank)
 
-    def _shard(self, rank: int) -> dict[str, Any]:
+    def _shard(self, rank: int) -> ShardPayload:
         if rank not in self._shards:
-            shard = read_shard(self.folder, self.manifest.shards[rank])
-            check_shard(shard, self.manifest, rank, os.path.join(self.folder, self.manifest.shards[rank]))
-            self._shards[rank] = shard
+            self._shards[rank] = read_shard(self.folder, self.manifest, rank)
         return self._shards[rank]
 
     @staticmethod
@@ -79,8 +66,7 @@ class CheckpointReader:
         return os.path.isdir(os.path.join(tag_folder, SUBDIR))
 
     def piece(self, rank: int, group_index: int, key: str) -> torch.Tensor:
-        group = self._shard(rank)["groups"][group_index]
-        return group[MASTER_KEY] if key == MASTER_KEY else group["state"][key]
+        return self._shard(rank).groups[group_index].piece(key)
 
 
 def verify_checkpoint(load_dir: str, tag: str | None = None, *, progress: bool = False) -> CheckpointReader:

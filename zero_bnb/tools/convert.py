@@ -110,7 +110,7 @@ def to_universal(path: str, out: str, *, tag: str | None = None, force: bool = F
                 written += 1
             hyper = {k: group.param_group[k] for k in _ADAM_HYPERPARAMETERS if k in group.param_group}
             param_groups.append({**hyper, "params": [index]})
-        wrapper = live_wrapper(reader.replicated.get("zero_wrapper", {}))  # stock DeepSpeed unpickles this file
+        wrapper = live_wrapper(dict(reader.replicated.wrapper))  # stock DeepSpeed unpickles this file
         optimizer_state = {name: wrapper.get(name) for name in WRAPPER_SCALARS}
         optimizer_state.update({"ds_version": metadata.version("deepspeed"), "zero_stage": 1,
                                 "partition_count": manifest.dp_world_size, PARAM_GROUPS: param_groups})
@@ -250,7 +250,7 @@ def rescue_stock(path: str, out_dir: str, *, tag: str | None = None, out_tag: st
                         group.state[key], qmap, BNB_ADAM.block_size, BNB_ADAM.moment_names[key], report)
                     group.state[triple.qmap] = qmap
             group.states = _entries(group.state, "rescued from a stock DeepSpeed checkpoint")
-    wrapper = stock.replicated["zero_wrapper"]
+    wrapper = dict(stock.replicated.wrapper)
     published = write_checkpoint(out_dir, out_tag, groups, spec=BNB_ADAM,
                                  block_size=BNB_ADAM.block_size, optimizer_class="bitsandbytes (rescued)",
                                  wrapper=wrapper, extra_files={MODEL_STATES: model_file}, replace=force)

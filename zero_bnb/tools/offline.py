@@ -16,23 +16,27 @@ from typing import Any
 
 import torch
 
-from zero_bnb import versions
 from zero_bnb.checkpoint.commit import local_commit
 from zero_bnb.checkpoint.whole import FullGroup
 from zero_bnb.core import quant
+from zero_bnb.core.kinds import is_partitioned
 from zero_bnb.core.layout import ceil_div
 from zero_bnb.core.state_spec import OptimizerSpec, StateKind
-from zero_bnb.format.durable import FileRecord, copy_file, makedirs, save_torch
+from zero_bnb.format.durable import FileRecord, copy_file, makedirs
 from zero_bnb.format.manifest import (
-    MASTER_KEY,
-    REPLICATED_NAME,
     SUBDIR,
     GroupEntry,
     Manifest,
     StateEntry,
-    jsonable,
-    shard_name,
     write_manifest,
+)
+from zero_bnb.format.payload import (
+    ReplicatedGroup,
+    ReplicatedPayload,
+    ShardGroup,
+    ShardPayload,
+    write_replicated,
+    write_shard,
 )
 from zero_bnb.format.tags import LATEST_NAME
 from zero_bnb.format.wrapper_state import plain_wrapper
@@ -67,10 +71,6 @@ def quantize_moment(values: torch.Tensor, qmap: torch.Tensor, block_size: int, k
     return codes, absmax
 
 
-def _dtype_name(value: Any) -> str:
-    return str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else type(value).__name__
-
-
 def write_checkpoint(
     save_dir: str,
     tag: str,
@@ -99,40 +99,30 @@ def write_checkpoint(
     shard_groups, replicated_groups, entries = [], [], []
     for group in groups:
         kinds = {item.key: item.kind for item in group.states}
-        sharded = {k: v for k, v in group.state.items() if kinds[k] in (StateKind.ELEMENTWISE, StateKind.BLOCKWISE)}
-        shard_groups.append({MASTER_KEY: group.fp32.contiguous(), "state": sharded})
-        replicated_groups.append({
-            "param_group": group.param_group,
-            "counters": {k: v for k, v in group.state.items() if kinds[k] is StateKind.COUNTER},
-            "replicated": {k: v for k, v in group.state.items() if kinds[k] is StateKind.REPLICATED},
-        })
-        states = tuple(StateEntry(item.key, item.kind, _dtype_name(group.state[item.key]), item.reason,
-                                  tuple(group.state[item.key].shape[:-1])
-                                  if item.kind in (StateKind.ELEMENTWISE, StateKind.BLOCKWISE) else ())
-                       for item in group.states)
-        entries.append(GroupEntry(
-            numel=group.numel, params=tuple(group.params), states=states,
-            element_ranges=((0, group.numel),), block_ranges=((0, ceil_div(group.numel, block_size)),),
-            hyperparameters={k: jsonable(v) for k, v in group.param_group.items() if k != "params"},
+        shard_groups.append(ShardGroup(group.fp32.contiguous(), {
+            k: v for k, v in group.state.items() if is_partitioned(kinds[k])}))
+        replicated_groups.append(ReplicatedGroup(
+            param_group=group.param_group,
+            counters={k: v for k, v in group.state.items() if kinds[k] is StateKind.COUNTER},
+            replicated={k: v for k, v in group.state.items() if kinds[k] is StateKind.REPLICATED},
         ))
+        states = tuple(StateEntry.describe(item.key, item.kind, group.state[item.key], item.reason)
+                       for item in group.states)
+        entries.append(GroupEntry.describe(group.numel, group.params, states, ((0, group.numel),),
+                                           ((0, ceil_div(group.numel, block_size)),), group.param_group))
     with local_commit(save_dir, tag, latest_name=LATEST_NAME if save_latest else None, replace=replace) as staging:
         folder = os.path.join(staging, SUBDIR)
         makedirs(folder)
         files: list[FileRecord] = [
-            save_torch({"rank": 0, "dp": 1, "groups": shard_groups}, os.path.join(folder, shard_name(0, 1)),
-                       root=staging),
-            save_torch({"groups": replicated_groups, "zero_wrapper": plain_wrapper(wrapper)},
-                       os.path.join(folder, REPLICATED_NAME), root=staging),
+            write_shard(ShardPayload(0, 1, tuple(shard_groups)), folder, root=staging),
+            write_replicated(ReplicatedPayload(tuple(replicated_groups), plain_wrapper(wrapper)), folder, root=staging),
         ]
         for name, source in extra_files.items():
             target = os.path.join(staging, name)
             files.append(copy_file(source, target, root=staging) if isinstance(source, str) else source(target, staging))
-        manifest = Manifest(
-            dp_world_size=1, block_size=block_size, optimizer_class=optimizer_class, optimizer_spec=spec.name,
-            groups=tuple(entries), shards=(shard_name(0, 1),), files=tuple(sorted(files, key=lambda f: f.path)),
-            versions=versions.installed(),
-        )
-        manifest.validate(f"the checkpoint being written to {os.path.join(save_dir, tag)}")
+        manifest = Manifest.create(dp_world_size=1, block_size=block_size, optimizer_class=optimizer_class,
+                                   optimizer_spec=spec.name, groups=tuple(entries), files=files,
+                                   source=f"the checkpoint being written to {os.path.join(save_dir, tag)}")
         write_manifest(manifest, folder, root=staging)
     published = os.path.join(save_dir, tag)
     logger.info("zero_bnb: wrote %s (%d groups)", published, len(groups))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from zero_bnb.core.kinds import is_partitioned
 from zero_bnb.core.state_spec import StateKind
 from zero_bnb.tools.checkpoint_paths import locate, open_verified, require_zero_bnb
 from zero_bnb.tools.outputs import check_output_file, replacing_file
@@ -28,10 +29,10 @@ def inspect_checkpoint(path: str, tag: str | None = None) -> dict[str, Any]:
     for index, entry in enumerate(manifest.groups):
         states = []
         for item in entry.states:
-            if item.kind in (StateKind.ELEMENTWISE, StateKind.BLOCKWISE):
+            if is_partitioned(item.kind):
                 nbytes = sum(reader.piece(r, index, item.key).nbytes for r in range(len(manifest.shards)))
             elif item.kind is StateKind.REPLICATED:
-                nbytes = reader.replicated["groups"][index]["replicated"][item.key].nbytes
+                nbytes = reader.replicated.groups[index].replicated[item.key].nbytes
             else:
                 nbytes = 0
             states.append({"key": item.key, "kind": item.kind.value, "dtype": item.dtype, "bytes": nbytes,

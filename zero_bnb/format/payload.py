@@ -1,0 +1,207 @@
+"""The payload files of a checkpoint as frozen records: the one owner of their structure.
+
+``shard_{r}-of-{dp}.pt`` holds a :class:`ShardPayload` (per flat group, the fp32 master weights
+and the element-wise and block-wise states of the real elements rank ``r`` owned);
+``replicated.pt`` holds a :class:`ReplicatedPayload` (per group the hyper-parameters, counters and
+replicated tensors, and the ZeRO wrapper's scalars as plain data). Writers build records and call
+:func:`write_shard` / :func:`write_replicated`; readers get records from :func:`read_shard` /
+:func:`read_replicated`, checked against the manifest (dtypes, shapes, keys) before use. On disk
+they are plain dicts of tensors, numbers and strings, read with ``weights_only=True``.
+
+Local I/O, no collectives.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zero_bnb.core.kinds import is_partitioned, saved_ranges
+from zero_bnb.core.state_spec import StateKind
+from zero_bnb.errors import CheckpointFormatError
+from zero_bnb.format.durable import FileRecord, save_torch
+from zero_bnb.format.manifest import FORMAT_VERSION, MASTER_KEY, REPLICATED_NAME, Manifest, shard_name
+from zero_bnb.format.unpickle import safe_load
+from zero_bnb.format.wrapper_state import check_plain, plain_wrapper
+
+__all__ = [
+    "ReplicatedGroup",
+    "ReplicatedPayload",
+    "ShardGroup",
+    "ShardPayload",
+    "read_replicated",
+    "read_shard",
+    "write_replicated",
+    "write_shard",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardGroup:
+    """One flat group's part of a shard: master weights and partitioned states of the saved range."""
+
+    fp32: torch.Tensor
+    state: Mapping[str, torch.Tensor]
+
+    def piece(self, key: str) -> torch.Tensor:
+        """``fp32`` for :data:`~zero_bnb.format.manifest.MASTER_KEY`, else the state tensor ``key``."""
+        return self.fp32 if key == MASTER_KEY else self.state[key]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPayload:
+    """What one saving rank wrote: its groups' saved ranges (global ranges are in the manifest)."""
+
+    rank: int
+    dp: int
+    groups: tuple[ShardGroup, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "dp": self.dp,
+                "groups": [{MASTER_KEY: g.fp32, "state": dict(g.state)} for g in self.groups]}
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicatedGroup:
+    """One flat group's state that is the same on every rank: hyper-parameters, counters, replicated tensors."""
+
+    param_group: Mapping[str, Any]
+    counters: Mapping[str, Any]
+    replicated: Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicatedPayload:
+    """Everything saved once: every group's :class:`ReplicatedGroup` and the ZeRO wrapper's scalars (plain)."""
+
+    groups: tuple[ReplicatedGroup, ...]
+    wrapper: Mapping[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"groups": [{"param_group": dict(g.param_group), "counters": dict(g.counters),
+                            "replicated": dict(g.replicated)} for g in self.groups],
+                "zero_wrapper": dict(self.wrapper)}
+
+
+def write_shard(payload: ShardPayload, folder: str, *, root: str) -> FileRecord:
+    """Write ``payload`` as ``folder/shard_{rank}-of-{dp}.pt``, durably; the record is relative to ``root``."""
+    return save_torch(payload.to_dict(), os.path.join(folder, shard_name(payload.rank, payload.dp)), root=root)
+
+
+def write_replicated(payload: ReplicatedPayload, folder: str, *, root: str) -> FileRecord:
+    """Write ``payload`` as ``folder/replicated.pt``, durably; the record is relative to ``root``."""
+    return save_torch(payload.to_dict(), os.path.join(folder, REPLICATED_NAME), root=root)
+
+
+def read_shard(folder: str, manifest: Manifest, rank: int) -> ShardPayload:
+    """Open shard ``rank`` lazily (memory-mapped, ``weights_only``) and check it against ``manifest``."""
+    path = os.path.join(folder, manifest.shards[rank])
+    data = safe_load(path, "shard file", mmap=True, root=folder)
+    _check_shard(data, manifest, rank, path)
+    return ShardPayload(rank, manifest.dp_world_size, tuple(
+        ShardGroup(group[MASTER_KEY], dict(group["state"])) for group in data["groups"]))
+
+
+def read_replicated(folder: str, manifest: Manifest) -> ReplicatedPayload:
+    """Read ``replicated.pt`` (``weights_only``) and check it against ``manifest``.
+
+    Version 1 files hold DeepSpeed's pickled loss scaler, which is then allowed by name and
+    turned into the plain record.
+    """
+    path = os.path.join(folder, REPLICATED_NAME)
+    data = safe_load(path, "replicated-state file", deepspeed_classes=manifest.format_version < FORMAT_VERSION,
+                     root=folder)
+    _check_replicated(data, manifest, path)
+    wrapper = plain_wrapper(data.get("zero_wrapper", {}))
+    check_plain(wrapper, path)
+    return ReplicatedPayload(tuple(ReplicatedGroup(dict(g["param_group"]), dict(g["counters"]), dict(g["replicated"]))
+                                   for g in data["groups"]), wrapper)
+
+
+def _tensor_problem(value: Any, dtype: str, shape: tuple[int, ...]) -> str | None:
+    if not isinstance(value, torch.Tensor):
+        return f"is a {type(value).__name__}, not a tensor"
+    if str(value.dtype).removeprefix("torch.") != dtype or tuple(value.shape) != shape:
+        return f"is {str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}, the manifest says {dtype} {shape}"
+    return None
+
+
+def _check_shard(shard: Any, manifest: Manifest, rank: int, source: str) -> None:
+    """Every tensor of shard ``rank`` has the dtype and shape the manifest's ranges give it.
+
+    Cheap on a memory-mapped shard (reads no tensor data). Raises ``CheckpointFormatError``
+    naming the group, key and both shapes.
+    """
+    groups = shard.get("groups") if isinstance(shard, dict) else None
+    if not isinstance(groups, list) or len(groups) != len(manifest.groups):
+        raise CheckpointFormatError(f"{source} does not hold the {len(manifest.groups)} groups its manifest lists")
+    problems = []
+    for index, (entry, group) in enumerate(zip(manifest.groups, groups)):
+        if not isinstance(group, dict) or not isinstance(group.get("state"), dict):
+            problems.append(f"group {index} is not {{'{MASTER_KEY}': tensor, 'state': {{...}}}}")
+            continue
+        def length(kind: StateKind) -> int:
+            start, end = saved_ranges(kind, entry.element_ranges, entry.block_ranges)[rank]
+            return end - start
+
+        problem = _tensor_problem(group.get(MASTER_KEY), "float32", (length(StateKind.ELEMENTWISE),))
+        if problem:
+            problems.append(f"group {index} {MASTER_KEY} {problem}")
+        for state in entry.states:
+            if not is_partitioned(state.kind):
+                continue
+            problem = _tensor_problem(group["state"].get(state.key), state.dtype, (*state.lead, length(state.kind)))
+            if problem:
+                problems.append(f"group {index} state {state.key!r} {problem}")
+    if problems:
+        raise CheckpointFormatError(f"{source} does not match its manifest: {'; '.join(problems[:6])}; the checkpoint "
+                                    f"was edited or not written by zero_bnb")
+
+
+_NUMBER = (int, float)
+_NUMERIC_HYPERPARAMETERS = ("lr", "eps", "weight_decay", "momentum", "alpha", "dampening", "min_8bit_size",
+                            "percentile_clipping", "max_unorm", "t_alpha", "t_beta3")
+
+
+def _hyperparameter_problem(key: Any, value: Any) -> str | None:
+    """Why a saved param-group entry cannot be what an optimizer holds (``None`` if it can)."""
+    if not isinstance(key, str):
+        return "has a non-string name"
+    if key in _NUMERIC_HYPERPARAMETERS and (isinstance(value, bool) or not isinstance(value, _NUMBER + (type(None),))):
+        return "must be a number"
+    if key == "betas" and not (isinstance(value, (tuple, list)) and all(
+            isinstance(b, _NUMBER + (type(None),)) and not isinstance(b, bool) for b in value)):
+        return "must be a tuple of numbers"
+    return None
+
+
+def _check_replicated(replicated: Any, manifest: Manifest, source: str) -> None:
+    """The replicated-state file holds, per group, the counters and replicated tensors the manifest lists."""
+    groups = replicated.get("groups") if isinstance(replicated, dict) else None
+    if not isinstance(groups, list) or len(groups) != len(manifest.groups) or not isinstance(
+            replicated.get("zero_wrapper", {}), dict):
+        raise CheckpointFormatError(f"{source} does not hold the {len(manifest.groups)} groups its manifest lists")
+    problems = []
+    for index, (entry, group) in enumerate(zip(manifest.groups, groups)):
+        if not isinstance(group, dict) or not all(isinstance(group.get(k), dict)
+                                                  for k in ("param_group", "counters", "replicated")):
+            problems.append(f"group {index} is not {{'param_group': {{}}, 'counters': {{}}, 'replicated': {{}}}}")
+            continue
+        for key, value in group["param_group"].items():
+            problem = _hyperparameter_problem(key, value)
+            if problem:
+                problems.append(f"group {index} hyper-parameter {key}={value!r:.80} {problem}")
+        for state in entry.states:
+            if state.kind is StateKind.COUNTER and state.key not in group["counters"]:
+                problems.append(f"group {index} has no counter {state.key!r}")
+            elif state.kind is StateKind.REPLICATED:
+                value = group["replicated"].get(state.key)
+                if not isinstance(value, torch.Tensor) or str(value.dtype).removeprefix("torch.") != state.dtype:
+                    problems.append(f"group {index} replicated {state.key!r} is not a {state.dtype} tensor")
+    if problems:
+        raise CheckpointFormatError(f"{source} does not match its manifest: {'; '.join(problems[:6])}; the checkpoint "
+                                    f"was edited or not written by zero_bnb")
