@@ -20,6 +20,7 @@ from zero_bnb.testing.toy import LEARNING_RATE as LR
 from zero_bnb.testing.toy import build_model, param_groups, train_steps
 
 STEPS, MORE = 3, 2
+ONE_STATE = ("Lion8bit", "SGD8bit")
 
 
 def write_sources(rank, world, workdir):
@@ -38,6 +39,12 @@ def write_sources(rank, world, workdir):
     stock.save_checkpoint(os.path.join(workdir, "stock"), tag="s3")
     out["stock_weights"] = {n: p.detach().clone() for n, p in stock.module.named_parameters()}
     out["stock_after"] = train_steps(stock, RUN, STEPS, MORE)
+    for family in ONE_STATE:  # the other declared families rescue too (their state keys need --optimizer)
+        other = _stock_engine(world, family)
+        train_steps(other, RUN, 0, STEPS)
+        other.save_checkpoint(os.path.join(workdir, f"stock_{family}"), tag="s3")
+        out[f"stock_{family}_weights"] = {n: p.detach().clone() for n, p in other.module.named_parameters()}
+        out[f"stock_{family}_after"] = train_steps(other, RUN, STEPS, MORE)
     _save_result(os.path.join(workdir, "sources.pt"), out)
 
 
@@ -77,5 +84,10 @@ def resume_converted(rank, world, workdir):
     rescued.load_checkpoint(os.path.join(workdir, "rescued"))
     out["rescued"] = consolidated_state(rescued)
     out["rescued_after"] = train_steps(rescued, RUN, STEPS, MORE)
+    for family in ONE_STATE:
+        engine = make_engine(world, family)
+        engine.load_checkpoint(os.path.join(workdir, f"rescued_{family}"))
+        out[f"rescued_{family}"] = consolidated_state(engine)
+        out[f"rescued_{family}_after"] = train_steps(engine, RUN, STEPS, MORE)
     dist.barrier()
     _save_result(os.path.join(workdir, f"resumed_dp{world}.pt"), out)

@@ -6,6 +6,7 @@ checks as it can so the suite stays fast.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -18,7 +19,8 @@ from zero_bnb.testing.toy import DEFAULT_RUN as RUN
 from zero_bnb.testing.toy import LEARNING_RATE as LR
 from zero_bnb.testing.toy import build_engine, build_model, param_groups, train_steps
 
-OPTIMIZERS = {"Adam8bit": bnb.optim.Adam8bit, "AdamW8bit": bnb.optim.AdamW8bit, "AdamW": torch.optim.AdamW}
+OPTIMIZERS = {"Adam8bit": bnb.optim.Adam8bit, "AdamW8bit": bnb.optim.AdamW8bit, "AdamW": torch.optim.AdamW,
+              "Lion8bit": bnb.optim.Lion8bit, "SGD8bit": functools.partial(bnb.optim.SGD8bit, momentum=0.9)}
 
 logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 import torch
-from convert_scenarios import resume_converted, write_sources
+from convert_scenarios import ONE_STATE, STEPS, resume_converted, write_sources
 from safetensors.torch import load_file
 
 from zero_bnb.cli import main
@@ -36,6 +36,9 @@ def work(tmp_path_factory):
         "from_universal": cli("convert", workdir / "universal", "--to", "zero_bnb", workdir / "back",
                               "--optimizer", "Adam8bit"),
         "rescue": cli("convert", workdir / "stock" / "s3", "--to", "zero_bnb", workdir / "rescued"),
+        **{f"rescue_{family}": cli("convert", workdir / f"stock_{family}", "--to", "zero_bnb",
+                                   workdir / f"rescued_{family}", "--optimizer", family) for family in ONE_STATE},
+        "rescue_unnamed": cli("convert", workdir / f"stock_{ONE_STATE[0]}", "--to", "zero_bnb", workdir / "unnamed"),
         "export": cli("export", workdir / "zero_bnb", "--to", "fp32", workdir / "weights.safetensors", "--moments"),
         "inspect": cli("inspect", workdir / "zero_bnb"),
         "inspect_json": cli("inspect", workdir / "zero_bnb" / "s3", "--json"),
@@ -163,6 +166,24 @@ def test_rescued_stock_checkpoint_resumes_at_another_dp_size(work, dp):
         assert torch.equal(rescued["params"][name]["fp32"], weight), name
     assert [c["step"] for c in rescued["counters"]] == [3, 3, 3]
     assert resumed[dp]["rescued_after"] == pytest.approx(sources["stock_after"], rel=2e-4)
+
+
+@pytest.mark.parametrize("dp", [1, 3])
+@pytest.mark.parametrize("family", ONE_STATE)
+def test_stock_checkpoints_of_every_declared_family_are_rescued_from_the_declaration(work, dp, family):
+    _, runs, sources, resumed = work
+    assert "saved_dp_size: 2" in _ok(runs, f"rescue_{family}")
+    rescued = resumed[dp][f"rescued_{family}"]
+    for name, weight in sources[f"stock_{family}_weights"].items():
+        assert torch.equal(rescued["params"][name]["fp32"], weight), name
+    assert [c["step"] for c in rescued["counters"]] == [STEPS] * len(rescued["counters"])
+    assert resumed[dp][f"rescued_{family}_after"] == pytest.approx(sources[f"stock_{family}_after"], rel=2e-4)
+
+
+def test_a_one_state_stock_checkpoint_needs_its_optimizer_named(work):
+    _, runs, _, _ = work
+    code, _, err = runs["rescue_unnamed"]
+    assert code == 2 and "name the optimizer that wrote it with --optimizer" in err and "Lion8bit" in err, err
 
 
 def test_model_states_file_holds_the_trained_weights_by_default(work):

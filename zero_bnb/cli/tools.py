@@ -56,8 +56,10 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     conv.add_argument("--out-tag", help="--to zero_bnb only: tag to write (default: the tag read)")
     conv.add_argument("--force", action="store_true", help="replace an existing output (kept until the new one is "
                                                            "complete)")
-    conv.add_argument("--optimizer", default="AdamW8bit", choices=UNIVERSAL_TARGETS,
-                      help="bitsandbytes optimizer for universal -> zero_bnb (default AdamW8bit)")
+    conv.add_argument("--optimizer", default=None,
+                      help=f"universal -> zero_bnb: the bitsandbytes optimizer to start, one of {list(UNIVERSAL_TARGETS)} "
+                           f"(default AdamW8bit); stock -> zero_bnb: the class that wrote the checkpoint (needed for "
+                           f"Lion8bit, SGD8bit, RMSprop8bit, Adagrad8bit; Adam and AdEMAMix are recognised)")
     export = commands.add_parser("export", help="consolidated fp32 weights (and moments) as safetensors")
     export.add_argument("checkpoint")
     export.add_argument("--to", required=True, choices=("fp32",), dest="target")
@@ -170,7 +172,8 @@ def _to_zero_bnb(args: argparse.Namespace) -> dict[str, Any]:
     kind = checkpoint_paths.detect(args.checkpoint, args.tag)
     if kind == "universal":
         return convert.from_universal(args.checkpoint, args.out, tag=args.tag, out_tag=args.out_tag,
-                                      optimizer=args.optimizer, force=args.force, progress=True)
+                                      optimizer=args.optimizer or "AdamW8bit", force=args.force, progress=True)
     if kind == "stock":
-        return convert.rescue_stock(args.checkpoint, args.out, tag=args.tag, out_tag=args.out_tag, force=args.force)
+        return convert.rescue_stock(args.checkpoint, args.out, tag=args.tag, out_tag=args.out_tag, force=args.force,
+                                    optimizer=args.optimizer)
     raise CheckpointUsageError(f"{args.checkpoint} is already a zero_bnb checkpoint; it loads at any DP size as it is")

@@ -28,6 +28,7 @@ __all__ = [
     "declared",
     "family_of",
     "spec_for",
+    "spec_for_class",
     "spec_named",
 ]
 
@@ -103,6 +104,8 @@ class OptimizerSpec:
     #: a bitsandbytes optimizer: steps through ``update_step`` (chunked above 2^31 elements) and
     #: honours ``GlobalOptimManager`` overrides.
     bitsandbytes: bool = False
+    #: class names in ``bitsandbytes.optim`` (or ``torch.optim``) of this family, for tools told a name.
+    classes: tuple[str, ...] = ()
 
     def triple_for(self, key: str) -> QuantizedTriple | None:
         """The 8-bit triple in which ``key`` is the codes, absmax or map, if any."""
@@ -235,13 +238,16 @@ BNB_ADAM = OptimizerSpec(
     init_state=_init_bnb_state,
     moment_names={"state1": "exp_avg", "state2": "exp_avg_sq"},
     bitsandbytes=True,
+    classes=("Adam", "AdamW", "Adam8bit", "AdamW8bit", "Adam32bit", "AdamW32bit", "PagedAdam", "PagedAdamW",
+             "PagedAdam8bit", "PagedAdamW8bit", "PagedAdam32bit", "PagedAdamW32bit"),
 )
 
 
-def _bnb_one_state(optimizer_name: str, classes: str, moment: str) -> OptimizerSpec:
+def _bnb_one_state(optimizer_name: str, classes: str, moment: str, class_names: tuple[str, ...]) -> OptimizerSpec:
     """A bitsandbytes ``Optimizer1State`` family: ``state1`` (8-bit or fp32) and ``step``."""
     return OptimizerSpec(
         name=f"bitsandbytes {classes}",
+        classes=class_names,
         matches=_bnb_family("Optimizer1State", optimizer_name),
         kinds=_BNB_1STATE_KINDS,
         quantized=(_TRIPLE_1,),
@@ -265,12 +271,17 @@ BNB_ADEMAMIX = OptimizerSpec(
     init_state=_init_bnb_state,
     moment_names={"state1": "exp_avg_fast_slow", "state2": "exp_avg_sq"},
     bitsandbytes=True,
+    classes=("AdEMAMix", "AdEMAMix8bit", "AdEMAMix32bit", "PagedAdEMAMix", "PagedAdEMAMix8bit", "PagedAdEMAMix32bit"),
 )
 
-BNB_LION = _bnb_one_state("lion", "Lion (Lion8bit, Lion32bit)", "exp_avg")
-BNB_SGD = _bnb_one_state("momentum", "SGD with momentum (SGD8bit, SGD32bit)", "momentum_buffer")
-BNB_RMSPROP = _bnb_one_state("rmsprop", "RMSprop (RMSprop8bit, RMSprop32bit)", "square_avg")
-BNB_ADAGRAD = _bnb_one_state("adagrad", "Adagrad (Adagrad8bit, Adagrad32bit)", "sum")
+BNB_LION = _bnb_one_state("lion", "Lion (Lion8bit, Lion32bit)", "exp_avg",
+                          ("Lion", "Lion8bit", "Lion32bit", "PagedLion", "PagedLion8bit", "PagedLion32bit"))
+BNB_SGD = _bnb_one_state("momentum", "SGD with momentum (SGD8bit, SGD32bit)", "momentum_buffer",
+                         ("SGD", "SGD8bit", "SGD32bit"))
+BNB_RMSPROP = _bnb_one_state("rmsprop", "RMSprop (RMSprop8bit, RMSprop32bit)", "square_avg",
+                             ("RMSprop", "RMSprop8bit", "RMSprop32bit"))
+BNB_ADAGRAD = _bnb_one_state("adagrad", "Adagrad (Adagrad8bit, Adagrad32bit)", "sum",
+                             ("Adagrad", "Adagrad8bit", "Adagrad32bit"))
 
 TORCH_ADAM = OptimizerSpec(
     name="torch.optim Adam/AdamW",
@@ -287,6 +298,21 @@ TORCH_ADAM = OptimizerSpec(
 
 #: Every supported family, most specific first.
 SPECS: tuple[OptimizerSpec, ...] = (BNB_ADAM, BNB_ADEMAMIX, BNB_LION, BNB_SGD, BNB_RMSPROP, BNB_ADAGRAD, TORCH_ADAM)
+
+
+def spec_for_class(class_name: str) -> OptimizerSpec:
+    """The bitsandbytes family that ``bitsandbytes.optim.<class_name>`` belongs to (for tools told a name).
+
+    Raises:
+        UnsupportedOptimizerError: no bitsandbytes family declares that class; lists those that do.
+    """
+    for spec in SPECS:
+        if spec.bitsandbytes and class_name in spec.classes:
+            return spec
+    known = sorted(name for spec in SPECS if spec.bitsandbytes for name in spec.classes if "8bit" in name)
+    raise UnsupportedOptimizerError(
+        f"no bitsandbytes optimizer family zero_bnb declares has a class {class_name!r}; name one of {known}"
+    )
 
 
 def spec_named(name: str) -> OptimizerSpec:

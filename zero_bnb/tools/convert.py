@@ -28,7 +28,20 @@ from zero_bnb.checkpoint.derived import restore_derived
 from zero_bnb.checkpoint.stock_import import StockCheckpoint
 from zero_bnb.checkpoint.whole import FullGroup, gather_full, moments, per_parameter
 from zero_bnb.core.layout import GroupGeometry
-from zero_bnb.core.state_spec import BNB_ADAM, UNIVERSAL_TARGETS, StateRule, spec_named
+from zero_bnb.core.state_spec import (
+    BNB_ADAGRAD,
+    BNB_ADAM,
+    BNB_ADEMAMIX,
+    BNB_LION,
+    BNB_RMSPROP,
+    BNB_SGD,
+    UNIVERSAL_TARGETS,
+    OptimizerSpec,
+    StateRule,
+    UnsupportedOptimizerError,
+    spec_for_class,
+    spec_named,
+)
 from zero_bnb.ds.loss_scaler import live_wrapper
 from zero_bnb.errors import CheckpointFormatError, CheckpointUsageError, malformed
 from zero_bnb.format.durable import makedirs, save_torch
@@ -162,8 +175,31 @@ def _fresh_bnb_state(optimizer_name: str, numel: int, hyper: dict[str, Any]) -> 
     return optimizer.state[param], {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
 
 
-def _entries(state: dict[str, Any], reason: str) -> tuple[StateEntry, ...]:
-    return tuple(StateEntry(key, BNB_ADAM.kinds[key], "", reason) for key in sorted(state))
+def _entries(state: dict[str, Any], reason: str, spec: OptimizerSpec = BNB_ADAM) -> tuple[StateEntry, ...]:
+    return tuple(StateEntry(key, spec.kinds[key], "", reason) for key in sorted(state))
+
+
+def _stock_family(rank_sds: list[dict[str, Any]], optimizer: str | None, where: str) -> OptimizerSpec:
+    """The bitsandbytes family of a stock checkpoint: named by ``optimizer``, or told by its state keys.
+
+    Raises:
+        CheckpointUsageError: a one-state family (Lion, SGD, RMSprop, Adagrad: the same keys) and no
+            ``optimizer`` named, or a name no declared family has.
+    """
+    if optimizer is not None:
+        try:
+            return spec_for_class(optimizer)
+        except UnsupportedOptimizerError as error:
+            raise CheckpointUsageError(f"--optimizer {optimizer}: {error}") from error
+    state = next((s for s in group_states(rank_sds[0]) if s), {})
+    if "state2" in state:
+        return BNB_ADEMAMIX if getattr(state.get("state1"), "dim", lambda: 1)() > 1 else BNB_ADAM
+    one_state = sorted(name for spec in (BNB_LION, BNB_SGD, BNB_RMSPROP, BNB_ADAGRAD) for name in spec.classes
+                       if name.endswith("8bit"))
+    raise CheckpointUsageError(
+        f"{where} holds one-state bitsandbytes optimizer state (state1, absmax1, qmap1), which Lion, SGD, RMSprop and "
+        f"Adagrad share; name the optimizer that wrote it with --optimizer (one of {one_state})"
+    )
 
 
 def _target(path: str, tag: str | None, out_dir: str, out_tag: str | None, *, latest: str,
@@ -220,12 +256,14 @@ def from_universal(path: str, out_dir: str, *, tag: str | None = None, out_tag: 
 
 
 def rescue_stock(path: str, out_dir: str, *, tag: str | None = None, out_tag: str | None = None,
-                 force: bool = False) -> dict[str, Any]:
+                 force: bool = False, optimizer: str | None = None) -> dict[str, Any]:
     """Rewrite a stock DeepSpeed ZeRO-1 + bitsandbytes checkpoint (any DP size) as a zero_bnb checkpoint.
 
     Each rank's 8-bit partition is dequantized with its own ``absmax`` and map, then requantized
     once on the aligned global grid (partitions that were already block-aligned are copied
-    exactly). Returns the error introduced.
+    exactly). Works for every declared bitsandbytes family: Adam and AdEMAMix are told by their
+    state keys, the one-state families (Lion, SGD, RMSprop, Adagrad) need ``optimizer`` (the
+    class name, e.g. ``"Lion8bit"``). Returns the error introduced.
     """
     tag_folder, out_tag = _target(path, tag, out_dir, out_tag, latest="latest", force=force)
     names = zero_file_names(tag_folder)
@@ -234,25 +272,26 @@ def rescue_stock(path: str, out_dir: str, *, tag: str | None = None, out_tag: st
     model_file = model_states_files(tag_folder)[MODEL_STATES]
     rank_sds = read_rank_files(names)
     with malformed(f"stock DeepSpeed checkpoint {tag_folder}"):
+        spec = _stock_family(rank_sds, optimizer, tag_folder)
         stock = StockCheckpoint.from_rank_states(
-            rank_sds, spec=BNB_ADAM, rule=StateRule(unsharded_keys=frozenset(BNB_ADAM.replicated_by_default)),
+            rank_sds, spec=spec, rule=StateRule(unsharded_keys=frozenset(spec.replicated_by_default)),
             params=param_entries(model_file), optimizer_class="stock DeepSpeed checkpoint", log=False)
         groups = gather_full(stock)
     report = QuantizationReport()
     with malformed(f"stock DeepSpeed checkpoint {tag_folder}"):
         for index, group in enumerate(groups):
             original = group_states(rank_sds[0])[index]
-            for key in BNB_ADAM.moment_names:
-                triple = BNB_ADAM.triple_for(key)
-                if group.state[key].dtype != torch.uint8 and original[key].dtype == torch.uint8:
+            for triple in spec.quantized:  # 8-bit moments that unaligned partitions made fp32: back to 8 bits once
+                key = triple.codes
+                if key in group.state and group.state[key].dtype != torch.uint8 and original[key].dtype == torch.uint8:
                     qmap = original[triple.qmap]
                     group.state[key], group.state[triple.absmax] = quantize_moment(
-                        group.state[key], qmap, BNB_ADAM.block_size, BNB_ADAM.moment_names[key], report)
+                        group.state[key], qmap, spec.block_size, spec.moment_names.get(key, key), report)
                     group.state[triple.qmap] = qmap
-            group.states = _entries(group.state, "rescued from a stock DeepSpeed checkpoint")
+            group.states = _entries(group.state, "rescued from a stock DeepSpeed checkpoint", spec)
     wrapper = dict(stock.replicated.wrapper)
-    published = write_checkpoint(out_dir, out_tag, groups, spec=BNB_ADAM,
-                                 block_size=BNB_ADAM.block_size, optimizer_class="bitsandbytes (rescued)",
+    published = write_checkpoint(out_dir, out_tag, groups, spec=spec,
+                                 block_size=spec.block_size, optimizer_class="bitsandbytes (rescued)",
                                  wrapper=wrapper, extra_files={MODEL_STATES: model_file}, replace=force)
     return {"output": published, "saved_dp_size": len(names), "requantized_elements": report.quantized_elements,
             "max_abs_error": report.max_abs_error, "relative_rms_error": report.relative_rms_error}
