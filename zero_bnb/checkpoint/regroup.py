@@ -68,8 +68,7 @@ def _flatten_by_param(group: FullGroup, spec: OptimizerSpec, block_size: int) ->
         triple = spec.triple_for(item.key)
         if item.kind is StateKind.ELEMENTWISE:
             if triple is not None and value.dtype == torch.uint8:
-                whole[item.key] = quant.dequantize(value, group.state[triple.absmax], group.state[triple.qmap],
-                                                   block_size)
+                whole[item.key] = quant.state_values(group.state, item.key, triple, block_size)
                 folded |= {triple.absmax, triple.qmap}
             else:
                 whole[item.key] = value

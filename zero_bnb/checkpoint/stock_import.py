@@ -159,10 +159,7 @@ class StockCheckpoint:
                     if key != triple.codes:
                         continue  # absmax/qmap are folded into the dequantized codes below
                     for r, n in enumerate(lengths):
-                        state = states_per_rank[r][g]
-                        pieces[(r, g, key)] = quant.dequantize(
-                            state[key][..., :n], state[triple.absmax][..., : ceil_div(n, block)], state[triple.qmap], block
-                        )
+                        pieces[(r, g, key)] = quant.state_values(states_per_rank[r][g], key, triple, block, length=n)
                     entries.append(StateEntry(key, StateKind.ELEMENTWISE, "float32", f"{reason}; dequantized"))
                     requantized.append(key)
                     continue

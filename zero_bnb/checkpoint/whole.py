@@ -70,12 +70,7 @@ def moments(group: FullGroup, spec: OptimizerSpec, block_size: int) -> dict[str,
     for key, name in spec.moment_names.items():
         if key not in group.state:
             continue
-        value = group.state[key]
-        triple = spec.triple_for(key)
-        if value.dtype == torch.uint8 and triple is not None:
-            result[name] = quant.dequantize(value, group.state[triple.absmax], group.state[triple.qmap], block_size)
-        else:
-            result[name] = value.float()
+        result[name] = quant.state_values(group.state, key, spec.triple_for(key), block_size)
     return result
 
 

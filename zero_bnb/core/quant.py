@@ -7,9 +7,15 @@ same arithmetic as bitsandbytes' kernels), quantization goes through bitsandbyte
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
-__all__ = ["dequantize", "quantize", "zero_code"]
+from zero_bnb.core.layout import ceil_div
+from zero_bnb.core.state_spec import QuantizedTriple
+
+__all__ = ["dequantize", "quantize", "state_values", "zero_code"]
 
 
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -49,3 +55,21 @@ def zero_code(qmap: torch.Tensor) -> int:
             f"padding cannot be represented, so this map is not supported"
         )
     return index
+
+
+def state_values(state: Mapping[str, Any], key: str, triple: QuantizedTriple | None, block_size: int,
+                 length: int | None = None) -> torch.Tensor:
+    """The fp32 values of state ``key``: 8-bit codes dequantized with their triple's absmax and map, else as float.
+
+    ``length`` keeps only the first ``length`` entries of the last axis (and the blocks they touch).
+    The one place where the 8-bit triple (codes, absmax, qmap) of a state dict is turned into values.
+    """
+    value = state[key]
+    if length is not None:
+        value = value[..., :length]
+    if triple is None or key != triple.codes or value.dtype != torch.uint8:
+        return value.float()
+    absmax = state[triple.absmax]
+    if length is not None:
+        absmax = absmax[..., : ceil_div(length, block_size)]
+    return dequantize(value, absmax, state[triple.qmap], block_size)

@@ -67,7 +67,7 @@ def consolidated_state(engine, dst: int = 0) -> dict[str, Any] | None:
         for key, tensor in raw.items():
             triple = spec.triple_for(key)
             if triple is not None and key == triple.codes and tensor.dtype == torch.uint8:
-                values[key] = quant.dequantize(tensor, raw[triple.absmax], raw[triple.qmap], geometry.block_size)
+                values[key] = quant.state_values(raw, key, triple, geometry.block_size)
             elif triple is None and tensor.shape[-1:] == (geometry.numel,) or triple is not None and key == triple.codes:
                 values[key] = tensor
         for entry in optimizer.param_entries(index, engine.param_names):
