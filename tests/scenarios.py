@@ -137,3 +137,16 @@ def misc_dp3(rank, world, workdir):
     wrong_model = make_engine(world)  # Adam8bit engine, AdamW checkpoint
     out["wrong_optimizer"] = _error(lambda: wrong_model.load_checkpoint(os.path.join(workdir, "adamw")))
     _save_result(os.path.join(workdir, "misc_dp3.pt"), out)
+
+
+def cli(*args) -> tuple[int, str, str]:
+    """Run ``zero-bnb ARGS`` in this process; returns (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from zero_bnb.cli import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main([str(a) for a in args])
+    return code, stdout.getvalue(), stderr.getvalue()

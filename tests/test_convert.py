@@ -15,16 +15,10 @@ import pytest
 import torch
 from convert_scenarios import ONE_STATE, STEPS, resume_converted, write_sources
 from safetensors.torch import load_file
+from scenarios import cli
 
 from zero_bnb.cli import main
 from zero_bnb.testing.launch import run_distributed
-
-
-def cli(*args: str) -> tuple[int, str, str]:
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = main([str(a) for a in args])
-    return code, stdout.getvalue(), stderr.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ weights-only loads in bf16), plus two independent jobs saving into one folder at
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import shutil
@@ -22,10 +21,9 @@ import torch
 from hostile_scenarios import UNSAFE_TAGS, Payload, hostile, replace_listed_file, resign, saving_job
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from scenarios import _save_result, _stock_engine, make_engine
+from scenarios import _save_result, _stock_engine, cli, make_engine
 
 import zero_bnb
-from zero_bnb.cli import main
 from zero_bnb.core.config import ZeroBnbConfigError
 from zero_bnb.errors import CheckpointUsageError
 from zero_bnb.format import durable
@@ -47,13 +45,6 @@ def write_sources(rank, world, workdir):
     train_steps(stock, RUN, 0, 2)
     stock.save_checkpoint(os.path.join(workdir, "stock"), tag="A")
     _save_result(os.path.join(workdir, "done.pt"), True)
-
-
-def cli(*args) -> tuple[int, str, str]:
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = main([str(a) for a in args])
-    return code, stdout.getvalue(), stderr.getvalue()
 
 
 @pytest.fixture(scope="module")

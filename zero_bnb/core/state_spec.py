@@ -227,17 +227,19 @@ _BNB_2STATE_KINDS = {
 _BNB_1STATE_KINDS = {key: kind for key, kind in _BNB_2STATE_KINDS.items() if not key.endswith("2")}
 _TRIPLE_1 = QuantizedTriple("state1", "absmax1", "qmap1")
 
-BNB_ADAM = OptimizerSpec(
+def _bnb_spec(**declaration: Any) -> OptimizerSpec:
+    """A bitsandbytes family: 256-element blocks, its own state initialisation and settings check."""
+    return OptimizerSpec(block_size=BNB_BLOCK_SIZE, check=_check_bnb, init_state=_init_bnb_state, bitsandbytes=True,
+                         **declaration)
+
+
+BNB_ADAM = _bnb_spec(
     name="bitsandbytes Adam (Adam8bit, AdamW8bit, Adam32bit, AdamW32bit)",
     matches=_bnb_family("Optimizer2State", "adam"),
     kinds=_BNB_2STATE_KINDS,
     quantized=(_TRIPLE_1, QuantizedTriple("state2", "absmax2", "qmap2")),
-    block_size=BNB_BLOCK_SIZE,
     replicated_by_default=("qmap1", "qmap2"),
-    check=_check_bnb,
-    init_state=_init_bnb_state,
     moment_names={"state1": "exp_avg", "state2": "exp_avg_sq"},
-    bitsandbytes=True,
     classes=("Adam", "AdamW", "Adam8bit", "AdamW8bit", "Adam32bit", "AdamW32bit", "PagedAdam", "PagedAdamW",
              "PagedAdam8bit", "PagedAdamW8bit", "PagedAdam32bit", "PagedAdamW32bit"),
 )
@@ -245,32 +247,24 @@ BNB_ADAM = OptimizerSpec(
 
 def _bnb_one_state(optimizer_name: str, classes: str, moment: str, class_names: tuple[str, ...]) -> OptimizerSpec:
     """A bitsandbytes ``Optimizer1State`` family: ``state1`` (8-bit or fp32) and ``step``."""
-    return OptimizerSpec(
+    return _bnb_spec(
         name=f"bitsandbytes {classes}",
         classes=class_names,
         matches=_bnb_family("Optimizer1State", optimizer_name),
         kinds=_BNB_1STATE_KINDS,
         quantized=(_TRIPLE_1,),
-        block_size=BNB_BLOCK_SIZE,
         replicated_by_default=("qmap1",),
-        check=_check_bnb,
-        init_state=_init_bnb_state,
         moment_names={"state1": moment},
-        bitsandbytes=True,
     )
 
 
-BNB_ADEMAMIX = OptimizerSpec(
+BNB_ADEMAMIX = _bnb_spec(
     name="bitsandbytes AdEMAMix (AdEMAMix8bit, AdEMAMix32bit)",
     matches=_bnb_family("Optimizer2State", "ademamix"),
     kinds=_BNB_2STATE_KINDS,  # state1 is (2, partition): the fast and slow moments, split on the last axis
     quantized=BNB_ADAM.quantized,
-    block_size=BNB_BLOCK_SIZE,
     replicated_by_default=("qmap1", "qmap2"),
-    check=_check_bnb,
-    init_state=_init_bnb_state,
     moment_names={"state1": "exp_avg_fast_slow", "state2": "exp_avg_sq"},
-    bitsandbytes=True,
     classes=("AdEMAMix", "AdEMAMix8bit", "AdEMAMix32bit", "PagedAdEMAMix", "PagedAdEMAMix8bit", "PagedAdEMAMix32bit"),
 )
 
