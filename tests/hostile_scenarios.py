@@ -15,7 +15,7 @@ import socket
 
 import torch
 import torch.distributed as dist
-from scenarios import _error, make_engine
+from scenarios import _error, make_engine, run_phases
 
 from zero_bnb.format import durable
 from zero_bnb.format.lock import LOCK_NAME
@@ -80,20 +80,8 @@ def _same(engine, snapshot) -> bool | None:
     return same_weights and not state_differences(snapshot[0], state)[1]
 
 
-def hostile(rank, world, workdir, foreign_pid):
-    out: dict = {}
-    log = []
-    handler = logging.Handler()
-    handler.emit = lambda record: log.append(record.getMessage())
-    logging.getLogger("zero_bnb").addHandler(handler)
-    logging.getLogger("zero_bnb").setLevel(logging.INFO)
-
-    engine = make_engine(world)
-    train_steps(engine, RUN, 0, 2)
-    save = os.path.join(workdir, "save")
-    engine.save_checkpoint(save, tag="A")
-    out["listing_before"] = _listing(save)
-
+def _unsafe_tags(c, out):
+    workdir, engine, save = c["workdir"], c["engine"], c["save"]
     # Unsafe and reserved tags: refused on save and on load, before anything is touched.
     for tag in UNSAFE_TAGS:
         out[f"save_tag:{tag}"] = _error(lambda tag=tag: engine.save_checkpoint(save, tag=tag))
@@ -102,6 +90,9 @@ def hostile(rank, world, workdir, foreign_pid):
     dist.barrier()  # every rank has listed before rank 0 adds a symlink below
     out["escape_created"] = os.path.exists(os.path.join(workdir, "escape")) or os.path.exists("/tmp/zero_bnb_abs_tag")
 
+
+def _symlinked_tag(c, out):
+    rank, engine, save = c["rank"], c["engine"], c["save"]
     # A symlinked tag folder is not re-saved through (or reported wrongly).
     if rank == 0:
         os.symlink(os.path.join(save, "A"), os.path.join(save, "L"))
@@ -110,6 +101,9 @@ def hostile(rank, world, workdir, foreign_pid):
     out["symlink_still_link"] = os.path.islink(os.path.join(save, "L"))
     out["listing_after_symlink"] = _listing(save)
 
+
+def _unwritable_folders(c, out):
+    rank, workdir, engine = c["rank"], c["workdir"], c["engine"]
     # A folder that cannot be created (a file in the way; as root, permissions do not stop us) and an
     # injected read-only error inside DeepSpeed's own makedirs: the same error on both ranks, no hang.
     blocker = os.path.join(workdir, "a_file")
@@ -128,6 +122,9 @@ def hostile(rank, world, workdir, foreign_pid):
     out["read_only_left"] = sorted(os.listdir(os.path.join(workdir, "ro"))) if os.path.isdir(
         os.path.join(workdir, "ro")) else None
 
+
+def _split_folders_and_fifo_lock(c, out):
+    rank, world, workdir, engine = c["rank"], c["world"], c["workdir"], c["engine"]
     # Ranks that do not see the same folder (relative paths with other working directories, node-local
     # disks): refused on every rank before anything is published, instead of a checkpoint missing a shard.
     out["split_folders"] = _error(lambda: engine.save_checkpoint(os.path.join(workdir, f"ck{rank}"), tag="t"))
@@ -141,6 +138,9 @@ def hostile(rank, world, workdir, foreign_pid):
     dist.barrier()
     out["fifo_lock"] = _error(lambda: engine.save_checkpoint(fifo_dir, tag="F"))
 
+
+def _locks(c, out):
+    rank, foreign_pid, engine, save = c["rank"], c["foreign_pid"], c["engine"], c["save"]
     # Another live writer holds the lock: refused, naming it; a dead writer's lock is taken over.
     lock = os.path.join(save, LOCK_NAME)
     if rank == 0:
@@ -157,10 +157,13 @@ def hostile(rank, world, workdir, foreign_pid):
     out["lock_left"] = os.path.exists(lock)
     out["listing_after_locks"] = _listing(save)
 
+
+def _late_mismatch(c, out):
+    rank, workdir, engine, save = c["rank"], c["workdir"], c["engine"], c["save"]
     # A mismatch only the restore finds (the last group's manifest lists no state2/absmax2) leaves
     # the engine bit-identical: masters, module weights, state and step.
     train_steps(engine, RUN, 2, 1)
-    snapshot = _snapshot(engine)
+    snapshot = c["snapshot"] = _snapshot(engine)
     doctored = os.path.join(workdir, "doctored")
     if rank == 0:
         import shutil
@@ -176,6 +179,10 @@ def hostile(rank, world, workdir, foreign_pid):
     out["late_mismatch"] = _error(lambda: engine.load_checkpoint(doctored, tag="C"))
     out["late_mismatch_unchanged"] = _same(engine, snapshot)
 
+
+def _code_payload(c, out):
+    rank, world, workdir, engine = c["rank"], c["world"], c["workdir"], c["engine"]
+    save, snapshot = c["save"], c["snapshot"]
     # A checkpoint whose replicated file carries a code payload (manifest re-signed): nothing runs.
     sentinel = os.path.join(workdir, f"pwned_by_load_{rank}")
     poisoned = os.path.join(workdir, "poisoned")
@@ -191,6 +198,9 @@ def hostile(rank, world, workdir, foreign_pid):
     out["payload_ran"] = os.path.exists(sentinel)
     out["payload_unchanged"] = _same(engine, snapshot)
 
+
+def _hyperparameter_log(c, out):
+    engine, save, log = c["engine"], c["save"], c["log"]
     # The checkpoint's hyper-parameters replace the optimizer's; the log says so.
     for group in engine.optimizer.optimizer.param_groups:
         group["lr"] = 0.5
@@ -198,6 +208,9 @@ def hostile(rank, world, workdir, foreign_pid):
     out["load_c"] = _error(lambda: engine.load_checkpoint(save, tag="C"))
     out["hyper_log"] = [m for m in log if "replace the optimizer's" in m]
 
+
+def _weights_only_loads(c, out):
+    rank, world, workdir = c["rank"], c["world"], c["workdir"]
     # Weights-only loads in bf16 take the exact fp32 masters from the checkpoint.
     bf16 = make_engine(world, bf16={"enabled": True})
     train_steps(bf16, RUN, 0, 2)
@@ -216,10 +229,30 @@ def hostile(rank, world, workdir, foreign_pid):
             out[label + ":bf16_rounding_would_differ"] = any(
                 not torch.equal(s["fp32"], s["fp32"].bfloat16().float()) for s in saved["params"].values())
 
+
+def _failed_initialize(c, out):
+    world = c["world"]
     # A failed initialize leaves the user's optimizer and bitsandbytes' process-wide manager as they were:
     # no chunked update left installed, param groups and override entries restored, other entries untouched.
-    out.update(_failed_initialize(world))
+    out.update(_initialize_failure(world))
 
+
+def hostile(rank, world, workdir, foreign_pid):
+    out: dict = {}
+    log = []
+    handler = logging.Handler()
+    handler.emit = lambda record: log.append(record.getMessage())
+    logging.getLogger("zero_bnb").addHandler(handler)
+    logging.getLogger("zero_bnb").setLevel(logging.INFO)
+
+    engine = make_engine(world)
+    train_steps(engine, RUN, 0, 2)
+    save = os.path.join(workdir, "save")
+    engine.save_checkpoint(save, tag="A")
+    out["listing_before"] = _listing(save)
+    context = {"rank": rank, "world": world, "workdir": workdir, "foreign_pid": foreign_pid, "engine": engine,
+               "save": save, "log": log}
+    run_phases(out, context, _unsafe_tags, _symlinked_tag, _unwritable_folders, _split_folders_and_fifo_lock, _locks, _late_mismatch, _code_payload, _hyperparameter_log, _weights_only_loads, _failed_initialize)
     logging.getLogger("zero_bnb").removeHandler(handler)
     gathered = [None] * world
     dist.all_gather_object(gathered, out)
@@ -241,7 +274,7 @@ def saving_job(rank, world, workdir, seed, rounds):
 
 
 
-def _failed_initialize(world):
+def _initialize_failure(world):
     import bitsandbytes as bnb
 
     import zero_bnb

@@ -150,3 +150,26 @@ def cli(*args) -> tuple[int, str, str]:
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         code = main([str(a) for a in args])
     return code, stdout.getvalue(), stderr.getvalue()
+
+
+def run_phases(out: dict, context: dict, *phases) -> None:
+    """Run each ``phase(context, out)`` in turn; one that raises is recorded under ``"phase!<name>"`` and the
+    next one runs, so an unexpected error fails the tests of its own phase, not every test of the launch."""
+    import traceback
+
+    for phase in phases:
+        try:
+            phase(context, out)
+        except Exception:  # noqa: BLE001 - recorded for the tests of this phase
+            out[f"phase!{phase.__name__.lstrip('_')}"] = traceback.format_exc(limit=8)
+
+
+def result(ranks: list[dict], key: str):
+    """``key``'s value, the same on every rank; if a phase raised before writing it, fail with that error."""
+    missing = [rank for rank, out in enumerate(ranks) if key not in out]
+    if missing:
+        errors = {name: text for out in ranks for name, text in out.items() if name.startswith("phase!")}
+        raise AssertionError(f"{key!r} was not recorded on rank(s) {missing}; phases that raised: {errors}")
+    values = [out[key] for out in ranks]
+    assert all(value == values[0] for value in values), (key, values)
+    return values[0]
