@@ -14,7 +14,7 @@ import shutil
 import bitsandbytes as bnb
 import torch
 import torch.distributed as dist
-from scenarios import _error, make_engine
+from scenarios import _error, make_engine, run_phases
 
 import zero_bnb
 from zero_bnb.format import durable
@@ -115,17 +115,11 @@ def _wrong_shape_engine(world):
     return engine
 
 
-def integrity(rank, world, workdir):
-    out: dict = {}
-    engine = make_engine(world)
-    train_steps(engine, RUN, 0, 2)
-    good = os.path.join(workdir, "good")
-    engine.save_checkpoint(good, tag="A")
-    train_steps(engine, RUN, 2, 1)  # the engine now differs from the checkpoint
+def _bad_checkpoints(c, out):
+    """Bad checkpoints: refused on every rank before anything changes."""
+    rank, world, workdir, engine, good = c["rank"], c["world"], c["workdir"], c["engine"], c["good"]
     before = consolidated_state(engine)
     weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-
-    # Bad checkpoints: refused on every rank before anything changes.
     for name, damage in DAMAGES.items():
         folder = os.path.join(workdir, name)
         if rank == 0:
@@ -148,7 +142,10 @@ def integrity(rank, world, workdir):
     train_steps(twin, RUN, 0, 3)
     out["trains_after_failed_loads"] = train_steps(engine, RUN, 3, 1) == train_steps(twin, RUN, 3, 1)
 
-    # A failing save (an I/O error on one rank, in each phase) leaves the previous checkpoint.
+
+def _failing_saves(c, out):
+    """A failing save (an I/O error on one rank, in each phase) leaves the previous checkpoint."""
+    rank, engine, good = c["rank"], c["engine"], c["good"]
     for victim, event, file_prefix, occurrence, tag in SAVE_FAILURES:
         label = f"save_error:{victim}:{event}:{file_prefix}"
         if rank == victim:
@@ -161,13 +158,19 @@ def integrity(rank, world, workdir):
     out["verify_after_errors"] = _error(lambda: zero_bnb.verify_checkpoint(good))
     out["listing_after_errors"] = _listing(good)
 
-    # Replicated keys tagged by name but differing across ranks: refused before writing.
+
+def _replicated_by_name(c, out):
+    """Replicated keys tagged by name but differing across ranks: refused before writing."""
+    world, workdir = c["world"], c["workdir"]
     by_name = make_engine(world, zero_unsharded_state_keys=["qmap1", "qmap2", "absmax1"])
     train_steps(by_name, RUN, 0, 1)
     out["replicated_by_name"] = _error(lambda: by_name.save_checkpoint(os.path.join(workdir, "by_name"), tag="x"))
     out["replicated_by_name_wrote"] = os.path.exists(os.path.join(workdir, "by_name", "x"))
 
-    # NaN in one rank's master weights: refused by default, saved and recorded with "warn".
+
+def _nan_state(c, out):
+    """NaN in one rank's master weights: refused by default, saved and recorded with "warn"."""
+    rank, engine, good = c["rank"], c["engine"], c["good"]
     master = engine.optimizer.master_partition(0)
     entries = engine.optimizer.param_entries(0, engine.param_names)
     start = engine.optimizer.geometry(0).element_range(1)[0]
@@ -182,6 +185,17 @@ def integrity(rank, world, workdir):
     out["nan_manifest"] = read_manifest(os.path.join(good, "nan", SUBDIR)).non_finite
     if rank == 1:
         master.data[0] = saved_value
+
+
+def integrity(rank, world, workdir):
+    out: dict = {}
+    engine = make_engine(world)
+    train_steps(engine, RUN, 0, 2)
+    good = os.path.join(workdir, "good")
+    engine.save_checkpoint(good, tag="A")
+    train_steps(engine, RUN, 2, 1)  # the engine now differs from the checkpoint
+    context = {"rank": rank, "world": world, "workdir": workdir, "engine": engine, "good": good}
+    run_phases(out, context, _bad_checkpoints, _failing_saves, _replicated_by_name, _nan_state)
 
     gathered = [None] * world
     dist.all_gather_object(gathered, out)

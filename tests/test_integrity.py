@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from integrity_scenarios import DAMAGES, SAVE_FAILURES, integrity
+from scenarios import result
 
 from zero_bnb.testing.launch import run_distributed
 
@@ -31,9 +32,7 @@ def ranks(tmp_path_factory):
 
 
 def _same_on_every_rank(ranks, key):
-    values = [out[key] for out in ranks]
-    assert all(value == values[0] for value in values), (key, values)
-    return values[0]
+    return result(ranks, key)
 
 
 @pytest.mark.parametrize("case", [*DAMAGES, "wrong_model", "amsgrad_mismatch"])
@@ -47,8 +46,8 @@ def test_bad_checkpoints_are_refused_on_every_rank_with_a_clear_error(ranks, cas
 
 
 def test_failed_loads_leave_the_engine_unchanged(ranks):
-    assert ranks[0]["state_unchanged"] is True
-    assert all(out["weights_unchanged"] and out["trains_after_failed_loads"] for out in ranks)
+    assert result(ranks[:1], "state_unchanged") is True
+    assert result(ranks, "weights_unchanged") is True and result(ranks, "trains_after_failed_loads") is True
 
 
 @pytest.mark.parametrize("failure", SAVE_FAILURES, ids=lambda f: ":".join(map(str, f[:3])))
