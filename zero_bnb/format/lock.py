@@ -5,7 +5,7 @@ publish one job's manifest with the other's files. Every zero_bnb writer (an eng
 on rank 0, an offline tool) holds :class:`SaveFolderLock` on the save folder from before it
 stages anything until its checkpoint is published or discarded.
 
-The lock is ``{save_dir}/.zero_bnb.format.lock``, created with ``O_CREAT | O_EXCL`` (atomic on local
+The lock is ``{save_dir}/.zero_bnb.lock``, created with ``O_CREAT | O_EXCL`` (atomic on local
 and NFSv3+ file systems) and holding the holder's host, pid, process start time and a random
 token. A lock left by a process that died (same host, pid gone or reused) is stale and is
 taken over; a lock from another host is never taken over automatically: the error names the
@@ -32,7 +32,7 @@ __all__ = ["LOCK_NAME", "SaveFolderLock"]
 
 logger = logging.getLogger(__name__)
 
-LOCK_NAME = ".zero_bnb.format.lock"
+LOCK_NAME = ".zero_bnb.lock"
 #: A lock file that is still empty or unreadable after this many seconds is a crashed writer's.
 _UNREADABLE_STALE_S = 30.0
 
