@@ -10,6 +10,7 @@ from zero_bnb.core import quant
 from zero_bnb.core.state_spec import BNB_ADAM, StateKind
 from zero_bnb.errors import CheckpointMismatchError
 from zero_bnb.format.manifest import GroupEntry, Manifest, ParamEntry, StateEntry
+from zero_bnb.format.payload import ReplicatedGroup, ReplicatedPayload
 from zero_bnb.integrations.scheduler_groups import fit_to_groups
 
 BLOCK = BNB_ADAM.block_size
@@ -46,11 +47,11 @@ def _saved(groups, *, eight_bit):
         states.append(StateEntry("step", StateKind.COUNTER, "int", ""))
         blocks = -(-numel // BLOCK)
         entries.append(GroupEntry(numel, params, tuple(states), ((0, numel),), ((0, blocks),), {"lr": 0.1}))
-        records.append({"param_group": {"lr": 0.1, "weight_decay": 0.01 * index}, "counters": {"step": 7},
-                        "replicated": {"qmap1": qmap, "qmap2": qmap} if eight_bit else {}})
+        records.append(ReplicatedGroup(param_group={"lr": 0.1, "weight_decay": 0.01 * index}, counters={"step": 7},
+                                       replicated={"qmap1": qmap, "qmap2": qmap} if eight_bit else {}))
     manifest = Manifest(dp_world_size=1, block_size=BLOCK, optimizer_class="x", optimizer_spec=BNB_ADAM.name,
                         groups=tuple(entries), shards=("s",), batch={"global": 12})
-    return RegroupedState(manifest, {"groups": records, "zero_wrapper": {}}, pieces)
+    return RegroupedState(manifest, ReplicatedPayload(tuple(records), {}), pieces)
 
 
 def _whole(saved, group, key):
@@ -68,12 +69,12 @@ def test_isolated_parameters_get_their_saved_values(eight_bit):
     assert torch.equal(_whole(regrouped, 0, "fp32"), fp32[700:]) and torch.equal(_whole(regrouped, 2, "fp32"), fp32[:700])
     first = _whole(saved, 0, "state1")
     if eight_bit:  # dequantized with the saved absmax and map: the loader requantizes where the group is 8-bit
-        first = quant.dequantize(first, _whole(saved, 0, "absmax1"), saved.replicated["groups"][0]["replicated"]["qmap1"], BLOCK)
+        first = quant.dequantize(first, _whole(saved, 0, "absmax1"), saved.replicated.groups[0].replicated["qmap1"], BLOCK)
     assert torch.equal(_whole(regrouped, 2, "state1"), first[:700])
     assert {s.key for s in regrouped.manifest.groups[2].states} == {"state1", "state2", "step"}
-    records = regrouped.replicated["groups"]
-    assert [r["param_group"]["weight_decay"] for r in records] == [0.0, 0.01, 0.0]
-    assert [r["counters"]["step"] for r in records] == [7, 7, 7]
+    records = regrouped.replicated.groups
+    assert [r.param_group["weight_decay"] for r in records] == [0.0, 0.01, 0.0]
+    assert [r.counters["step"] for r in records] == [7, 7, 7]
 
 
 def test_same_grouping_is_returned_untouched():
