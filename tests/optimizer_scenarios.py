@@ -8,7 +8,7 @@ import os
 
 import bitsandbytes as bnb
 import torch
-from scenarios import _error, _save_result
+from scenarios import _error, _save_result, run_phases
 
 from zero_bnb.testing.consolidate import consolidated_state
 from zero_bnb.testing.toy import DEFAULT_RUN as RUN
@@ -82,11 +82,17 @@ def save_all(rank, world, workdir):
     out["override_dtypes"] = _state_dtypes(engine)
     out["override_groups"] = [[engine.param_names[p] for p in engine.optimizer.group_params(index)]
                               for index in range(engine.optimizer.num_groups)]
-    for case in filter(runnable, CASES):
-        engine = _engine(world, case)
-        train_steps(engine, RUN, 0, STEPS)
-        engine.save_checkpoint(os.path.join(workdir, case), tag="a")
-        out[case] = consolidated_state(engine)
+    def save(case):
+        def phase(context, out):
+            engine = _engine(world, case)
+            train_steps(engine, RUN, 0, STEPS)
+            engine.save_checkpoint(os.path.join(workdir, case), tag="a")
+            out[case] = consolidated_state(engine)
+
+        phase.__name__ = case
+        return phase
+
+    run_phases(out, {}, *map(save, filter(runnable, CASES)))  # one failing row fails only its own test
     out["wrappers"] = {case: type(_engine(world, case).optimizer).__name__
                        for case in ("Adam8bit-bf16acc-zero1", "Adam8bit-bf16acc-zero2", "Adam8bit-bf16-zero1")}
     offload = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
@@ -102,14 +108,20 @@ def load_all(rank, world, workdir):
     engine = _override_engine(world)
     engine.load_checkpoint(os.path.join(workdir, "override"))
     out["override"] = {"state": consolidated_state(engine), "dtypes": _state_dtypes(engine)}
-    for case in filter(runnable, CASES):
-        engine = _engine(world, case)
-        engine.load_checkpoint(os.path.join(workdir, case))
-        state = consolidated_state(engine)
-        module_is_master = all(
-            rank != 0 or torch.equal(p.detach(), state["params"][n]["fp32"].to(p.dtype))
-            for n, p in engine.module.named_parameters()
-        )
-        out[case] = {"state": state, "module_is_master": module_is_master,
-                     "loss": train_steps(engine, RUN, STEPS, 1)[0]}
+    def load(case):
+        def phase(context, out):
+            engine = _engine(world, case)
+            engine.load_checkpoint(os.path.join(workdir, case))
+            state = consolidated_state(engine)
+            module_is_master = all(
+                rank != 0 or torch.equal(p.detach(), state["params"][n]["fp32"].to(p.dtype))
+                for n, p in engine.module.named_parameters()
+            )
+            out[case] = {"state": state, "module_is_master": module_is_master,
+                         "loss": train_steps(engine, RUN, STEPS, 1)[0]}
+
+        phase.__name__ = case
+        return phase
+
+    run_phases(out, {}, *map(load, filter(runnable, CASES)))
     _save_result(os.path.join(workdir, f"loaded_dp{world}.pt"), out)

@@ -8,6 +8,7 @@ import bitsandbytes as bnb
 import pytest
 import torch
 from optimizer_scenarios import CASES, STEPS, load_all, runnable, save_all
+from scenarios import result
 
 from zero_bnb.core.state_spec import UnsupportedOptimizerError, spec_for
 from zero_bnb.testing.consolidate import state_differences
@@ -31,13 +32,13 @@ def matrix(tmp_path_factory):
     pytest.param(case, marks=pytest.mark.skipif(not runnable(case), reason=GPU_ONLY)) for case in CASES
 ])
 def test_save_at_dp2_load_at_dp3_is_exact(matrix, case):
-    saved, loaded = matrix
-    checked, differences = state_differences(saved[case], loaded[case]["state"])
+    saved, loaded = (result([side], case) for side in matrix)  # a row whose launch phase raised reports it here
+    checked, differences = state_differences(saved, loaded["state"])
     assert not differences, differences
     assert checked >= 12  # 6 parameters x (master weight + at least one state)
-    assert [int(counters["step"]) for counters in saved[case]["counters"]] == [STEPS] * len(saved[case]["counters"])
-    assert loaded[case]["module_is_master"], "module weights must be the master weights in the module dtype"
-    assert math.isfinite(loaded[case]["loss"])
+    assert [int(counters["step"]) for counters in saved["counters"]] == [STEPS] * len(saved["counters"])
+    assert loaded["module_is_master"], "module weights must be the master weights in the module dtype"
+    assert math.isfinite(loaded["loss"])
 
 
 def test_bitsandbytes_override_gets_its_own_flat_group_and_survives_resume(matrix):

@@ -23,7 +23,6 @@ from zero_bnb.checkpoint.derived import DERIVED_PARAMS_KEY, restore_derived
 from zero_bnb.checkpoint.restore import (
     RestorePlan,
     SavedState,
-    check_compatible,
     check_family,
     master_weights,
     plan_restore,
@@ -54,11 +53,9 @@ def _open_zero_bnb(engine, tag_folder: str, optimizer_states: bool) -> SavedStat
         if optimizer_states:
             check_family(optimizer, reader.manifest)  # before the files, whose layout depends on it, are opened
         reader.preload()
-        saved = regroup.for_engine(engine, reader)  # the checkpoint's groups differ (bitsandbytes overrides)
-        check_compatible(optimizer, saved.manifest, engine.param_names, optimizer_states=optimizer_states)
-        return saved
+        return regroup.for_engine(engine, reader)  # the checkpoint's groups differ (bitsandbytes overrides)
 
-    saved = agree(prepared)  # plan_load checks everything else before anything changes
+    saved = agree(prepared)  # plan_load checks the rest (check_compatible first) before anything changes
     if reader.manifest.non_finite and rank == 0:
         logger.warning(
             "zero_bnb: checkpoint %s was saved with NaN/Inf in %s", tag_folder, reader.manifest.non_finite
