@@ -101,19 +101,15 @@ def _measure(rank, world, params, repeats, workdir, result_path):
 
 def _compare(args) -> int:
     """Run this benchmark for the working tree and for git revision ``args.compare_ref``, alternating."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    from revisions import ROOT, alternating, extract_package
+
     scratch = tempfile.mkdtemp(prefix="zero_bnb_loader_compare_")
     try:
-        baseline = os.path.join(scratch, "baseline")
-        os.makedirs(baseline)
-        archive = subprocess.run(["git", "-C", root, "archive", args.compare_ref, "zero_bnb"], check=True,
-                                 capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", baseline], input=archive, check=True)
-        trees = {f"baseline ({args.compare_ref})": baseline, "this tree": root}
+        baseline = extract_package(args.compare_ref, os.path.join(scratch, "baseline"))
+        trees = {f"baseline ({args.compare_ref})": baseline, "this tree": ROOT}
         runs: dict[str, list[list[dict]]] = {name: [] for name in trees}
         for round_index in range(args.rounds):
-            order = list(trees) if round_index % 2 == 0 else list(reversed(trees))
-            for name in order:
+            for name in alternating(list(trees), round_index):
                 out = os.path.join(scratch, "run.json")
                 print(f"round {round_index + 1}/{args.rounds}: {name}", flush=True)
                 subprocess.run([sys.executable, os.path.abspath(__file__), "--params", str(args.params), "--dp",

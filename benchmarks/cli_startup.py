@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PROBE = ("import sys; from zero_bnb.cli import main; code = main([sys.argv[1], sys.argv[2]]); "
           "print(sorted(m for m in ('deepspeed', 'bitsandbytes') if m in sys.modules)); sys.exit(code)")
 
@@ -40,23 +40,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compare-ref", required=True, help="git revision to compare with")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cli_startup.json"))
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                      "cli_startup.json"))
     args = parser.parse_args(argv)
+    from revisions import ROOT, alternating, extract_package
+
     from zero_bnb.testing.launch import run_distributed
 
     scratch = tempfile.mkdtemp(prefix="zero_bnb_startup_")
     checkpoint = os.path.join(scratch, "ckpt")
     run_distributed(_write_checkpoint, 1, checkpoint)
-    baseline = os.path.join(scratch, "baseline")
-    os.makedirs(baseline)
-    archive = subprocess.run(["git", "-C", ROOT, "archive", args.compare_ref, "zero_bnb"], check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", baseline], input=archive, check=True)
-    trees = {f"baseline ({args.compare_ref})": baseline, "this tree": ROOT}
+    trees = {f"baseline ({args.compare_ref})": extract_package(args.compare_ref, os.path.join(scratch, "baseline")),
+             "this tree": ROOT}
     times: dict[str, dict[str, list[float]]] = {name: {"verify": [], "inspect": []} for name in trees}
     imported: dict[str, dict[str, str]] = {name: {} for name in trees}
     for round_index in range(args.rounds):
-        for name in (list(trees) if round_index % 2 == 0 else list(reversed(trees))):
+        for name in alternating(list(trees), round_index):
             for command in ("verify", "inspect"):
                 start = time.perf_counter()
                 done = subprocess.run([sys.executable, "-c", _PROBE, command, checkpoint], cwd=scratch,
@@ -65,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                 if done.returncode != 0:
                     raise SystemExit(f"{name} {command} failed: {done.stderr[-2000:]}")
                 imported[name][command] = done.stdout.strip().splitlines()[-1]
+    shutil.rmtree(scratch, ignore_errors=True)
     report = {"benchmark": "zero-bnb verify/inspect start-up", "rounds": args.rounds, "results": {
         name: {command: {"median_s": statistics.median(values), "runs_s": values, "imported": imported[name][command]}
                for command, values in by_command.items()} for name, by_command in times.items()}}
