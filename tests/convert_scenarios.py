@@ -12,7 +12,7 @@ import os
 import torch
 import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-from scenarios import _save_result, _stock_engine, make_engine
+from scenarios import _save_result, _stock_engine, make_engine, run_phases
 
 from zero_bnb.testing.consolidate import consolidated_state
 from zero_bnb.testing.toy import DEFAULT_RUN as RUN
@@ -23,28 +23,36 @@ STEPS, MORE = 3, 2
 ONE_STATE = ("Lion8bit", "SGD8bit")
 
 
-def write_sources(rank, world, workdir):
-    out = {}
-    ours = make_engine(world)
+def _zero_bnb_sources(c, out):
+    ours = make_engine(c["world"])
     train_steps(ours, RUN, 0, STEPS)
-    ours.save_checkpoint(os.path.join(workdir, "zero_bnb"), tag="s3")
+    ours.save_checkpoint(os.path.join(c["workdir"], "zero_bnb"), tag="s3")
     out["zero_bnb_saved"] = consolidated_state(ours)
     out["zero_bnb_after"] = train_steps(ours, RUN, STEPS, MORE)
-    derived = make_engine(world, zero_derived_module_weights=True)
+    derived = make_engine(c["world"], zero_derived_module_weights=True)
     train_steps(derived, RUN, 0, STEPS)
-    derived.save_checkpoint(os.path.join(workdir, "derived"), tag="s3")
+    derived.save_checkpoint(os.path.join(c["workdir"], "derived"), tag="s3")
     out["derived_saved"] = consolidated_state(derived)
-    stock = _stock_engine(world)
-    train_steps(stock, RUN, 0, STEPS)
-    stock.save_checkpoint(os.path.join(workdir, "stock"), tag="s3")
-    out["stock_weights"] = {n: p.detach().clone() for n, p in stock.module.named_parameters()}
-    out["stock_after"] = train_steps(stock, RUN, STEPS, MORE)
-    for family in ONE_STATE:  # the other declared families rescue too (their state keys need --optimizer)
-        other = _stock_engine(world, family)
-        train_steps(other, RUN, 0, STEPS)
-        other.save_checkpoint(os.path.join(workdir, f"stock_{family}"), tag="s3")
-        out[f"stock_{family}_weights"] = {n: p.detach().clone() for n, p in other.module.named_parameters()}
-        out[f"stock_{family}_after"] = train_steps(other, RUN, STEPS, MORE)
+
+
+def _stock_source(family: str, folder: str, prefix: str):
+    def phase(c, out):
+        stock = _stock_engine(c["world"], family)
+        train_steps(stock, RUN, 0, STEPS)
+        stock.save_checkpoint(os.path.join(c["workdir"], folder), tag="s3")
+        out[f"{prefix}_weights"] = {n: p.detach().clone() for n, p in stock.module.named_parameters()}
+        out[f"{prefix}_after"] = train_steps(stock, RUN, STEPS, MORE)
+
+    phase.__name__ = f"stock_{family}"
+    return phase
+
+
+def write_sources(rank, world, workdir):
+    out: dict = {}
+    # Adam8bit, then the other declared families (their stock state keys need --optimizer to rescue).
+    stocks = [_stock_source("Adam8bit", "stock", "stock")]
+    stocks += [_stock_source(family, f"stock_{family}", f"stock_{family}") for family in ONE_STATE]
+    run_phases(out, {"world": world, "workdir": workdir}, _zero_bnb_sources, *stocks)
     _save_result(os.path.join(workdir, "sources.pt"), out)
 
 
@@ -58,10 +66,9 @@ def _universal_adamw(world):
     return engine
 
 
-def resume_converted(rank, world, workdir):
-    out = {}
-    stock = _universal_adamw(world)
-    stock.load_checkpoint(os.path.join(workdir, "universal"))
+def _universal_into_adamw(c, out):
+    stock = _universal_adamw(c["world"])
+    stock.load_checkpoint(os.path.join(c["workdir"], "universal"))
     out["universal"] = {
         name: {
             "fp32": safe_get_full_fp32_param(param),
@@ -72,22 +79,26 @@ def resume_converted(rank, world, workdir):
     }
     out["universal_steps"] = sorted({float(s["step"]) for s in stock.optimizer.optimizer.state.values()})
     out["universal_after"] = train_steps(stock, RUN, STEPS, MORE)
-    back = make_engine(world)
-    back.load_checkpoint(os.path.join(workdir, "back"))
-    out["back"] = consolidated_state(back)
-    out["back_after"] = train_steps(back, RUN, STEPS, MORE)
-    derived = make_engine(world)
-    derived.load_checkpoint(os.path.join(workdir, "derived"))
-    out["derived"] = consolidated_state(derived)
-    out["derived_module"] = {n: p.detach().clone() for n, p in derived.module.named_parameters()}
-    rescued = make_engine(world)
-    rescued.load_checkpoint(os.path.join(workdir, "rescued"))
-    out["rescued"] = consolidated_state(rescued)
-    out["rescued_after"] = train_steps(rescued, RUN, STEPS, MORE)
-    for family in ONE_STATE:
-        engine = make_engine(world, family)
-        engine.load_checkpoint(os.path.join(workdir, f"rescued_{family}"))
-        out[f"rescued_{family}"] = consolidated_state(engine)
-        out[f"rescued_{family}_after"] = train_steps(engine, RUN, STEPS, MORE)
+
+
+def _zero_bnb_resume(folder: str, family: str = "Adam8bit", module: bool = False):
+    def phase(c, out):
+        engine = make_engine(c["world"], family)
+        engine.load_checkpoint(os.path.join(c["workdir"], folder))
+        out[folder] = consolidated_state(engine)
+        if module:
+            out[f"{folder}_module"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        else:
+            out[f"{folder}_after"] = train_steps(engine, RUN, STEPS, MORE)
+
+    phase.__name__ = folder
+    return phase
+
+
+def resume_converted(rank, world, workdir):
+    out: dict = {}
+    phases = [_universal_into_adamw, _zero_bnb_resume("back"), _zero_bnb_resume("derived", module=True),
+              _zero_bnb_resume("rescued")] + [_zero_bnb_resume(f"rescued_{family}", family) for family in ONE_STATE]
+    run_phases(out, {"world": world, "workdir": workdir}, *phases)
     dist.barrier()
     _save_result(os.path.join(workdir, f"resumed_dp{world}.pt"), out)

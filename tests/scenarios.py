@@ -80,27 +80,25 @@ def _error(fn):
     return None
 
 
-def misc_dp2(rank, world, workdir):
-    """Stock DeepSpeed baseline, torch AdamW pass-through, replicated-key mismatch, stock rescue at DP=2."""
-    out = {}
-    # Stock DeepSpeed + Adam8bit: train and save (the checkpoint stock DeepSpeed can only reload at DP=2).
+def _stock_baseline(context, out):
+    """Stock DeepSpeed + Adam8bit: train and save (the checkpoint stock DeepSpeed can only reload at DP=2);
+    zero_bnb loads it at the same DP size."""
+    world, workdir = context["world"], context["workdir"]
     stock = _stock_engine(world)
     train_steps(stock, RUN, 0, 3)
     stock.save_checkpoint(os.path.join(workdir, "stock"), tag="s")
     stock_weights = {n: p.detach().clone() for n, p in stock.module.named_parameters()}
-    stock_state = {}
-    for index, group in enumerate(stock.optimizer.single_partition_of_fp32_groups):
-        stock_state[index] = {k: v for k, v in stock.optimizer.optimizer.state[group].items()}
-    # zero_bnb loads the stock checkpoint at the same DP size.
     engine = make_engine(world)
     engine.load_checkpoint(os.path.join(workdir, "stock"))
-    loaded = consolidated_state(engine)
-    out["stock_loaded"] = loaded
+    out["stock_loaded"] = consolidated_state(engine)
     out["stock_weights"] = stock_weights
     out["stock_losses_after"] = train_steps(engine, RUN, 3, 2)
     out["stock_reference_after"] = train_steps(stock, RUN, 3, 2)
 
-    # torch.optim.AdamW through zero_bnb trains exactly like stock DeepSpeed.
+
+def _adamw_pass_through(context, out):
+    """torch.optim.AdamW through zero_bnb trains exactly like stock DeepSpeed."""
+    world, workdir = context["world"], context["workdir"]
     stock_adamw, ours_adamw = _stock_engine(world, "AdamW"), make_engine(world, "AdamW")
     out["adamw_losses"] = (train_steps(stock_adamw, RUN, 0, 3), train_steps(ours_adamw, RUN, 0, 3))
     out["adamw_weights"] = (
@@ -110,21 +108,35 @@ def misc_dp2(rank, world, workdir):
     ours_adamw.save_checkpoint(os.path.join(workdir, "adamw"), tag="a")
     out["adamw_saved"] = consolidated_state(ours_adamw)
 
-    # A size threshold that catches absmax (49 blocks per rank here) is refused before anything is written.
+
+def _threshold_mismatch(context, out):
+    """A size threshold that catches absmax (49 blocks per rank here) is refused before anything is written."""
+    world, workdir = context["world"], context["workdir"]
     bad = make_engine(world, zero_unsharded_state_max_numel=256)
     train_steps(bad, RUN, 0, 1)
     out["mismatch_error"] = _error(lambda: bad.save_checkpoint(os.path.join(workdir, "bad"), tag="b"))
     out["mismatch_wrote"] = os.path.exists(os.path.join(workdir, "bad", "b"))
+
+
+def misc_dp2(rank, world, workdir):
+    """Stock DeepSpeed baseline, torch AdamW pass-through, replicated-key mismatch, stock rescue at DP=2."""
+    out: dict = {}
+    run_phases(out, {"world": world, "workdir": workdir}, _stock_baseline, _adamw_pass_through, _threshold_mismatch)
     _save_result(os.path.join(workdir, "misc_dp2.pt"), out)
 
 
-def misc_dp3(rank, world, workdir):
-    """At DP=3: stock DeepSpeed refuses its own checkpoint; zero_bnb explains; AdamW checkpoint resumes."""
-    out = {}
+def _stock_at_another_dp(context, out):
+    """At DP=3: stock DeepSpeed refuses its own checkpoint; zero_bnb explains."""
+    world, workdir = context["world"], context["workdir"]
     stock = _stock_engine(world)
     out["stock_refuses"] = _error(lambda: stock.load_checkpoint(os.path.join(workdir, "stock")))
     engine = make_engine(world)
     out["zero_bnb_on_stock"] = _error(lambda: engine.load_checkpoint(os.path.join(workdir, "stock")))
+
+
+def _adamw_loads(context, out):
+    """The AdamW checkpoint resumes, whole or weights only; an Adam8bit engine refuses it."""
+    world, workdir = context["world"], context["workdir"]
     adamw = make_engine(world, "AdamW")
     adamw.load_checkpoint(os.path.join(workdir, "adamw"))
     out["adamw_loaded"] = consolidated_state(adamw)
@@ -136,7 +148,21 @@ def misc_dp3(rank, world, workdir):
     out["no_optimizer_states"] = consolidated_state(no_optimizer)
     wrong_model = make_engine(world)  # Adam8bit engine, AdamW checkpoint
     out["wrong_optimizer"] = _error(lambda: wrong_model.load_checkpoint(os.path.join(workdir, "adamw")))
+
+
+def misc_dp3(rank, world, workdir):
+    """At DP=3: stock DeepSpeed refuses its own checkpoint; zero_bnb explains; AdamW checkpoint resumes."""
+    out: dict = {}
+    run_phases(out, {"world": world, "workdir": workdir}, _stock_at_another_dp, _adamw_loads)
     _save_result(os.path.join(workdir, "misc_dp3.pt"), out)
+
+
+class Recorded(dict):
+    """One launch's results (rank 0's); a key a raising phase never wrote fails with that phase's error."""
+
+    def __missing__(self, key):
+        errors = {name: text for name, text in self.items() if str(name).startswith("phase!")}
+        raise AssertionError(f"{key!r} was not recorded; phases that raised: {errors}")
 
 
 def cli(*args) -> tuple[int, str, str]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from convert_scenarios import ONE_STATE, STEPS, resume_converted, write_sources
 from safetensors.torch import load_file
-from scenarios import cli
+from scenarios import Recorded, cli
 
 from zero_bnb.cli import main
 from zero_bnb.testing.launch import run_distributed
@@ -40,7 +40,7 @@ def work(tmp_path_factory):
     }
     for dp in (1, 3):
         run_distributed(resume_converted, dp, str(workdir))
-    load = lambda name: torch.load(workdir / name, weights_only=False)
+    load = lambda name: Recorded(torch.load(workdir / name, weights_only=False))  # noqa: E731
     return workdir, runs, load("sources.pt"), {dp: load(f"resumed_dp{dp}.pt") for dp in (1, 3)}
 
 

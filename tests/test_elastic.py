@@ -98,7 +98,8 @@ def misc(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("misc"))
     run_distributed(scenarios.misc_dp2, 2, workdir)
     run_distributed(scenarios.misc_dp3, 3, workdir)
-    return _load(os.path.join(workdir, "misc_dp2.pt")), _load(os.path.join(workdir, "misc_dp3.pt"))
+    return (scenarios.Recorded(_load(os.path.join(workdir, "misc_dp2.pt"))),
+            scenarios.Recorded(_load(os.path.join(workdir, "misc_dp3.pt"))))
 
 
 def test_stock_deepspeed_refuses_another_dp_size(misc):
