@@ -2,8 +2,9 @@
 (``save``), opening, planning and applying a load at any DP size (``load``, ``restore``), checks
 before saving (``state_checks``), agreement across ranks (``collective``), module weights derived
 from master weights (``derived``), batch geometry (``batch``), regrouping by parameter name
-(``regroup``), stock DeepSpeed checkpoints read into zero_bnb's layout (``stock_import``) and the
-``zero_to_fp32.py`` script written beside checkpoints (``recovery_script``).
+(``regroup``), stock DeepSpeed checkpoints read into zero_bnb's layout (``stock_import``), whole
+groups in memory (``whole``), what the protocol needs from an optimizer wrapper (``partitioned``)
+and the ``zero_to_fp32.py`` script written beside checkpoints (``recovery_script``).
 
 May import: torch (and torch.distributed), ``zero_bnb.errors``, ``zero_bnb.versions``,
 ``zero_bnb.core``, ``zero_bnb.format``. Never DeepSpeed: it reaches the optimizer wrapper through

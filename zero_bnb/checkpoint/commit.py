@@ -18,7 +18,7 @@ A save of tag ``T`` into ``save_dir`` goes through three states:
 
 Killing any process at any moment therefore leaves either the previous checkpoint with its
 ``latest``, or the new one complete. The one window in which ``save_dir/T`` is absent
-(between the two renames when ``T`` is re-saved) is covered by :func:`resolve_tag`, which
+(between the two renames when ``T`` is re-saved) is covered by :func:`zero_bnb.format.tags.resolve_tag`, which
 then returns the complete previous folder. Offline tools write through
 :func:`local_commit`, the same protocol in one process.
 """

@@ -1,10 +1,11 @@
-"""Open a checkpoint for loading, and refuse bad input before anything is modified.
+"""Open a checkpoint for loading and plan the load, refusing bad input before anything is modified.
 
-:func:`open_for_load` runs every check that can fail (manifest, file presence and sizes,
-SHA-256 of every file split across ranks, compatibility with the running model and
-optimizer, readability of the shards) and agrees on the outcome across ranks: if one rank
-finds a problem, every rank raises the same error, and neither the model nor the optimizer
-has been touched.
+:func:`open_for_load` checks the manifest, the presence, type and size of every file, the
+SHA-256 of every file (split across ranks), the optimizer family and block size, and opens
+the payload files (checked against the manifest). :func:`plan_load` then checks compatibility
+with the running model and optimizer and reads everything the load will write. Both run under
+:func:`~zero_bnb.checkpoint.collective.agree`: if one rank finds a problem, every rank raises
+the same error, and neither the model nor the optimizer has been touched.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def open_for_load(engine, load_dir: str, folder_tag: str, *, optimizer_states: b
     Args:
         engine: the :class:`~zero_bnb.ds.engine.ZeroBnbEngine` that will load it.
         load_dir: the folder given to ``load_checkpoint``.
-        folder_tag: the folder name under ``load_dir`` (see :func:`zero_bnb.checkpoint.commit.resolve_tag`).
+        folder_tag: the folder name under ``load_dir`` (see :func:`zero_bnb.format.tags.resolve_tag`).
         optimizer_states: whether the optimizer state will be loaded (else only parameter
             names and shapes must match).
 

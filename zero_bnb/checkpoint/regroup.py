@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from zero_bnb.checkpoint.restore import MASTER_KEY, SavedState
+from zero_bnb.checkpoint.restore import SavedState
 from zero_bnb.checkpoint.whole import FullGroup, gather_full
 from zero_bnb.core import quant
 from zero_bnb.core.layout import ceil_div
 from zero_bnb.core.state_spec import OptimizerSpec, StateKind
 from zero_bnb.errors import CheckpointMismatchError
-from zero_bnb.format.manifest import GroupEntry, Manifest, ParamEntry, StateEntry
+from zero_bnb.format.manifest import MASTER_KEY, GroupEntry, Manifest, ParamEntry, StateEntry
 from zero_bnb.format.payload import ReplicatedGroup, ReplicatedPayload
 
 __all__ = ["RegroupedState", "by_name", "for_engine", "live_params"]

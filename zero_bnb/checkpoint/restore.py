@@ -29,7 +29,6 @@ from zero_bnb.format.manifest import MASTER_KEY, GroupEntry, Manifest
 from zero_bnb.format.payload import ReplicatedPayload
 
 __all__ = [
-    "MASTER_KEY",
     "GroupPlan",
     "RestorePlan",
     "SavedState",
@@ -339,7 +338,6 @@ def plan_restore(
 
     Raises:
         CheckpointMismatchError: the checkpoint does not fit the running model or optimizer.
-        zero_bnb.errors.CheckpointFormatError: the saved loss scaler is malformed.
     """
     check_compatible(optimizer, saved.manifest, names, optimizer_states=load_optimizer_states)
     groups = [_GroupRestorer(optimizer, saved, index).plan(load_optimizer_states)

@@ -81,11 +81,6 @@ class GroupGeometry:
         return self.padded_numel // self.dp
 
     @property
-    def partition_blocks(self) -> int:
-        """Quantization blocks in every rank's partition, padding included."""
-        return self.partition_numel // self.block_size
-
-    @property
     def num_blocks(self) -> int:
         """Blocks that hold at least one real element (the saved block-wise length)."""
         return ceil_div(self.numel, self.block_size)

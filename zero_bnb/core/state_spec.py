@@ -340,10 +340,10 @@ def spec_for(optimizer: torch.optim.Optimizer) -> OptimizerSpec:
     Raises:
         UnsupportedOptimizerError: no spec matches, or a setting cannot be restored elastically.
     """
-    for spec in SPECS:
-        if spec.matches(optimizer):
-            spec.check(optimizer)
-            return spec
+    spec = family_of(optimizer)
+    if spec is not None:
+        spec.check(optimizer)
+        return spec
     supported = "; ".join(spec.name for spec in SPECS)
     raise UnsupportedOptimizerError(
         f"zero_bnb has no state declaration for {type(optimizer).__module__}.{type(optimizer).__qualname__}. "

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from zero_bnb.bnb.chunked import ChunkedUpdate
-from zero_bnb.core.layout import DEEPSPEED_START_ALIGNMENT, GroupGeometry
+from zero_bnb.core.layout import GroupGeometry
 from zero_bnb.core.state_spec import OptimizerSpec, StateRule
 from zero_bnb.ds.loss_scaler import live_wrapper
 from zero_bnb.format.manifest import ParamEntry
@@ -54,7 +54,7 @@ class BlockAligned:
 
     def block_alignment(self, alignment: int) -> int:
         """The padding multiple to use where DeepSpeed asks for ``alignment`` (``2 * dp``)."""
-        return math.lcm(alignment, math.lcm(self.zero_bnb_spec.block_size, DEEPSPEED_START_ALIGNMENT) * self._zero_bnb_dp)
+        return math.lcm(alignment, GroupGeometry(0, self._zero_bnb_dp, self.zero_bnb_spec.block_size).alignment)
 
     # -- implemented per DeepSpeed class --------------------------------------------------------
 

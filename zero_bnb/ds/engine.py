@@ -1,7 +1,7 @@
 """``DeepSpeedEngine`` with zero_bnb's partitioning and elastic ZeRO checkpoints.
 
-This module and :mod:`zero_bnb.ds.zero_optimizer` are the only code that touches DeepSpeed
-internals. The engine is a real ``DeepSpeedEngine``; it differs only in
+The engine subclass (the :mod:`zero_bnb.ds` package is the only code that touches DeepSpeed
+internals). The engine is a real ``DeepSpeedEngine``; it differs only in
 
 * the ZeRO optimizer it builds (:mod:`zero_bnb.ds.zero_optimizer`: DeepSpeed's, block-aligned),
 * the optimizer files it writes (:mod:`zero_bnb.checkpoint.save`) and reads (:mod:`zero_bnb.checkpoint.restore`),

@@ -9,21 +9,17 @@ from typing import Any
 
 from deepspeed.runtime.fp16 import loss_scaler as ds_loss_scaler
 
-from zero_bnb.format.wrapper_state import LOSS_SCALER, check_plain, plain_wrapper
+from zero_bnb.format.wrapper_state import LOSS_SCALER
 
 __all__ = ["live_wrapper"]
 
 
-def live_wrapper(wrapper: dict[str, Any], *, source: str = "replicated-state file") -> dict[str, Any]:
+def live_wrapper(wrapper: dict[str, Any]) -> dict[str, Any]:
     """The ZeRO wrapper's scalars with the loss scaler rebuilt as DeepSpeed's object.
 
-    Accepts the plain record and, from files written before it existed, DeepSpeed's object.
-
-    Raises:
-        zero_bnb.errors.CheckpointFormatError: the stored scalars are not what zero_bnb writes.
+    ``wrapper`` is a plain record as :func:`~zero_bnb.format.payload.read_replicated` returns it
+    (already checked).
     """
-    wrapper = plain_wrapper(wrapper) if isinstance(wrapper, dict) else wrapper
-    check_plain(wrapper, source)
     result = dict(wrapper)
     scaler = wrapper.get(LOSS_SCALER)
     if scaler is not None:

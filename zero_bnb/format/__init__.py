@@ -1,5 +1,6 @@
 """The on-disk checkpoint format and its safe I/O: the manifest and its validation (``manifest``),
-payload checks, durable fsynced and hashed writes (``durable``), file and checksum checks
+the shard and replicated payload records with their checks, reader and writer (``payload``),
+durable fsynced and hashed writes (``durable``), file and checksum checks
 (``integrity``), names that stay inside their folder (``paths``), ``weights_only`` loading
 (``unpickle``), the save-folder lock (``lock``), tags and pointer files (``tags``), the loss
 scaler as plain data (``wrapper_state``), DeepSpeed's stock file layout (``stock_files``) and the

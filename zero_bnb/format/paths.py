@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 #: Names in a save folder that are pointer files, never tags (DeepSpeed's and the universal one).
-RESERVED_TAGS = frozenset({"latest", "latest_universal"})
+RESERVED_TAGS = frozenset({"latest", "latest_universal"})  # format.tags' LATEST_NAME and UNIVERSAL_LATEST
 _MAX_NAME = 4096
 
 

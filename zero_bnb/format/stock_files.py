@@ -17,10 +17,12 @@ from zero_bnb.format.manifest import ParamEntry
 from zero_bnb.format.paths import check_name
 from zero_bnb.format.unpickle import check_checkpoint_file, safe_load
 
-__all__ = ["MODEL_STATES", "group_states", "model_states_files", "param_entries", "read_rank_files",
+__all__ = ["MODEL_STATES", "UNIVERSAL_STATE", "group_states", "model_states_files", "param_entries", "read_rank_files",
            "zero_file_names"]
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
+#: The file that marks a DeepSpeed universal checkpoint's tag folder (relative to it).
+UNIVERSAL_STATE = os.path.join("zero", "optimizer_state.pt")
 
 _BNB_WRAPPED = "__bnb_optimizer_quant_state__"
 

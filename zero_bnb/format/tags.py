@@ -13,11 +13,13 @@ from zero_bnb.errors import CheckpointFormatError, CheckpointUsageError
 from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR
 from zero_bnb.format.paths import check_tag
 
-__all__ = ["LATEST_NAME", "aside_tag", "resolve_tag"]
+__all__ = ["LATEST_NAME", "UNIVERSAL_LATEST", "aside_tag", "resolve_tag"]
 
 logger = logging.getLogger(__name__)
 
 LATEST_NAME = "latest"
+#: DeepSpeed's pointer file for universal checkpoints.
+UNIVERSAL_LATEST = "latest_universal"
 _ASIDE_SUFFIX = ".zero_bnb-replaced"
 
 

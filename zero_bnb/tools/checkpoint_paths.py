@@ -12,15 +12,14 @@ from zero_bnb.errors import CheckpointUsageError
 from zero_bnb.format.manifest import SUBDIR
 from zero_bnb.format.paths import check_tag
 from zero_bnb.format.reader import CheckpointReader, verify_checkpoint
-from zero_bnb.format.stock_files import zero_file_names
-from zero_bnb.format.tags import resolve_tag
+from zero_bnb.format.stock_files import UNIVERSAL_STATE, zero_file_names
+from zero_bnb.format.tags import LATEST_NAME, UNIVERSAL_LATEST, resolve_tag
 
 __all__ = ["UNIVERSAL_LATEST", "detect", "locate", "open_verified", "require_zero_bnb"]
 
-UNIVERSAL_LATEST = "latest_universal"
 
 
-def locate(path: str, tag: str | None = None, *, latest: str = "latest") -> tuple[str, str]:
+def locate(path: str, tag: str | None = None, *, latest: str = LATEST_NAME) -> tuple[str, str]:
     """``(save_dir, folder_tag)`` of the checkpoint at ``path`` (a save folder or a tag folder).
 
     Raises:
@@ -32,7 +31,7 @@ def locate(path: str, tag: str | None = None, *, latest: str = "latest") -> tupl
     if not os.path.isdir(path):
         raise CheckpointUsageError(f"{path} is not a folder; pass a checkpoint save folder or one of its tag folders")
     is_tag_folder = os.path.isdir(os.path.join(path, SUBDIR)) or glob.glob(
-        os.path.join(glob.escape(path), "mp_rank_*_model_states.pt"))
+        os.path.join(glob.escape(path), "*model_states.pt"))
     if tag is None and is_tag_folder:
         absolute = os.path.abspath(path)
         return os.path.dirname(absolute), check_tag(os.path.basename(absolute))
@@ -53,12 +52,12 @@ def detect(path: str, tag: str | None = None) -> str:
         CheckpointUsageError: none of them.
     """
     path = os.path.normpath(path)
-    if os.path.isfile(os.path.join(path, UNIVERSAL_LATEST)) and not os.path.isfile(os.path.join(path, "latest")):
+    if os.path.isfile(os.path.join(path, UNIVERSAL_LATEST)) and not os.path.isfile(os.path.join(path, LATEST_NAME)):
         save_dir, folder_tag = locate(path, tag, latest=UNIVERSAL_LATEST)
     else:
         save_dir, folder_tag = locate(path, tag)
     tag_folder = os.path.join(save_dir, folder_tag)
-    if os.path.isfile(os.path.join(tag_folder, "zero", "optimizer_state.pt")):
+    if os.path.isfile(os.path.join(tag_folder, UNIVERSAL_STATE)):
         return "universal"
     if os.path.isdir(os.path.join(tag_folder, SUBDIR)):
         return "zero_bnb"
@@ -98,6 +97,5 @@ def open_verified(path: str, tag: str | None, *, command: str = "this tool") -> 
         zero_bnb.errors.CheckpointError: any check failed.
     """
     require_zero_bnb(path, tag, command)
-    reader = verify_checkpoint(*locate(path, tag))
-    reader.preload()
+    reader = verify_checkpoint(*locate(path, tag))  # verified, payloads opened
     return os.path.basename(reader.tag_folder), reader

@@ -49,15 +49,17 @@ from zero_bnb.format.manifest import ParamEntry, StateEntry
 from zero_bnb.format.paths import check_tag
 from zero_bnb.format.stock_files import (
     MODEL_STATES,
+    UNIVERSAL_STATE,
     group_states,
     model_states_files,
     param_entries,
     read_rank_files,
     zero_file_names,
 )
+from zero_bnb.format.tags import LATEST_NAME, UNIVERSAL_LATEST
 from zero_bnb.format.unpickle import safe_load
 from zero_bnb.format.wrapper_state import WRAPPER_SCALARS, plain_wrapper
-from zero_bnb.tools.checkpoint_paths import UNIVERSAL_LATEST, locate, open_verified
+from zero_bnb.tools.checkpoint_paths import locate, open_verified
 from zero_bnb.tools.offline import QuantizationReport, quantize_moment, write_checkpoint
 from zero_bnb.tools.outputs import check_output_folder
 
@@ -138,7 +140,7 @@ def to_universal(path: str, out: str, *, tag: str | None = None, force: bool = F
 def _load_universal(path: str, tag: str | None) -> tuple[str, str, dict, list[tuple[ParamEntry, ...]]]:
     save_dir, folder_tag = locate(path, tag, latest=UNIVERSAL_LATEST)
     tag_folder = os.path.join(save_dir, folder_tag)
-    state_path = os.path.join(tag_folder, "zero", "optimizer_state.pt")
+    state_path = os.path.join(tag_folder, UNIVERSAL_STATE)
     if not os.path.isfile(state_path):
         raise CheckpointFormatError(f"{tag_folder} is not a DeepSpeed universal checkpoint: {state_path} is missing")
     optimizer_state = safe_load(state_path, "universal optimizer-state file", deepspeed_classes=True)
@@ -265,7 +267,7 @@ def rescue_stock(path: str, out_dir: str, *, tag: str | None = None, out_tag: st
     state keys, the one-state families (Lion, SGD, RMSprop, Adagrad) need ``optimizer`` (the
     class name, e.g. ``"Lion8bit"``). Returns the error introduced.
     """
-    tag_folder, out_tag = _target(path, tag, out_dir, out_tag, latest="latest", force=force)
+    tag_folder, out_tag = _target(path, tag, out_dir, out_tag, latest=LATEST_NAME, force=force)
     names = zero_file_names(tag_folder)
     if not names:
         raise CheckpointFormatError(f"{tag_folder} holds no stock DeepSpeed ZeRO optimizer files (zero_pp_rank_*)")

@@ -13,11 +13,12 @@ from contextlib import contextmanager
 
 from zero_bnb.errors import CheckpointUsageError
 from zero_bnb.format.lock import LOCK_NAME
+from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR
 from zero_bnb.format.paths import RESERVED_TAGS, inside, overlaps, resolved
+from zero_bnb.format.stock_files import MODEL_STATES, UNIVERSAL_STATE
 
 #: What marks a folder as a checkpoint that ``force`` may replace (zero_bnb, DeepSpeed, universal).
-_CHECKPOINT_MARKERS = (os.path.join("zero_bnb", "manifest.json"), os.path.join("zero", "optimizer_state.pt"),
-                       "mp_rank_00_model_states.pt")
+_CHECKPOINT_MARKERS = (os.path.join(SUBDIR, MANIFEST_NAME), UNIVERSAL_STATE, MODEL_STATES)
 
 __all__ = ["check_output_file", "check_output_folder", "replacing_file"]
 
