@@ -99,6 +99,8 @@ def test_bad_paths_and_requests_give_clear_errors(work, tmp_path):
         (("inspect", workdir / "zero_bnb", "--tag", "latest"), 2, "name of the pointer file"),
         (("convert", workdir / "zero_bnb", "--to", "universal", tmp_path / "u", "--out-tag", "x"), 2,
          "--out-tag applies to --to zero_bnb"),
+        (("convert", workdir / "rescued_Lion8bit", "--to", "universal", tmp_path / "u"), 2,
+         "whose moments ['exp_avg'] are not Adam's ['exp_avg', 'exp_avg_sq']"),
     ]
     for args, expected_code, message in cases:
         code, out, err = cli(*args)

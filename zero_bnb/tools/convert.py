@@ -70,6 +70,8 @@ PARAM, CAT_DIM, PARAM_GROUPS = "param", "cat_dim", "param_groups"
 
 TARGET_OPTIMIZERS = UNIVERSAL_TARGETS
 _ADAM_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+#: The moments a DeepSpeed universal checkpoint holds for torch's Adam/AdamW, which stock DeepSpeed loads it into.
+_UNIVERSAL_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _output_tag_folder(out: str) -> tuple[str, str]:
@@ -100,6 +102,13 @@ def to_universal(path: str, out: str, *, tag: str | None = None, force: bool = F
     folder_tag, reader = open_verified(save_dir, folder_tag, command="convert")
     manifest = reader.manifest
     spec = spec_named(manifest.optimizer_spec)
+    if set(spec.moment_names.values()) != set(_UNIVERSAL_MOMENTS):
+        raise CheckpointUsageError(
+            f"{reader.tag_folder} was written by {spec.name}, whose moments {sorted(spec.moment_names.values())} "
+            f"are not Adam's {list(_UNIVERSAL_MOMENTS)}: stock DeepSpeed could load its universal checkpoint into no "
+            f"optimizer. Keep it as a zero_bnb checkpoint (it loads at any DP size), or export the weights and "
+            f"moments with `zero-bnb export {path} --to fp32 OUT.safetensors --moments`"
+        )
     groups = gather_full(reader)
     weights = {name: value for group in groups for name, value in per_parameter(group, group.fp32).items()}
     model_files = {}
