@@ -21,7 +21,7 @@ import torch
 
 from zero_bnb.checkpoint.partitioned import PartitionedOptimizer
 from zero_bnb.core import quant
-from zero_bnb.core.kinds import is_partitioned, local_range, saved_ranges, whole_length
+from zero_bnb.core.kinds import is_partitioned, local_range, saved_length, saved_ranges, whole_length
 from zero_bnb.core.layout import plan_copy
 from zero_bnb.core.state_spec import StateKind
 from zero_bnb.errors import CheckpointMismatchError
@@ -172,8 +172,6 @@ class _GroupRestorer:
         self.record = saved.replicated.groups[group_index]
         self.geometry = geometry = optimizer.geometry(group_index)
         self.block_size = geometry.block_size
-        self.elements = geometry.element_range(optimizer.dp_rank)
-        self.blocks = geometry.block_range(optimizer.dp_rank)
         self.param = optimizer.master_partition(group_index)
 
     def gather(self, kind: StateKind, key: str, out: torch.Tensor) -> None:
@@ -279,11 +277,14 @@ class _GroupRestorer:
             current.zero_()
         self.gather(StateKind.ELEMENTWISE, key, current)
 
+    def _length(self, kind: StateKind) -> int:
+        return saved_length(kind, self.geometry, self.optimizer.dp_rank)
+
     def _dequantize_into(self, triple, current: torch.Tensor) -> None:
-        n = self.elements[1] - self.elements[0]
+        n = self._length(StateKind.ELEMENTWISE)
         lead = tuple(current.shape[:-1])
         codes = torch.empty(*lead, n, dtype=torch.uint8)
-        absmax = torch.empty(*lead, self.blocks[1] - self.blocks[0], dtype=torch.float32)
+        absmax = torch.empty(*lead, self._length(StateKind.BLOCKWISE), dtype=torch.float32)
         self.gather(StateKind.ELEMENTWISE, triple.codes, codes)
         self.gather(StateKind.BLOCKWISE, triple.absmax, absmax)
         qmap = self.record.replicated[triple.qmap]
@@ -291,7 +292,7 @@ class _GroupRestorer:
         current[..., :n].copy_(quant.dequantize(codes, absmax, qmap, self.block_size))
 
     def _quantize_into(self, triple, state: dict[str, Any]) -> None:
-        n = self.elements[1] - self.elements[0]
+        n = self._length(StateKind.ELEMENTWISE)
         values = torch.empty(*state[triple.codes].shape[:-1], n, dtype=torch.float32)
         self.gather(StateKind.ELEMENTWISE, triple.codes, values)
         qmap = state[triple.qmap]
