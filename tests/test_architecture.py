@@ -24,6 +24,7 @@ ALLOWED = {
     "format": {"core", "format", "errors", "versions"},
     "checkpoint": {"core", "format", "checkpoint", "errors", "versions"},
     "bnb": {"core", "bnb", "errors"},
+    "kernels": {"core", "kernels", "errors"},
     "ds": {"core", "format", "checkpoint", "bnb", "ds", "errors", "versions"},
     "tools": {"core", "format", "checkpoint", "tools", "errors", "versions", "ds.loss_scaler"},
     "integrations": {"core", "format", "checkpoint", "bnb", "ds", "tools", "integrations", "errors", "versions",
@@ -37,6 +38,7 @@ FORBIDDEN = {
     "format": ("deepspeed", "torch.distributed", "bitsandbytes"),
     "checkpoint": ("deepspeed",),
     "bnb": ("deepspeed", "torch.distributed"),
+    "kernels": ("deepspeed", "torch.distributed"),
     "tools": ("deepspeed", "torch.distributed"),
 }
 ENGINE_MODULES = ("ds.engine", "ds.initialize", "ds.zero_optimizer", "ds.aligned")

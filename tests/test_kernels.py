@@ -1,0 +1,173 @@
+"""The fused CPU 8-bit update against its plain-torch specification (bitsandbytes' CUDA kernel).
+
+Property tests: for every family, sizes that are not multiples of 256, zero blocks, magnitudes from 1e-30
+to 1e30, NaN/Inf gradients and every hyper-parameter, at step 1 and later, the kernel gives the
+reference's parameters, codes and absmax bit for bit; it does not depend on the thread count; and it
+is block-local (a partition split at any block boundary and updated in pieces gives the same bits, so
+an elastic resume stays bit-identical). The quantizer alone is checked at every map midpoint, its float
+neighbours and every bucket edge of the kernel's table.
+"""
+
+from __future__ import annotations
+
+import bitsandbytes.functional as F
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zero_bnb.kernels.fused import fused_quantize, fused_update
+from zero_bnb.kernels.hyper import BLOCK, FAMILIES, TWO_STATE, UpdateHyper, step_scalars
+from zero_bnb.kernels.reference import quantize_codes, reference_update, sign_fix
+
+QMAP1 = F.create_dynamic_map(signed=True)
+QMAP2 = F.create_dynamic_map(signed=False)
+#: families whose state-1 moment is never negative (its codes sit in the upper half of the signed map)
+NON_NEGATIVE = ("rmsprop", "adagrad")
+
+
+@st.composite
+def cases(draw):
+    name = draw(st.sampled_from(sorted(FAMILIES)))
+    hyper = UpdateHyper(
+        name=name,
+        lr=draw(st.sampled_from([1e-6, 1e-3, 0.1, 3.0])),
+        beta1=draw(st.sampled_from([0.0, 0.5, 0.9, 0.99])),
+        beta2=draw(st.sampled_from([0.0, 0.9, 0.999, 0.9999])),
+        beta3=draw(st.sampled_from([0.0, 0.9999])) if name == "ademamix" else 0.0,
+        alpha=draw(st.sampled_from([0.0, 5.0])) if name == "ademamix" else 0.0,
+        eps=draw(st.sampled_from([0.0, 1e-8, 1e-3])),
+        weight_decay=draw(st.sampled_from([0.0, 1e-2, 0.5])),
+        skip_zeros=draw(st.booleans()) and name not in TWO_STATE,
+    )
+    return dict(
+        hyper=hyper,
+        n=draw(st.integers(1, 4 * BLOCK + 3)),
+        step=draw(st.integers(1, 20)),
+        scale=10.0 ** draw(st.integers(-30, 30)),
+        zero_blocks=draw(st.booleans()),
+        nonfinite=draw(st.sampled_from(["none", "nan", "inf", "-inf"])),
+        zeros=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def make_inputs(case) -> dict[str, torch.Tensor]:
+    """A partition's parameter, gradient and 8-bit state for ``case`` (fresh tensors each call)."""
+    hyper, n = case["hyper"], case["n"]
+    gen = torch.Generator().manual_seed(case["seed"])
+    blocks, rows = -(-n // BLOCK), 2 if hyper.name == "ademamix" else 1
+    p = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen) * case["scale"]
+    low = 127 if hyper.name in NON_NEGATIVE else 0
+    state1 = torch.randint(low, 256, (rows * n,), generator=gen, dtype=torch.uint8)
+    absmax1 = torch.rand(rows * blocks, generator=gen) * case["scale"]
+    state2 = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+    absmax2 = torch.rand(blocks, generator=gen) * case["scale"] ** 2
+    if case["zeros"]:
+        g[torch.rand(n, generator=gen) < 0.3] = 0.0
+    if case["zero_blocks"]:
+        g[:BLOCK] = 0.0
+        absmax1.view(rows, blocks)[:, 0] = 0.0
+        absmax2[0] = 0.0
+    if case["nonfinite"] != "none":
+        g[torch.randint(0, n, (max(1, n // 50),), generator=gen)] = float(case["nonfinite"])
+    inputs = dict(p=p, g=g, state1=state1, absmax1=absmax1, qmap1=QMAP1.clone())
+    if hyper.name in TWO_STATE:
+        inputs.update(state2=state2, absmax2=absmax2, qmap2=QMAP2.clone())
+    return inputs
+
+
+def run(update, case, **extra) -> dict[str, torch.Tensor]:
+    inputs = make_inputs(case)
+    update(case["hyper"], step_scalars(case["hyper"], case["step"]), **inputs, **extra)
+    return inputs
+
+
+def assert_same_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    for key, value in want.items():
+        if value.is_floating_point():
+            torch.testing.assert_close(got[key], value, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{key}: {m}")
+        else:
+            differ = (got[key] != value).nonzero().flatten()
+            assert differ.numel() == 0, f"{key}: {differ.numel()} codes differ, first at {differ[:5].tolist()}"
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases())
+def test_kernel_gives_the_reference_bits(case):
+    assert_same_bits(run(fused_update, case), run(reference_update, case))
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases())
+def test_kernel_does_not_depend_on_the_thread_count(case):
+    one = run(fused_update, case, threads=1)
+    for threads in (2, 3):
+        assert_same_bits(run(fused_update, case, threads=threads), one)
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases(), st.data())
+def test_updating_pieces_split_at_block_boundaries_equals_updating_the_whole(case, data):
+    """Block-local: what each rank computes for its partition does not depend on where partitions start."""
+    whole = run(fused_update, case)
+    inputs = make_inputs(case)
+    n, hyper = case["n"], case["hyper"]
+    rows, blocks = (2 if hyper.name == "ademamix" else 1), -(-n // BLOCK)
+    cut = BLOCK * data.draw(st.integers(0, blocks), label="cut block")
+    scalars = step_scalars(hyper, case["step"])
+    for start, end in ((0, cut), (cut, n)):
+        if end <= start:
+            continue
+        first, last = start // BLOCK, -(-end // BLOCK)
+        piece = dict(p=inputs["p"][start:end].clone(), g=inputs["g"][start:end].clone(),
+                     state1=inputs["state1"].view(rows, n)[:, start:end].clone(memory_format=torch.contiguous_format),
+                     absmax1=inputs["absmax1"].view(rows, blocks)[:, first:last].clone(memory_format=torch.contiguous_format),
+                     qmap1=QMAP1)
+        if hyper.name in TWO_STATE:
+            piece.update(state2=inputs["state2"][start:end].clone(), absmax2=inputs["absmax2"][first:last].clone(),
+                         qmap2=QMAP2)
+        fused_update(hyper, scalars, **piece)
+        inputs["p"][start:end] = piece["p"]
+        inputs["state1"].view(rows, n)[:, start:end] = piece["state1"].view(rows, -1)
+        inputs["absmax1"].view(rows, blocks)[:, first:last] = piece["absmax1"].view(rows, -1)
+        if hyper.name in TWO_STATE:
+            inputs["state2"][start:end] = piece["state2"]
+            inputs["absmax2"][first:last] = piece["absmax2"]
+    assert_same_bits(inputs, whole)
+
+
+def probe_values(qmap: torch.Tensor) -> torch.Tensor:
+    """Every map value, every midpoint the search compares with and their float neighbours, and the
+    first and last value of every 65 536-key bucket of the kernel's table (in [-1, 1])."""
+    values = torch.cat([qmap, torch.tensor([-1.0, 0.0, 1.0])])
+    mids = torch.cat([(values[:, None] + values[None, :]).flatten() * 0.5])
+    points = torch.cat([values, mids])
+    inf = torch.tensor(float("inf"))
+    neighbours = torch.cat([points, torch.nextafter(points, inf), torch.nextafter(points, -inf)])
+    top = torch.arange(1 << 16, dtype=torch.int64) << 16
+    edges = torch.cat([top, top | 0xFFFF]).to(torch.int32).view(torch.float32)
+    edges = edges[edges.isfinite() & (edges.abs() <= 1.0)]
+    return torch.cat([neighbours, edges, torch.tensor([-0.0, float("nan"), 2.0, -2.0])])
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed map", "unsigned map"])
+def test_quantizer_gives_the_binary_search_code_at_every_midpoint_and_bucket_edge(signed):
+    qmap = QMAP1 if signed else QMAP2
+    x = probe_values(qmap)
+    want = quantize_codes(x, qmap, signed)
+    if signed:
+        want = sign_fix(want, x, qmap)
+    got = fused_quantize(x, qmap, signed).long()
+    differ = (got != want).nonzero().flatten()
+    assert differ.numel() == 0, f"{differ.numel()} codes differ, e.g. x={x[differ[:5]].tolist()}"
+
+
+def test_a_midpoint_tie_keeps_the_searchs_even_pivot():
+    """The documented tie rule: ``x`` exactly between two codes gets the even one (the search's pivot)."""
+    mids = (QMAP1[100:110] + QMAP1[101:111]) * 0.5
+    exact = mids[(mids * 2 == QMAP1[100:110] + QMAP1[101:111])]
+    codes = quantize_codes(exact, QMAP1, signed=True)
+    assert bool((codes % 2 == 0).all()), codes
+    assert fused_quantize(exact, QMAP1, signed=True).long().tolist() == codes.tolist()

@@ -1,0 +1,8 @@
+"""The fused CPU blockwise 8-bit optimizer update and its specification.
+
+Owns: the arithmetic bitsandbytes' CUDA kernels apply to 8-bit state (``reference``: plain torch, the
+specification), its per-step float32 scalars (``hyper``), the C++/OpenMP kernel that computes the same
+bits one 256-element block at a time (``csrc/``, compiled and cached by ``build``, called by ``fused``).
+
+May import: torch, bitsandbytes, ``zero_bnb.errors``, ``zero_bnb.core``, ``zero_bnb.kernels``.
+"""
