@@ -1,4 +1,9 @@
-"""The optimizer x precision x ZeRO-stage matrix: train and save at DP=2, load at DP=3 (one launch per side)."""
+"""The optimizer x precision x ZeRO-stage matrix: train and save at DP=2, load at DP=3 (one launch per side).
+
+Offloaded rows (``...-offload``: ``offload_optimizer: {"device": "cpu"}``) also continue training after
+the save (the uninterrupted reference), load at DP=3 offloaded and at DP=1 not offloaded (a third,
+one-process launch), and the non-offloaded rows of ``BACK`` load offloaded at DP=3.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import os
 
 import bitsandbytes as bnb
 import torch
+import torch.distributed as dist
 from scenarios import _error, _save_result, run_phases
 
 from zero_bnb.testing.consolidate import consolidated_state
@@ -36,7 +42,28 @@ OPTIMIZERS = {
 PRECISIONS = ("fp32", "bf16", "bf16acc", "fp16")
 STAGES = (1, 2)
 CASES = [f"{o}-{p}-zero{s}" for o, p, s in itertools.product(OPTIMIZERS, PRECISIONS, STAGES)]
+#: Optimizer offload: every family at ZeRO-2 in fp32 (classic ZeRO-Offload), and Adam8bit at ZeRO-1 and in bf16.
+#: bf16acc under offload is DeepSpeed's ZeRO optimizer (its BF16_Optimizer has no offload path).
+OFFLOAD_CASES = [f"{o}-fp32-zero2-offload" for o in OPTIMIZERS] + [
+    "Adam8bit-fp32-zero1-offload", "Adam8bit-bf16-zero1-offload", "Adam8bit-bf16acc-zero1-offload",
+    "AdamW8bit-bf16-zero2-offload",
+]
+#: Non-offloaded checkpoints loaded into offloaded engines at DP=3 ("and back").
+BACK = ["Adam8bit-fp32-zero2", "Lion8bit-fp32-zero1", "AdamW8bit-bf16-zero2"]
+OFFLOAD = {"device": "cpu", "pin_memory": False}
 STEPS = 2
+#: Steps the offloaded rows train after saving, and the resumed runs after loading.
+STEPS_AFTER = 2
+
+
+#: Offload settings zero_bnb refuses (DeepSpeed cannot honour them at stages 1 and 2), by name.
+OFFLOAD_REFUSALS = {
+    "nvme": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
+    "ratio": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
+    "offload_param": {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+    "forced": {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+               "zero_force_ds_cpu_optimizer": True},
+}
 
 
 def runnable(case: str) -> bool:
@@ -45,9 +72,13 @@ def runnable(case: str) -> bool:
     return ("-fp16-" not in case and not case.startswith("AdEMAMix32bit")) or torch.cuda.device_count() >= 3
 
 
-def _engine(world: int, case: str):
-    optimizer, precision, stage = case.rsplit("-", 2)
+def _engine(world: int, case: str, offload: bool | None = None):
+    """The toy engine of row ``case``; ``offload`` overrides the row's own ``-offload`` suffix."""
+    offloaded = case.endswith("-offload") if offload is None else offload
+    optimizer, precision, stage = case.removesuffix("-offload").rsplit("-", 2)
     config = {"zero_optimization": {"stage": int(stage.removeprefix("zero"))}}
+    if offloaded:
+        config["zero_optimization"]["offload_optimizer"] = OFFLOAD
     if precision == "bf16acc":
         config.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
     elif precision != "fp32":
@@ -73,6 +104,34 @@ def _state_dtypes(engine) -> list[str | None]:
             for flat in map(engine.optimizer.master_partition, range(engine.optimizer.num_groups))]
 
 
+def _offload_facts(engine) -> dict:
+    """Where the optimizer lives: DeepSpeed's offload flag, the device of masters and state, the 8-bit dtypes."""
+    wrapper = engine.optimizer
+    partitions = [wrapper.master_partition(index) for index in range(wrapper.num_groups)]
+    states = [wrapper.optimizer.state.get(flat, {}) for flat in partitions]
+    return {
+        "wrapper": type(wrapper).__name__,
+        "base": type(wrapper.optimizer).__name__,
+        "cpu_offload": bool(getattr(wrapper, "cpu_offload", False)),
+        "devices": sorted({str(t.device) for t in partitions} | {str(v.device) for state in states
+                                                                   for v in state.values() if torch.is_tensor(v)}),
+        "state1_dtypes": [str(state["state1"].dtype) if "state1" in state else None for state in states],
+    }
+
+
+def _module_is_master(engine, state) -> bool:
+    return all(dist.get_rank() != 0 or torch.equal(p.detach(), state["params"][n]["fp32"].to(p.dtype))
+               for n, p in engine.module.named_parameters())
+
+
+def _resumed(engine, workdir: str, case: str) -> dict:
+    """Load ``case``'s checkpoint into ``engine``; its state, placement and the losses of STEPS_AFTER more steps."""
+    engine.load_checkpoint(os.path.join(workdir, case))
+    state = consolidated_state(engine)
+    return {"state": state, "module_is_master": _module_is_master(engine, state), "offload": _offload_facts(engine),
+            "losses": train_steps(engine, RUN, STEPS, STEPS_AFTER)}
+
+
 def save_all(rank, world, workdir):
     out = {}
     engine = _override_engine(world)
@@ -92,13 +151,24 @@ def save_all(rank, world, workdir):
         phase.__name__ = case
         return phase
 
-    run_phases(out, {}, *map(save, filter(runnable, CASES)))  # one failing row fails only its own test
+    def save_offloaded(case):
+        def phase(context, out):
+            engine = _engine(world, case)
+            losses = train_steps(engine, RUN, 0, STEPS)
+            engine.save_checkpoint(os.path.join(workdir, case), tag="a")
+            out[case] = consolidated_state(engine)
+            out[f"{case}:offload"] = _offload_facts(engine)
+            out[f"{case}:losses"] = losses + train_steps(engine, RUN, STEPS, STEPS_AFTER)  # uninterrupted reference
+
+        phase.__name__ = case
+        return phase
+
+    run_phases(out, {}, *map(save, filter(runnable, CASES)),  # one failing row fails only its own test
+               *map(save_offloaded, filter(runnable, OFFLOAD_CASES)))
     out["wrappers"] = {case: type(_engine(world, case).optimizer).__name__
                        for case in ("Adam8bit-bf16acc-zero1", "Adam8bit-bf16acc-zero2", "Adam8bit-bf16-zero1")}
-    offload = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
-    out["offload_stock_check"] = _error(lambda: build_engine(world, bnb.optim.Adam8bit, **offload))
-    out["offload"] = _error(lambda: build_engine(world, bnb.optim.Adam8bit, zero_force_ds_cpu_optimizer=False,
-                                                 **offload))
+    out["offload_refusals"] = {name: _error(lambda: build_engine(world, bnb.optim.Adam8bit, **config))
+                               for name, config in OFFLOAD_REFUSALS.items()}
     out["stage3"] = _error(lambda: build_engine(world, bnb.optim.Adam8bit, zero_optimization={"stage": 3}))
     _save_result(os.path.join(workdir, f"saved_dp{world}.pt"), out)
 
@@ -113,15 +183,35 @@ def load_all(rank, world, workdir):
             engine = _engine(world, case)
             engine.load_checkpoint(os.path.join(workdir, case))
             state = consolidated_state(engine)
-            module_is_master = all(
-                rank != 0 or torch.equal(p.detach(), state["params"][n]["fp32"].to(p.dtype))
-                for n, p in engine.module.named_parameters()
-            )
-            out[case] = {"state": state, "module_is_master": module_is_master,
+            out[case] = {"state": state, "module_is_master": _module_is_master(engine, state),
                          "loss": train_steps(engine, RUN, STEPS, 1)[0]}
 
         phase.__name__ = case
         return phase
 
-    run_phases(out, {}, *map(load, filter(runnable, CASES)))
+    def load_offloaded(case, offload, key):
+        def phase(context, out):
+            out[key] = _resumed(_engine(world, case, offload), workdir, case)
+
+        phase.__name__ = key
+        return phase
+
+    offloaded = [load_offloaded(case, None, case) for case in filter(runnable, OFFLOAD_CASES)]
+    back = [load_offloaded(case, True, f"back:{case}") for case in BACK]
+    run_phases(out, {}, *map(load, filter(runnable, CASES)), *offloaded, *back)
+    _save_result(os.path.join(workdir, f"loaded_dp{world}.pt"), out)
+
+
+def load_offloaded_at_dp1(rank, world, workdir):
+    """Every offloaded row's checkpoint loaded at DP=1 without offload, then trained on."""
+    out = {}
+
+    def load(case):
+        def phase(context, out):
+            out[case] = _resumed(_engine(world, case, offload=False), workdir, case)
+
+        phase.__name__ = case
+        return phase
+
+    run_phases(out, {}, *map(load, filter(runnable, OFFLOAD_CASES)))
     _save_result(os.path.join(workdir, f"loaded_dp{world}.pt"), out)

@@ -7,7 +7,17 @@ import math
 import bitsandbytes as bnb
 import pytest
 import torch
-from optimizer_scenarios import CASES, STEPS, load_all, runnable, save_all
+from optimizer_scenarios import (
+    BACK,
+    CASES,
+    OFFLOAD_CASES,
+    STEPS,
+    STEPS_AFTER,
+    load_all,
+    load_offloaded_at_dp1,
+    runnable,
+    save_all,
+)
 from scenarios import result
 
 from zero_bnb.core.state_spec import UnsupportedOptimizerError, spec_for
@@ -24,15 +34,16 @@ def matrix(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("optimizers")
     run_distributed(save_all, 2, str(workdir))
     run_distributed(load_all, 3, str(workdir))
+    run_distributed(load_offloaded_at_dp1, 1, str(workdir))
     load = lambda name: torch.load(workdir / name, weights_only=False)
-    return load("saved_dp2.pt"), load("loaded_dp3.pt")
+    return load("saved_dp2.pt"), load("loaded_dp3.pt"), load("loaded_dp1.pt")
 
 
 @pytest.mark.parametrize("case", [
     pytest.param(case, marks=pytest.mark.skipif(not runnable(case), reason=GPU_ONLY)) for case in CASES
 ])
 def test_save_at_dp2_load_at_dp3_is_exact(matrix, case):
-    saved, loaded = (result([side], case) for side in matrix)  # a row whose launch phase raised reports it here
+    saved, loaded = (result([side], case) for side in matrix[:2])  # a row whose launch phase raised reports it here
     checked, differences = state_differences(saved, loaded["state"])
     assert not differences, differences
     assert checked >= 12  # 6 parameters x (master weight + at least one state)
@@ -42,7 +53,7 @@ def test_save_at_dp2_load_at_dp3_is_exact(matrix, case):
 
 
 def test_bitsandbytes_override_gets_its_own_flat_group_and_survives_resume(matrix):
-    saved, loaded = matrix
+    saved, loaded, _ = matrix
     assert saved["override_groups"] == [["2.weight"], ["0.bias", "2.bias", "4.bias"], ["4.weight"], ["0.weight"]]
     # 0.weight (9600 elements) would be 8-bit; its 32-bit override holds, alone in its group, at DP=2 and DP=3.
     assert saved["override_dtypes"] == ["torch.uint8", "torch.float32", "torch.uint8", "torch.float32"]
@@ -51,18 +62,83 @@ def test_bitsandbytes_override_gets_its_own_flat_group_and_survives_resume(matri
 
 
 def test_each_precision_runs_through_the_deepspeed_wrapper_it_selects(matrix):
-    saved, _ = matrix
+    saved, _, _ = matrix
     assert saved["wrappers"]["Adam8bit-bf16acc-zero1"] == "BlockAlignedBF16Optimizer"
     assert saved["wrappers"]["Adam8bit-bf16acc-zero2"] == "BlockAlignedZeroOptimizer"
     assert saved["wrappers"]["Adam8bit-bf16-zero1"] == "BlockAlignedZeroOptimizer"
 
 
 def test_unsupported_zero_modes_are_refused_with_the_setting_named(matrix):
-    saved, _ = matrix
+    saved, _, _ = matrix
     assert "zero_optimization.stage=3" in saved["stage3"] and "ZeroBnbConfigError" in saved["stage3"]
-    # Offload: DeepSpeed itself refuses a client optimizer (no silent swap to its CPU Adam); forced, zero_bnb refuses.
-    assert "ZeRO-Offload with a client provided optimizer" in saved["offload_stock_check"]
-    assert "offload_optimizer is not supported" in saved["offload"] and "remove the offload section" in saved["offload"]
+
+
+@pytest.mark.parametrize(("name", "parts"), [
+    ("nvme", ['offload_optimizer.device="nvme"', "ZeRO stage 3", 'Set "device": "cpu"']),
+    ("ratio", ["offload_optimizer.ratio=0.5", "partial offload", "remove ratio"]),
+    ("offload_param", ["offload_param.device='cpu'", "ZeRO stage 3 feature", "remove offload_param"]),
+    ("forced", ["zero_force_ds_cpu_optimizer=True", "bitsandbytes.optim.adam.Adam8bit", "DeepSpeedCPUAdam",
+                "remove the key"]),
+])
+def test_offload_settings_deepspeed_cannot_honour_at_stages_1_and_2_are_refused(matrix, name, parts):
+    saved, _, _ = matrix
+    message = saved["offload_refusals"][name]
+    assert message is not None and message.startswith("ZeroBnbConfigError"), message
+    for part in parts:
+        assert part in message, (part, message)
+
+
+def _offload_runnable(cases):
+    return [pytest.param(case, marks=pytest.mark.skipif(not runnable(case), reason=GPU_ONLY)) for case in cases]
+
+
+def _assert_resumed(saved_state, reference_losses, resumed, *, offloaded: bool):
+    checked, differences = state_differences(saved_state, resumed["state"])
+    assert not differences, differences
+    assert checked >= 12
+    assert resumed["module_is_master"], "module weights must be the master weights in the module dtype"
+    assert resumed["offload"]["cpu_offload"] is offloaded
+    assert resumed["offload"]["devices"] == ["cpu"]
+    # Same state as the uninterrupted run: the first resumed loss differs only by reduction order; the later ones
+    # also by the group that changes between 8-bit and fp32 state with the DP size (as in tests/test_elastic.py).
+    assert resumed["losses"][0] == pytest.approx(reference_losses[STEPS], rel=1e-5)
+    assert resumed["losses"] == pytest.approx(reference_losses[STEPS:], rel=2e-3)
+
+
+@pytest.mark.parametrize("case", _offload_runnable(OFFLOAD_CASES))
+def test_offloaded_save_at_dp2_resumes_offloaded_at_dp3_and_without_offload_at_dp1(matrix, case):
+    saved_side, dp3, dp1 = matrix
+    saved = result([saved_side], case)
+    facts = result([saved_side], f"{case}:offload")
+    losses = result([saved_side], f"{case}:losses")
+    assert facts["cpu_offload"] and facts["devices"] == ["cpu"]
+    assert facts["wrapper"] == "BlockAlignedZeroOptimizer"  # bf16acc too: DeepSpeed's BF16_Optimizer has no offload
+    family = case.split("-")[0].split(".")[-1]
+    assert facts["base"] == family, "the optimizer that trains is the user's"
+    if "8bit" in family:
+        assert facts["state1_dtypes"][0] == "torch.uint8", facts  # the large group keeps 8-bit state on the CPU
+    assert len(losses) == STEPS + STEPS_AFTER and all(math.isfinite(loss) for loss in losses)
+    _assert_resumed(saved, losses, result([dp3], case), offloaded=True)
+    _assert_resumed(saved, losses, result([dp1], case), offloaded=False)
+
+
+@pytest.mark.parametrize("case", BACK)
+def test_checkpoint_saved_without_offload_resumes_offloaded_at_dp3(matrix, case):
+    saved_side, dp3, _ = matrix
+    resumed = result([dp3], f"back:{case}")
+    checked, differences = state_differences(result([saved_side], case), resumed["state"])
+    assert not differences and checked >= 12, differences
+    assert resumed["offload"]["cpu_offload"] and resumed["module_is_master"]
+    # The same checkpoint loaded without offload at DP=3 (the matrix row) takes the same first step.
+    assert resumed["losses"][0] == pytest.approx(result([dp3], case)["loss"], rel=1e-6)
+
+
+def test_offload_trains_like_the_same_run_without_offload(matrix):
+    """Offload moves where the fp32 partition lives and is stepped, not what is computed."""
+    saved, _, _ = matrix
+    checked, differences = state_differences(result([saved], "Adam8bit-fp32-zero2"),
+                                             result([saved], "Adam8bit-fp32-zero2-offload"))
+    assert not differences and checked >= 12, differences
 
 
 @pytest.mark.parametrize(("make", "name"), [

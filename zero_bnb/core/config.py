@@ -25,6 +25,7 @@ __all__ = [
     "ZeroBnbConfig",
     "ZeroBnbConfigError",
     "load_ds_config",
+    "prepare_offload",
     "refuse_optimizer_section",
     "split_config",
 ]
@@ -36,6 +37,8 @@ CHECKPOINT_VERIFY = "zero_checkpoint_verify"
 DERIVED_MODULE_WEIGHTS = "zero_derived_module_weights"
 _OWN_KEYS = (UNSHARDED_KEYS, UNSHARDED_MAX_NUMEL, NONFINITE_CHECK, CHECKPOINT_VERIFY, DERIVED_MODULE_WEIGHTS)
 _NONFINITE_MODES = ("error", "warn", "off")
+#: DeepSpeed's top-level key that makes it refuse every client optimizer under optimizer offload.
+FORCE_DS_CPU_OPTIMIZER = "zero_force_ds_cpu_optimizer"
 
 
 class ZeroBnbConfigError(ValueError):
@@ -191,3 +194,90 @@ def refuse_optimizer_section(ds_config: Mapping[str, Any], client_optimizer: Any
         f"DeepSpeed config (ds.json): Trainer then builds the optimizer named by optim=; with Accelerate or your own "
         f"loop pass a bitsandbytes optimizer, e.g. optimizer=bnb.optim.AdamW8bit(model.parameters(), lr=...)"
     )
+
+
+def _offload_section(zero: Mapping[str, Any], key: str) -> Mapping[str, Any] | None:
+    section = zero.get(key)
+    if section is None:
+        return None
+    if not isinstance(section, Mapping):
+        raise ZeroBnbConfigError(
+            f"zero_optimization.{key} must be an object such as {{\"device\": \"cpu\", \"pin_memory\": true}}, "
+            f"got {section!r}"
+        )
+    return section
+
+
+def prepare_offload(ds_config: dict[str, Any], client_optimizer: Any) -> bool:
+    """Accept ``zero_optimization.offload_optimizer: {"device": "cpu"}`` for a client optimizer; refuse the rest.
+
+    At ZeRO stages 1 and 2 DeepSpeed keeps each rank's fp32 partition and the base optimizer's
+    state in CPU memory and steps the base optimizer there; a bitsandbytes optimizer then keeps
+    its 8-bit state on the CPU. DeepSpeed refuses a client optimizer under offload unless
+    ``zero_force_ds_cpu_optimizer`` is false (its default, true, asks for its own
+    ``DeepSpeedCPUAdam``), so this sets it to false, as ``zero_allow_untested_optimizer`` is set
+    for client optimizers. Settings DeepSpeed cannot honour at stages 1 and 2 are refused:
+    ``device: "nvme"`` (DeepSpeed then skips the optimizer state on load), a partial ``ratio``,
+    ``super_offload`` and ``offload_param`` (ZeRO-3 features it would ignore), and an explicit
+    ``zero_force_ds_cpu_optimizer: true`` next to a client optimizer.
+
+    Args:
+        ds_config: the DeepSpeed config (zero_bnb's keys removed); changed in place.
+        client_optimizer: the optimizer passed to ``initialize`` (``None``: DeepSpeed builds one).
+
+    Returns:
+        Whether the optimizer state is offloaded to the CPU.
+
+    Raises:
+        ZeroBnbConfigError: naming the setting, its value and the alternative.
+    """
+    zero = ds_config.get("zero_optimization") or {}
+    if not isinstance(zero, Mapping):
+        return False
+    param = _offload_section(zero, "offload_param")
+    if param is not None and str(param.get("device", "none")) != "none":
+        raise ZeroBnbConfigError(
+            f"zero_optimization.offload_param.device={param.get('device')!r} offloads parameters, a ZeRO stage 3 "
+            f"feature that DeepSpeed ignores at stages 1 and 2 (zero_bnb's stages); remove offload_param. "
+            f"zero_optimization.offload_optimizer: {{\"device\": \"cpu\"}} moves the optimizer state and step to the CPU"
+        )
+    section = _offload_section(zero, "offload_optimizer")
+    device = str(section.get("device", "none")) if section is not None else "none"
+    if section is None and zero.get("cpu_offload") is True:  # DeepSpeed's deprecated spelling of device "cpu"
+        device = "cpu"
+    if device == "none":
+        return False
+    if device == "nvme":
+        raise ZeroBnbConfigError(
+            "zero_optimization.offload_optimizer.device=\"nvme\" is ZeRO-Infinity's NVMe offload (ZeRO stage 3); at "
+            "stages 1 and 2 DeepSpeed keeps the state in CPU memory anyway and skips the optimizer state when it loads "
+            "a checkpoint. Set \"device\": \"cpu\" (with zero_bnb the 8-bit state takes a quarter of fp32 Adam's "
+            "CPU memory)"
+        )
+    if device != "cpu":
+        raise ZeroBnbConfigError(
+            f"zero_optimization.offload_optimizer.device must be \"cpu\" or \"none\" with zero_bnb, got {device!r}"
+        )
+    section = section or {}
+    ratio = section.get("ratio", 1.0)
+    if ratio != 1.0:
+        raise ZeroBnbConfigError(
+            f"zero_optimization.offload_optimizer.ratio={ratio!r} asks for partial offload, a ZeRO stage 3 feature "
+            f"that DeepSpeed ignores at stages 1 and 2 (everything is offloaded); remove ratio"
+        )
+    if section.get("super_offload"):
+        raise ZeroBnbConfigError(
+            "zero_optimization.offload_optimizer.super_offload=true is a ZeRO stage 3 feature that DeepSpeed ignores "
+            "at stages 1 and 2; remove it"
+        )
+    if client_optimizer is not None:
+        if ds_config.get(FORCE_DS_CPU_OPTIMIZER, False) is not False:
+            name = f"{type(client_optimizer).__module__}.{type(client_optimizer).__qualname__}"
+            raise ZeroBnbConfigError(
+                f"the config sets {FORCE_DS_CPU_OPTIMIZER}={ds_config[FORCE_DS_CPU_OPTIMIZER]!r}, which makes DeepSpeed "
+                f"refuse the client optimizer ({name}) under optimizer offload and ask for its own fp32 "
+                f"DeepSpeedCPUAdam; remove the key (zero_bnb sets it to false so that your optimizer steps the "
+                f"offloaded partitions)"
+            )
+        ds_config[FORCE_DS_CPU_OPTIMIZER] = False
+    return True

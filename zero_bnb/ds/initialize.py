@@ -11,7 +11,13 @@ import deepspeed
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
 from zero_bnb.bnb.overrides import attach_overrides, isolate_overridden_parameters
-from zero_bnb.core.config import ZeroBnbConfigError, load_ds_config, refuse_optimizer_section, split_config
+from zero_bnb.core.config import (
+    ZeroBnbConfigError,
+    load_ds_config,
+    prepare_offload,
+    refuse_optimizer_section,
+    split_config,
+)
 from zero_bnb.core.state_spec import family_of
 from zero_bnb.ds.engine import ZeroBnbEngine, swapped_attribute
 from zero_bnb.ds.substitute import calling_deepspeed, underlying_initialize
@@ -88,7 +94,11 @@ def initialize(
     ``DeepSpeedEngine``. zero_bnb reads ``zero_unsharded_state_keys`` and
     ``zero_unsharded_state_max_numel`` from the top level of the config or from
     ``zero_optimization``, and sets ``zero_allow_untested_optimizer`` for client optimizers
-    (bitsandbytes' are not on DeepSpeed's list), as transformers and accelerate do.
+    (bitsandbytes' are not on DeepSpeed's list), as transformers and accelerate do. With
+    ``zero_optimization.offload_optimizer: {"device": "cpu"}`` the fp32 partitions and the
+    optimizer state live in CPU memory and the client optimizer steps there
+    (``zero_force_ds_cpu_optimizer`` is set to false for it; see
+    :func:`zero_bnb.core.config.prepare_offload` for what is refused).
 
     Collective: call it on every rank, as ``deepspeed.initialize``.
     """
@@ -102,6 +112,7 @@ def initialize(
         )
     _refuse_unsupported(ds_config, mpu)
     refuse_optimizer_section(ds_config, optimizer)
+    prepare_offload(ds_config, optimizer)
     if optimizer is not None and "zero_allow_untested_optimizer" not in ds_config:
         ds_config["zero_allow_untested_optimizer"] = True
     isolation = None

@@ -73,10 +73,6 @@ class BlockAlignedZeroOptimizer(BlockAligned, DeepSpeedZeroOptimizer):
             )
         if self.has_moe_layers:
             raise ZeroLayoutError("mixture-of-experts layers are not supported by zero_bnb")
-        if self.cpu_offload:
-            raise ZeroLayoutError(
-                "zero_optimization.offload_optimizer is not supported by zero_bnb yet; remove the offload section"
-            )
         self._check_partitions([flat.numel() for flat in self.bit16_groups_flat], list(self.partition_size))
         logger.debug(
             "block-aligned ZeRO partitions: %s",
