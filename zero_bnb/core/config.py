@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from zero_bnb.core.state_spec import declared
+
 __all__ = [
     "CHECKPOINT_VERIFY",
     "DERIVED_MODULE_WEIGHTS",
@@ -219,11 +221,12 @@ def prepare_offload(ds_config: dict[str, Any], client_optimizer: Any) -> bool:
     for client optimizers. Settings DeepSpeed cannot honour at stages 1 and 2 are refused:
     ``device: "nvme"`` (DeepSpeed then skips the optimizer state on load), a partial ``ratio``,
     ``super_offload`` and ``offload_param`` (ZeRO-3 features it would ignore), and an explicit
-    ``zero_force_ds_cpu_optimizer: true`` next to a client optimizer.
+    ``zero_force_ds_cpu_optimizer: true`` next to an optimizer zero_bnb declares. Local, pure.
 
     Args:
         ds_config: the DeepSpeed config (zero_bnb's keys removed); changed in place.
-        client_optimizer: the optimizer passed to ``initialize`` (``None``: DeepSpeed builds one).
+        client_optimizer: the optimizer passed to ``initialize`` (``None``: DeepSpeed builds one; an
+            optimizer zero_bnb does not declare is refused later, by :func:`~zero_bnb.core.state_spec.spec_for`).
 
     Returns:
         Whether the optimizer state is offloaded to the CPU.
@@ -270,7 +273,7 @@ def prepare_offload(ds_config: dict[str, Any], client_optimizer: Any) -> bool:
             "zero_optimization.offload_optimizer.super_offload=true is a ZeRO stage 3 feature that DeepSpeed ignores "
             "at stages 1 and 2; remove it"
         )
-    if client_optimizer is not None:
+    if client_optimizer is not None and declared(client_optimizer):
         if ds_config.get(FORCE_DS_CPU_OPTIMIZER, False) is not False:
             name = f"{type(client_optimizer).__module__}.{type(client_optimizer).__qualname__}"
             raise ZeroBnbConfigError(
