@@ -59,8 +59,14 @@ def ds_config(**extra) -> dict:
     }
 
 
-#: Trainer's other bitsandbytes optimizer names, each saved at 2 processes and resumed at 3 (short runs).
+#: Trainer's other bitsandbytes optimizer names, each saved at 2 processes and resumed at 3 (short runs), with the
+#: optimizer offloaded to the CPU (Accelerate would swap them for DeepSpeedCPUAdam without zero_bnb).
 OTHER_OPTIMS = ("lion_8bit", "paged_adamw_8bit", "paged_lion_32bit", "rmsprop_bnb_8bit", "ademamix_8bit")
+OFFLOAD = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
+
+
+def offload_config(stage: int = 1, **extra) -> dict:
+    return ds_config(zero_optimization={"stage": stage, **OFFLOAD}, **extra)
 
 
 def _trainer(workdir, world, *, name="out", optim="adamw_bnb_8bit", max_steps=8, save_steps=4, config=None):
@@ -96,7 +102,9 @@ def _describe_engine(engine) -> dict:
     base = engine.optimizer.optimizer
     flat = engine.optimizer.single_partition_of_fp32_groups  # one flat fp32 tensor per group (ZeRO-1)
     dtypes = [str(base.state[p]["state1"].dtype) if p in base.state else None for p in flat]
-    return {"engine": type(engine).__name__, "groups": groups, "state1_dtypes": dtypes}
+    return {"engine": type(engine).__name__, "groups": groups, "state1_dtypes": dtypes,
+            "optimizer": f"{type(base).__module__}.{type(base).__qualname__}",
+            "cpu_offload": bool(engine.optimizer.cpu_offload)}
 
 
 def trainer_run(workdir, world, *, name="out", resume_from=None, **settings):
@@ -142,10 +150,11 @@ class CallRecorder:
         return self.wrapped(*args, **kwargs)
 
 
-def accelerate_run(workdir, world, *, resume: bool) -> dict:
+def accelerate_run(workdir, world, *, resume: bool, offload: bool = False) -> dict:
     """Accelerate without Trainer: prepare inside ``with zero_bnb.enabled()``, save_state / load_state.
 
     A user wrapper is installed on ``deepspeed.initialize`` before: zero_bnb must call through it.
+    With ``offload`` the optimizer is offloaded to the CPU (Accelerate's swap to DeepSpeedCPUAdam must not happen).
     """
     import bitsandbytes as bnb
     import deepspeed
@@ -156,6 +165,8 @@ def accelerate_run(workdir, world, *, resume: bool) -> dict:
     AcceleratorState._reset_state(reset_partial_state=False)  # a Trainer ran in this process before
     config = ds_config(train_batch_size=GLOBAL_BATCH, train_micro_batch_size_per_gpu=MICRO,
                        gradient_accumulation_steps=GLOBAL_BATCH // (MICRO * world), gradient_clipping=1.0)
+    if offload:
+        config["zero_optimization"].update(OFFLOAD)
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
     model = tiny_gpt2()
     optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=3e-3)
@@ -177,7 +188,7 @@ def accelerate_run(workdir, world, *, resume: bool) -> dict:
         out["losses"] = _accelerate_steps(accelerator, model, optimizer, 0, 4)
         accelerator.save_state(folder)
         out["losses"] += _accelerate_steps(accelerator, model, optimizer, 4, 4)
-    return out
+    return {**out, **_describe_engine(model)}  # after training: the state exists
 
 
 class Captured(logging.Handler):
@@ -247,7 +258,10 @@ def hf_dp2(rank, world, workdir):
             out["trainer"] = trainer_run(workdir, world)
         out["deepspeed_log"] = deepspeed_log.messages
         for optim in OTHER_OPTIMS:
-            out[optim] = trainer_run(workdir, world, name=optim, optim=optim, max_steps=4, save_steps=2)
+            out[optim] = trainer_run(workdir, world, name=optim, optim=optim, max_steps=4, save_steps=2,
+                                     config=offload_config())
+        out["offload_zero2"] = trainer_run(workdir, world, name="offload_zero2", max_steps=4, save_steps=2,
+                                           config=offload_config(stage=2))
     finally:
         zero_bnb.disable()
         zero_bnb.disable()  # without enable: a no-op
@@ -257,7 +271,7 @@ def hf_dp2(rank, world, workdir):
     with zero_bnb.enabled():  # the stock checkpoint, loaded directly at the DP size that wrote it
         out["stock_same_dp"] = trainer_run(workdir, world, name="stock_same_dp",
                                            resume_from=os.path.join(workdir, "stock", "checkpoint-4"))
-    out["accelerate"] = accelerate_run(workdir, world, resume=False)
+    out["accelerate"] = accelerate_run(workdir, world, resume=False, offload=True)
     out.update(_refusals(workdir, world))
     out["assigned"] = _assigned_initialize(world)
     if rank == 0:
@@ -303,7 +317,11 @@ def hf_dp3(rank, world, workdir):
                                       resume_from=os.path.join(workdir, "stock", "checkpoint-4"))
         for optim in OTHER_OPTIMS:
             out[optim] = trainer_run(workdir, world, name=optim, optim=optim, max_steps=4, save_steps=2,
-                                     resume_from=os.path.join(workdir, optim, "checkpoint-2"))
+                                     config=offload_config(), resume_from=os.path.join(workdir, optim, "checkpoint-2"))
+        # Saved offloaded at ZeRO-2, resumed without offload.
+        out["offload_zero2"] = trainer_run(workdir, world, name="offload_zero2", max_steps=4, save_steps=2,
+                                           config=ds_config(zero_optimization={"stage": 2}),
+                                           resume_from=os.path.join(workdir, "offload_zero2", "checkpoint-2"))
     out["accelerate"] = accelerate_run(workdir, world, resume=True)
     out["stock_module_only"] = _stock_module_only(workdir)
     out["batch_warning"] = _changed_global_batch(workdir, world)

@@ -67,13 +67,25 @@ def _step_losses(micro_losses, accum, world):
     return per_rank.mean(dim=(0, 2)).tolist()
 
 
+def _optimizer_facts(trainer) -> dict:
+    """Which optimizer steps, where, and with what state (the user's bitsandbytes one, 8-bit, on the CPU)."""
+    wrapper = trainer.strategy.model.optimizer
+    base = wrapper.optimizer
+    state = base.state.get(wrapper.master_partition(0), {})
+    return {"optimizer": f"{type(base).__module__}.{type(base).__qualname__}", "cpu_offload": wrapper.cpu_offload,
+            "state1": str(state["state1"].dtype) if "state1" in state else None}
+
+
 def lightning_dp2(rank, world, workdir):
-    """Uninterrupted 2 epochs; then a fresh run of 1 epoch saved with trainer.save_checkpoint."""
+    """Uninterrupted 2 epochs; then a fresh run of 1 epoch with the optimizer offloaded to the CPU, saved with
+    trainer.save_checkpoint (resumed without offload at DP=3)."""
     out = {}
     trainer, _, out["uninterrupted"] = _fit(world, 2)
     out["strategy"] = type(trainer.strategy).__name__
     out["engine"] = type(trainer.strategy.model).__name__
-    trainer, _, out["first_epoch"] = _fit(world, 1)
+    out["optimizer"] = _optimizer_facts(trainer)
+    trainer, _, out["first_epoch"] = _fit(world, 1, strategy="deepspeed_zero_bnb_stage_1_offload")
+    out["offloaded_optimizer"] = _optimizer_facts(trainer)
     trainer.save_checkpoint(os.path.join(workdir, "lightning.ckpt"))
     if rank == 0:
         torch.save(out, os.path.join(workdir, "lightning_dp2.pt"))

@@ -31,7 +31,7 @@ ALLOWED = {
                      "zero_bnb"},
 }
 #: Declared exceptions (each named in its package's docstring).
-EXCEPTIONS = {("ds.substitute", "integrations.hf")}
+EXCEPTIONS = {("ds.substitute", "integrations.hf"), ("ds.substitute", "integrations.accelerate")}
 #: external modules a package must not import directly.
 FORBIDDEN = {
     "core": ("deepspeed", "torch.distributed"),

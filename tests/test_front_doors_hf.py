@@ -61,7 +61,10 @@ def test_trainer_keeps_the_32bit_embedding_override(hf):
 
 def test_accelerate_save_state_load_state_at_another_dp_size(hf):
     _, dp2, dp3, _ = hf
+    # Saved with the optimizer offloaded, resumed without: the AdamW8bit the user passed trains in both.
+    assert dp2["accelerate"]["cpu_offload"] and not dp3["accelerate"]["cpu_offload"]
     for run in (dp2["accelerate"], dp3["accelerate"]):
+        assert run["optimizer"] == "bitsandbytes.optim.adamw.AdamW8bit" and run["state1_dtypes"][0] == "torch.uint8"
         assert run["engine"] == "ZeroBnbEngine"
         assert run["user_wrapper_calls"] == 1, "a wrapper installed before enabled() is called through, once"
         assert run["enabled_after_block"] is False
@@ -148,8 +151,29 @@ def test_zero_to_fp32_script_in_the_save_folder(hf, tmp_path):
     assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])  # tied, as DeepSpeed's script
 
 
+#: Trainer's optim= name -> the bitsandbytes class Trainer builds (optim_bits and is_paged as arguments), which
+#: must be the one that trains (not DeepSpeedCPUAdam).
+OPTIM_CLASSES = {"lion_8bit": "bitsandbytes.optim.lion.Lion", "paged_adamw_8bit": "bitsandbytes.optim.adamw.AdamW",
+                 "paged_lion_32bit": "bitsandbytes.optim.lion.Lion",
+                 "rmsprop_bnb_8bit": "bitsandbytes.optim.rmsprop.RMSprop",
+                 "ademamix_8bit": "bitsandbytes.optim.ademamix.AdEMAMix"}
+
+
 @pytest.mark.parametrize("optim", OTHER_OPTIMS)
-def test_other_trainer_bnb_optimizers_resume_at_3(hf, optim):
+def test_other_trainer_bnb_optimizers_offloaded_resume_at_3(hf, optim):
     _, dp2, dp3, _ = hf
     assert dp2[optim]["engine"] == dp3[optim]["engine"] == "ZeroBnbEngine"
+    # Offloaded, and still the user's bitsandbytes optimizer (Accelerate's swap to DeepSpeedCPUAdam did not happen).
+    for run in (dp2[optim], dp3[optim]):
+        assert run["cpu_offload"] and run["optimizer"] == OPTIM_CLASSES[optim], run
+        assert run["state1_dtypes"][0] == ("torch.float32" if optim.endswith("32bit") else "torch.uint8")
     _assert_continues(dp2[optim]["losses"], dp3[optim]["losses"], (3, 4), rel=1e-5)
+
+
+def test_trainer_adamw_bnb_8bit_offloaded_at_zero2_keeps_the_8bit_optimizer_and_resumes_without_offload(hf):
+    _, dp2, dp3, _ = hf
+    saved, resumed = dp2["offload_zero2"], dp3["offload_zero2"]
+    assert saved["cpu_offload"] and not resumed["cpu_offload"]
+    assert saved["optimizer"] == resumed["optimizer"] == "bitsandbytes.optim.adamw.AdamW"  # optim_bits=8
+    assert saved["state1_dtypes"][0] == resumed["state1_dtypes"][0] == "torch.uint8"
+    _assert_continues(saved["losses"], resumed["losses"], (3, 4), rel=1e-5)

@@ -1,7 +1,8 @@
 """Lightning front door: ``strategy="deepspeed_zero_bnb_stage_1"`` on CPU, save at 2 processes, resume at 3.
 
-Two launches: at DP=2 an uninterrupted 2-epoch run and a 1-epoch run saved with
-``trainer.save_checkpoint``; at DP=3 the second epoch from that checkpoint with
+Two launches: at DP=2 an uninterrupted 2-epoch run and a 1-epoch run with the optimizer offloaded
+(``"deepspeed_zero_bnb_stage_1_offload"``) saved with ``trainer.save_checkpoint``; at DP=3 the
+second epoch from that checkpoint, not offloaded, with
 ``accumulate_grad_batches`` 3 -> 2 (global batch 12 kept).
 """
 
@@ -26,7 +27,11 @@ def lightning_runs(tmp_path_factory):
 def test_strategy_builds_zero_bnb_engine_on_cpu(lightning_runs):
     dp2, _ = lightning_runs
     assert dp2["strategy"] == "ZeroBnbStrategy" and dp2["engine"] == "ZeroBnbEngine"
-    assert dp2["first_epoch"] == dp2["uninterrupted"][:4]  # same seed, same data: the two DP=2 runs agree
+    # Same seed, same data: the two DP=2 runs agree, the second one with the optimizer offloaded to the CPU.
+    assert dp2["first_epoch"] == dp2["uninterrupted"][:4]
+    assert dp2["optimizer"] == {"optimizer": "bitsandbytes.optim.adam.Adam8bit", "cpu_offload": False,
+                                "state1": "torch.uint8"}
+    assert dp2["offloaded_optimizer"] == {**dp2["optimizer"], "cpu_offload": True}
 
 
 def test_resume_at_3_with_other_accumulation_continues_the_curve(lightning_runs):
@@ -42,9 +47,12 @@ def test_strategy_names_and_stage_check():
 
     import zero_bnb.lightning as integration
 
-    for name, stage in integration.STRATEGY_NAMES.items():
+    assert set(integration.STRATEGY_NAMES) == {f"deepspeed_zero_bnb_stage_{stage}{offload}"
+                                               for stage in (1, 2) for offload in ("", "_offload")}
+    for name, params in integration.STRATEGY_NAMES.items():
         assert "deepspeed" in name  # Lightning's accelerator connector looks for this substring
         assert StrategyRegistry[name]["strategy"] is integration.ZeroBnbStrategy
-        assert StrategyRegistry[name]["init_params"] == {"stage": stage}
+        assert StrategyRegistry[name]["init_params"] == params
+        assert params.get("offload_optimizer", False) is name.endswith("_offload")
     with pytest.raises(ValueError, match="stages 1 and 2.*deepspeed_zero_bnb_stage_1"):
         integration.ZeroBnbStrategy(stage=3)

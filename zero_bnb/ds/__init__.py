@@ -4,6 +4,7 @@ BF16 optimizer wrappers (``aligned``, ``zero_optimizer``), ``zero_bnb.initialize
 loss-scaler objects (``loss_scaler``).
 
 May import: DeepSpeed, torch, every zero_bnb package except ``tools``, ``integrations``, ``cli``
-and ``testing``; one declared exception: ``substitute`` imports ``integrations.hf`` when a
-transformers Trainer is the caller (Trainer's scheduler fix on resume).
+and ``testing``; declared exceptions: ``substitute`` imports ``integrations.hf`` when a
+transformers Trainer is the caller (Trainer's scheduler fix on resume) and ``integrations.accelerate``
+when it installs the dispatcher (Accelerate's offload swap keeps the user's optimizer).
 """

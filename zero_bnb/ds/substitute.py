@@ -19,6 +19,9 @@ How the substitution behaves:
   own function.
 * A wrapper installed *after* :func:`enable` (it captured the dispatcher) keeps working;
   :func:`disable` then leaves it in place and the dispatcher inside it passes calls through.
+* Under optimizer offload Accelerate (and Trainer through it) would replace the user's optimizer
+  by ``DeepSpeedCPUAdam`` before ``deepspeed.initialize``; while zero_bnb routes the call it keeps
+  the optimizer (:mod:`zero_bnb.integrations.accelerate`, installed with the dispatcher).
 
 Local: no collectives. Call it on every rank (each process has its own ``deepspeed`` module).
 """
@@ -144,6 +147,9 @@ def _make_dispatcher() -> Callable[..., Any]:
 
 
 def _install() -> None:
+    from zero_bnb.integrations.accelerate import install_accelerate_patch
+
+    install_accelerate_patch()  # Accelerate's offload swap must keep the user's optimizer (idempotent)
     if _State.installed is not None:
         return
     current = deepspeed.initialize
@@ -160,6 +166,8 @@ def _uninstall_if_idle() -> None:
         return
     if "zero_bnb.integrations.hf" in sys.modules:
         sys.modules["zero_bnb.integrations.hf"].remove_trainer_patch()
+    if "zero_bnb.integrations.accelerate" in sys.modules:
+        sys.modules["zero_bnb.integrations.accelerate"].remove_accelerate_patch()
     if deepspeed.initialize is _State.installed:
         deepspeed.initialize = _State.original
         _State.installed = None

@@ -1,5 +1,6 @@
 """Front doors for training frameworks: transformers' Trainer on resume (``hf``,
-``scheduler_groups``; installed by ``zero_bnb.enable()``, :mod:`zero_bnb.ds.substitute`) and
+``scheduler_groups``; installed by ``zero_bnb.enable()``, :mod:`zero_bnb.ds.substitute`), Accelerate's
+optimizer offload keeping the user's optimizer (``accelerate``; installed the same way) and
 Lightning (``lightning``). Each imports its framework only inside itself, so ``import zero_bnb``
 stays light.
 

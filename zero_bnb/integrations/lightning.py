@@ -1,4 +1,5 @@
-"""Lightning front door: ``import zero_bnb.integrations.lightning`` registers ``strategy="deepspeed_zero_bnb_stage_1"`` (and ``_2``).
+"""Lightning front door: ``import zero_bnb.integrations.lightning`` registers ``strategy="deepspeed_zero_bnb_stage_1"``
+(and ``_2``, ``_1_offload``, ``_2_offload``).
 
 :class:`ZeroBnbStrategy` is Lightning's ``DeepSpeedStrategy`` with three changes:
 
@@ -40,14 +41,22 @@ __all__ = ["STRATEGY_NAMES", "ZeroBnbStrategy"]
 
 logger = logging.getLogger(__name__)
 
-#: Registered strategy name -> ZeRO stage.
-STRATEGY_NAMES = {"deepspeed_zero_bnb_stage_1": 1, "deepspeed_zero_bnb_stage_2": 2}
+#: Registered strategy name -> its ``ZeroBnbStrategy`` arguments (ZeRO stage; optimizer offloaded to the CPU).
+STRATEGY_NAMES = {
+    "deepspeed_zero_bnb_stage_1": {"stage": 1},
+    "deepspeed_zero_bnb_stage_2": {"stage": 2},
+    "deepspeed_zero_bnb_stage_1_offload": {"stage": 1, "offload_optimizer": True},
+    "deepspeed_zero_bnb_stage_2_offload": {"stage": 2, "offload_optimizer": True},
+}
 
 
 class ZeroBnbStrategy(DeepSpeedStrategy):
     """Lightning's DeepSpeed strategy (ZeRO stage 1 or 2) with zero_bnb's engine, on CUDA or CPU.
 
-    Takes ``DeepSpeedStrategy``'s arguments; ``stage`` must be 1 or 2.
+    Takes ``DeepSpeedStrategy``'s arguments; ``stage`` must be 1 or 2. ``offload_optimizer=True``
+    (as in Lightning's own strategy; ``"deepspeed_zero_bnb_stage_2_offload"``) keeps the fp32
+    partitions and the optimizer state in CPU memory, stepped there by the module's own
+    bitsandbytes optimizer (``offload_optimizer_device`` must stay ``"cpu"``).
     """
 
     strategy_name = "deepspeed_zero_bnb"
@@ -99,9 +108,10 @@ class ZeroBnbStrategy(DeepSpeedStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, stage in STRATEGY_NAMES.items():
-            strategy_registry.register(name, cls, description=f"zero_bnb: DeepSpeed ZeRO stage {stage}, elastic "
-                                       f"bitsandbytes checkpoints", stage=stage, override=True)
+        for name, params in STRATEGY_NAMES.items():
+            offload = ", optimizer offloaded to the CPU" if params.get("offload_optimizer") else ""
+            strategy_registry.register(name, cls, description=f"zero_bnb: DeepSpeed ZeRO stage {params['stage']}"
+                                       f"{offload}, elastic bitsandbytes checkpoints", override=True, **params)
 
 
 ZeroBnbStrategy.register_strategies(StrategyRegistry)
