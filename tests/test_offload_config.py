@@ -1,5 +1,6 @@
-"""What zero_bnb accepts and refuses in ``offload_optimizer`` (the config alone; the engines run in
-``tests/test_optimizers.py``)."""
+"""Optimizer offload without an engine: what zero_bnb accepts and refuses in ``offload_optimizer``, and
+Accelerate's swap to ``DeepSpeedCPUAdam`` kept off while zero_bnb routes ``deepspeed.initialize`` (the
+engines run in ``tests/test_optimizers.py`` and the front-door launches)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,24 @@ def test_a_forced_cpu_optimizer_is_left_to_deepspeed_for_optimizers_zero_bnb_doe
     config = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}, FORCE_DS_CPU_OPTIMIZER: True}
     assert prepare_offload(config, bnb.optim.LAMB8bit([torch.nn.Parameter(torch.zeros(8))])) is True
     assert config[FORCE_DS_CPU_OPTIMIZER] is True
+
+
+def test_accelerate_keeps_the_users_optimizer_only_while_zero_bnb_routes_the_call():
+    """Accelerate and Trainer call accelerate.accelerator.map_pytorch_optim_to_deepspeed under offload."""
+    import accelerate.accelerator
+    from accelerate.utils import map_pytorch_optim_to_deepspeed
+
+    import zero_bnb
+
+    lamb = bnb.optim.LAMB8bit([torch.nn.Parameter(torch.zeros(8))])  # not declared: zero_bnb must see it to name it
+    for optimizer in (_optimizer(), lamb):
+        with zero_bnb.enabled():
+            assert accelerate.accelerator.map_pytorch_optim_to_deepspeed(optimizer) is optimizer
+    # Outside routing Accelerate's own function is back in place (it would build DeepSpeedCPUAdam).
+    assert accelerate.accelerator.map_pytorch_optim_to_deepspeed is map_pytorch_optim_to_deepspeed
+    zero_bnb.enable()
+    try:
+        assert accelerate.accelerator.map_pytorch_optim_to_deepspeed(lamb) is lamb
+    finally:
+        zero_bnb.disable()
+    assert accelerate.accelerator.map_pytorch_optim_to_deepspeed is map_pytorch_optim_to_deepspeed

@@ -6,9 +6,10 @@ client optimizer by ``accelerate.utils.map_pytorch_optim_to_deepspeed(optimizer)
 ``deepspeed.initialize`` is called: a ``bnb.optim.AdamW8bit`` becomes an fp32 ``DeepSpeedCPUAdam``
 with ``adamw_mode=False`` (Adam with L2 decay), silently. While zero_bnb builds the engine
 (:func:`zero_bnb.enable`, or inside ``with zero_bnb.enabled()`` on this thread), that call returns
-an optimizer zero_bnb declares as it is; :func:`zero_bnb.initialize` then sets
-``zero_force_ds_cpu_optimizer: false`` so that DeepSpeed accepts it. Other optimizers, and every
-call while zero_bnb is not routing this thread, keep Accelerate's behaviour.
+the optimizer as it is: :func:`zero_bnb.initialize` then sets ``zero_force_ds_cpu_optimizer: false``
+so that DeepSpeed accepts it, or refuses an optimizer zero_bnb does not declare, naming the user's
+class (not ``DeepSpeedCPUAdam``). Every call while zero_bnb is not routing this thread keeps
+Accelerate's behaviour.
 
 Installed by :mod:`zero_bnb.ds.substitute` when zero_bnb is enabled (importing
 ``accelerate.accelerator`` if Accelerate is installed, about a second once); removed when it is
@@ -23,8 +24,6 @@ import logging
 import sys
 import threading
 from typing import Any
-
-from zero_bnb.core.state_spec import declared
 
 __all__ = ["install_accelerate_patch", "remove_accelerate_patch"]
 
@@ -48,7 +47,7 @@ def _accelerator_module():
 
 
 def install_accelerate_patch() -> None:
-    """Make Accelerate's offload swap keep optimizers zero_bnb declares while zero_bnb routes the call (once)."""
+    """Make Accelerate's offload swap keep the user's optimizer while zero_bnb routes the call (once)."""
     module = _accelerator_module()
     if module is None or not hasattr(module, _TARGET):
         return
@@ -58,20 +57,20 @@ def install_accelerate_patch() -> None:
         original = getattr(module, _TARGET)
 
         @functools.wraps(original)
-        def keep_declared_optimizer(optimizer, *args, **kwargs):
+        def keep_client_optimizer(optimizer, *args, **kwargs):
             from zero_bnb.ds.substitute import is_enabled
 
-            if is_enabled() and declared(optimizer):
+            if is_enabled():
                 logger.info(
-                    "zero_bnb: optimizer offload keeps %s (Accelerate would have replaced it by DeepSpeedCPUAdam); "
-                    "zero_force_ds_cpu_optimizer is set to false for it", type(optimizer).__name__,
+                    "zero_bnb: optimizer offload keeps %s (Accelerate would have replaced it by DeepSpeedCPUAdam)",
+                    type(optimizer).__name__,
                 )
                 return optimizer
             return original(optimizer, *args, **kwargs)
 
-        keep_declared_optimizer._zero_bnb_patch = True
+        keep_client_optimizer._zero_bnb_patch = True
         _ORIGINAL[_TARGET] = original
-        setattr(module, _TARGET, keep_declared_optimizer)
+        setattr(module, _TARGET, keep_client_optimizer)
 
 
 def remove_accelerate_patch() -> None:
