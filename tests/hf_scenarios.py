@@ -69,13 +69,15 @@ def offload_config(stage: int = 1, **extra) -> dict:
     return ds_config(zero_optimization={"stage": stage, **OFFLOAD}, **extra)
 
 
-def _trainer(workdir, world, *, name="out", optim="adamw_bnb_8bit", max_steps=8, save_steps=4, config=None):
+def _trainer(workdir, world, *, name="out", optim="adamw_bnb_8bit", max_steps=8, save_steps=4, config=None,
+             accumulation=None):
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
         output_dir=os.path.join(workdir, name),
         per_device_train_batch_size=MICRO,
-        gradient_accumulation_steps=GLOBAL_BATCH // (MICRO * world),  # keeps the global batch at any DP size
+        # the default keeps the global batch at any DP size
+        gradient_accumulation_steps=accumulation or GLOBAL_BATCH // (MICRO * world),
         max_steps=max_steps,
         learning_rate=3e-3,
         lr_scheduler_type="constant",
@@ -248,6 +250,88 @@ def _assigned_initialize(world) -> dict:
     return {"engine": type(engine).__name__, "losses": train_steps(engine, DEFAULT_RUN, 0, 1)}
 
 
+def _plain_engine_load(workdir, world) -> str | None:
+    """A zero_bnb checkpoint loaded by a plain DeepSpeed engine (zero_bnb.enable() forgotten): the error."""
+    import bitsandbytes as bnb
+    import deepspeed
+
+    model = tiny_gpt2()
+    config = ds_config(train_batch_size=GLOBAL_BATCH, train_micro_batch_size_per_gpu=MICRO,
+                       gradient_accumulation_steps=GLOBAL_BATCH // (MICRO * world), gradient_clipping=1.0,
+                       zero_allow_untested_optimizer=True)  # what Trainer and Accelerate set
+    engine, *_ = deepspeed.initialize(model=model, optimizer=bnb.optim.AdamW8bit(model.parameters()), config=config)
+    assert type(engine).__name__ == "DeepSpeedEngine"
+    return _error(lambda: engine.load_checkpoint(os.path.join(workdir, "out", "checkpoint-4")))
+
+
+def _readme_namespace(world) -> dict:
+    """What the README's examples assume exists: a model, a dataset, a loader of micro-batches, WORLD_SIZE."""
+    subset = torch.utils.data.Subset(TokenData(), range(2 * GLOBAL_BATCH))  # 2 optimizer steps at any DP size
+    return {"model": tiny_gpt2(), "dataset": TokenData(), "WORLD_SIZE": world,
+            "loader": torch.utils.data.DataLoader(subset, batch_size=MICRO)}
+
+
+def readme_trainer(workdir, world, part: str) -> dict:
+    """The README's Trainer example (and its ds.json), set-up + ``part`` ("# first run" or "# later"), 2 steps each."""
+    import json
+
+    from readme_examples import adapt, block, run, segment, segments
+
+    folder = os.path.join(workdir, "readme_trainer")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "ds.json"), "w") as handle:
+        json.dump(json.loads(block("Hugging Face Trainer", "json")), handle)
+    parts = segments(block("Hugging Face Trainer"))
+    steps = 2 if part == "# first run" else 4
+    code = adapt(parts["setup"] + segment(parts, part), {
+        'deepspeed="ds.json",': f'deepspeed="ds.json", use_cpu=True, max_steps={steps}, disable_tqdm=True,',
+        "save_steps=500": "save_steps=2",
+        **({'"out/checkpoint-500"': '"out/checkpoint-2"'} if part == "# later" else {}),
+    })
+    try:
+        with Captured("zero_bnb") as log:
+            namespace = run(code, _readme_namespace(world), folder)
+    finally:
+        zero_bnb.disable()  # the example enables zero_bnb process-wide
+    trainer = namespace["trainer"]
+    return {"engine": type(trainer.model_wrapped).__name__, "global_step": trainer.state.global_step,
+            "log": log.messages}
+
+
+def _gathered(value) -> list:
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def readme_accelerate(workdir, world, *, resume: bool) -> dict:
+    """The README's Accelerate example in a fresh Accelerate state, with the README's CPU advice
+    (``PartialState(cpu=True)`` first): set-up, (load_state when resuming), the training loop, save_state.
+
+    Also what Accelerate reports without that advice (the reason the README gives it).
+    """
+    from accelerate import Accelerator, PartialState
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin
+    from readme_examples import adapt, block, run, segment, segments
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # as in a new process
+    plugin = DeepSpeedPlugin(hf_ds_config=ds_config(train_batch_size=GLOBAL_BATCH, train_micro_batch_size_per_gpu=MICRO,
+                                                     gradient_accumulation_steps=GLOBAL_BATCH // (MICRO * world)))
+    without_advice = _gathered((Accelerator(deepspeed_plugin=plugin).process_index,))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    parts = segments(block("Accelerate"))
+    code = parts["setup"] + (segment(parts, "# when resuming") if resume else "") + segment(parts, "# training")
+    code = adapt(code, {"accelerator = Accelerator(": "PartialState(cpu=True)\naccelerator = Accelerator("})
+    namespace = run(code, _readme_namespace(world) | {"PartialState": PartialState},
+                    os.path.join(workdir, "readme_accelerate"))
+    engine, first = namespace["model"], next(iter(namespace["loader"]))  # the prepared loader's first micro-batch
+    return {"engine": type(engine).__name__, "global_steps": engine.global_steps,
+            "process_indices": _gathered(namespace["accelerator"].process_index),
+            "first_rows": _gathered(first["input_ids"][:, 0].tolist()),
+            "process_indices_without_advice": [index for (index,) in without_advice]}
+
+
 def hf_dp2(rank, world, workdir):
     """One launch at DP=2: Trainer (zero_bnb and stock), Accelerate, refusals, plain-assignment enabling."""
     out = {}
@@ -274,6 +358,9 @@ def hf_dp2(rank, world, workdir):
     out["accelerate"] = accelerate_run(workdir, world, resume=False, offload=True)
     out.update(_refusals(workdir, world))
     out["assigned"] = _assigned_initialize(world)
+    out["forgot_enable_same_dp"] = _plain_engine_load(workdir, world)
+    out["readme_trainer"] = readme_trainer(workdir, world, "# first run")
+    out["readme_accelerate"] = readme_accelerate(workdir, world, resume=False)
     if rank == 0:
         torch.save(out, os.path.join(workdir, "hf_dp2.pt"))
 
@@ -309,6 +396,9 @@ def _changed_global_batch(workdir, world) -> list[str]:
 def hf_dp3(rank, world, workdir):
     """One launch at DP=3: resume everything hf_dp2 saved (accumulation 3 -> 2, global batch kept)."""
     out = {}
+    # zero_bnb.enable() forgotten: Trainer's plain DeepSpeed engine refuses the checkpoint, naming zero_bnb.
+    out["forgot_enable"] = _error(lambda: trainer_run(workdir, world, name="forgot",
+                                                      resume_from=os.path.join(workdir, "out", "checkpoint-4")))
     with zero_bnb.enabled():
         with Captured("zero_bnb") as log:
             out["trainer"] = trainer_run(workdir, world, resume_from=os.path.join(workdir, "out", "checkpoint-4"))
@@ -322,7 +412,13 @@ def hf_dp3(rank, world, workdir):
         out["offload_zero2"] = trainer_run(workdir, world, name="offload_zero2", max_steps=4, save_steps=2,
                                            config=ds_config(zero_optimization={"stage": 2}),
                                            resume_from=os.path.join(workdir, "offload_zero2", "checkpoint-2"))
+        with Captured("zero_bnb") as log:  # global batch 12 -> 6: the warning in Trainer's words
+            trainer_run(workdir, world, name="batch_changed", optim=OTHER_OPTIMS[0], max_steps=3, accumulation=1,
+                        resume_from=os.path.join(workdir, OTHER_OPTIMS[0], "checkpoint-2"))
+        out["trainer_batch_warning"] = log.messages
+    out["readme_trainer"] = readme_trainer(workdir, world, "# later")
     out["accelerate"] = accelerate_run(workdir, world, resume=True)
+    out["readme_accelerate"] = readme_accelerate(workdir, world, resume=True)
     out["stock_module_only"] = _stock_module_only(workdir)
     out["batch_warning"] = _changed_global_batch(workdir, world)
     if rank == 0:

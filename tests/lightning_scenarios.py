@@ -44,18 +44,56 @@ def _loader():
     return torch.utils.data.DataLoader(dataset, batch_size=MICRO, shuffle=False)
 
 
-def _fit(world, epochs, *, ckpt_path=None, strategy="deepspeed_zero_bnb_stage_1"):
+#: pl.Trainer arguments that keep a test run quiet and writing nothing of its own.
+QUIET = dict(enable_progress_bar=False, logger=False, enable_checkpointing=False, enable_model_summary=False)
+
+
+def _fit(world, epochs, *, ckpt_path=None, strategy="deepspeed_zero_bnb_stage_1", accum=None, max_steps=-1):
     import lightning.pytorch as pl
 
     import zero_bnb.lightning  # noqa: F401 - registers the strategy names
 
-    accum = GLOBAL_BATCH // (MICRO * world)
+    accum = accum or GLOBAL_BATCH // (MICRO * world)
     module = _module()
     trainer = pl.Trainer(accelerator="cpu", devices=world, num_nodes=1, strategy=strategy, max_epochs=epochs,
-                         accumulate_grad_batches=accum, enable_progress_bar=False, logger=False,
-                         enable_checkpointing=False, enable_model_summary=False)
+                         max_steps=max_steps, accumulate_grad_batches=accum, **QUIET)
     trainer.fit(module, train_dataloaders=_loader(), ckpt_path=ckpt_path)
     return trainer, module, _step_losses(module.micro_losses, accum, world)
+
+
+def _readme_fit(world, epochs, part, checkpoint):
+    """The README's Lightning example (set-up + ``part``), extracted from README.md, on CPU with the toy module."""
+    from readme_examples import adapt, block, run, segment, segments
+
+    parts = segments(block("Lightning"))
+    code = adapt(parts["setup"] + segment(parts, part), {
+        'accelerator="gpu"': 'accelerator="cpu"',
+        "accumulate_grad_batches=12 // (2 * WORLD_SIZE))": "accumulate_grad_batches=12 // (2 * WORLD_SIZE), "
+                                                          f"max_epochs={epochs}, **QUIET)",
+        '"run.ckpt"': repr(checkpoint),
+    })
+    namespace = run(code, {"module": _module(), "loader": _loader(), "WORLD_SIZE": world, "QUIET": QUIET},
+                    os.path.dirname(checkpoint))
+    accum = GLOBAL_BATCH // (MICRO * world)
+    return namespace["trainer"], _step_losses(namespace["module"].micro_losses, accum, world)
+
+
+class _Warnings(logging.Handler):
+    """zero_bnb's warnings while a block runs."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        logging.getLogger("zero_bnb").addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("zero_bnb").removeHandler(self)
 
 
 def _step_losses(micro_losses, accum, world):
@@ -77,24 +115,31 @@ def _optimizer_facts(trainer) -> dict:
 
 
 def lightning_dp2(rank, world, workdir):
-    """Uninterrupted 2 epochs; then a fresh run of 1 epoch with the optimizer offloaded to the CPU, saved with
-    trainer.save_checkpoint (resumed without offload at DP=3)."""
+    """The README's example for 2 epochs (the uninterrupted run); a fresh run of 1 epoch with the optimizer offloaded
+    to the CPU, saved with trainer.save_checkpoint (resumed by the README's example, without offload, at DP=3); a
+    run stopped after 1 optimizer step (mid-epoch: 3 micro-batches per process), saved."""
     out = {}
-    trainer, _, out["uninterrupted"] = _fit(world, 2)
+    trainer, out["uninterrupted"] = _readme_fit(world, 2, "# first run", os.path.join(workdir, "readme_run.ckpt"))
     out["strategy"] = type(trainer.strategy).__name__
     out["engine"] = type(trainer.strategy.model).__name__
     out["optimizer"] = _optimizer_facts(trainer)
     trainer, _, out["first_epoch"] = _fit(world, 1, strategy="deepspeed_zero_bnb_stage_1_offload")
     out["offloaded_optimizer"] = _optimizer_facts(trainer)
     trainer.save_checkpoint(os.path.join(workdir, "lightning.ckpt"))
+    trainer, _, _ = _fit(world, 1, max_steps=1)
+    trainer.save_checkpoint(os.path.join(workdir, "mid_epoch.ckpt"))
     if rank == 0:
         torch.save(out, os.path.join(workdir, "lightning_dp2.pt"))
 
 
 def lightning_dp3(rank, world, workdir):
-    """Resume the 1-epoch checkpoint for the second epoch, accumulation 3 -> 2 (global batch kept)."""
+    """The README's resume of the 1-epoch checkpoint for the second epoch, accumulation 3 -> 2 (global batch
+    kept); the mid-epoch checkpoint resumed for one step with accumulation 3 (global batch 12 -> 18)."""
     out = {}
-    trainer, _, out["resumed"] = _fit(world, 2, ckpt_path=os.path.join(workdir, "lightning.ckpt"))
+    trainer, out["resumed"] = _readme_fit(world, 2, "# later", os.path.join(workdir, "lightning.ckpt"))
     out["global_step"] = trainer.global_step
+    with _Warnings() as warnings:
+        _fit(world, 1, ckpt_path=os.path.join(workdir, "mid_epoch.ckpt"), accum=3, max_steps=2)
+    out["mid_epoch_warnings"] = warnings.messages
     if rank == 0:
         torch.save(out, os.path.join(workdir, "lightning_dp3.pt"))

@@ -31,7 +31,8 @@ ALLOWED = {
                      "zero_bnb"},
 }
 #: Declared exceptions (each named in its package's docstring).
-EXCEPTIONS = {("ds.substitute", "integrations.hf"), ("ds.substitute", "integrations.accelerate")}
+EXCEPTIONS = {("ds.substitute", "integrations.hf"), ("ds.substitute", "integrations.accelerate"),
+              ("ds.substitute", "integrations.conversions")}
 #: external modules a package must not import directly.
 FORBIDDEN = {
     "core": ("deepspeed", "torch.distributed"),

@@ -9,16 +9,21 @@ is migrated with the CLI.
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 
 import pytest
 import torch
-from hf_scenarios import OTHER_OPTIMS, hf_dp2, hf_dp3
+from hf_scenarios import OTHER_OPTIMS, hf_dp2, hf_dp3, tiny_gpt2
 from safetensors.torch import load_file
 from test_convert import cli
 
+import zero_bnb
+from zero_bnb.errors import CheckpointUsageError
+from zero_bnb.format.stock_files import WRITTEN_BY_ZERO_BNB
 from zero_bnb.testing.launch import run_distributed
+from zero_bnb.tools.views import export_fp32
 
 RESUMED_STEPS = (5, 6, 7, 8)
 
@@ -122,8 +127,29 @@ def test_changed_global_batch_warns_with_both_values_and_the_fix(hf):
     _, _, dp3, _ = hf
     [warning] = [m for m in dp3["batch_warning"] if "global batch" in m]
     for part in ("global batch 12 (micro batch 2 x accumulation 3 x DP 2)", "global batch 6 (micro batch 2 x "
-                 "accumulation 1 x DP 3)", "set gradient_accumulation_steps to 2", "ramp-up"):
+                 "accumulation 1 x DP 3)", 'set "gradient_accumulation_steps": 2 in the DeepSpeed config', "ramp-up"):
         assert part in warning, part
+    assert "Trainer" not in warning and "accumulate_grad_batches" not in warning  # a plain engine: DeepSpeed's words
+
+
+def test_changed_global_batch_under_trainer_names_training_arguments(hf):
+    _, _, dp3, _ = hf
+    [warning] = [m for m in dp3["trainer_batch_warning"] if "global batch" in m]
+    for part in ("global batch 12 (micro batch 2 x accumulation 3 x DP 2)", "global batch 6 (micro batch 2 x "
+                 "accumulation 1 x DP 3)", "set TrainingArguments(gradient_accumulation_steps=2)", "Trainer skips"):
+        assert part in warning, part
+    assert "DeepSpeed config" not in warning and "accumulate_grad_batches" not in warning
+
+
+def test_plain_deepspeed_engine_names_zero_bnb_at_the_same_and_another_dp_size(hf):
+    """zero_bnb.enable() forgotten: stock DeepSpeed's own error carries the fix (the model file's dp_world_size
+    is that sentence, plain text), at DP=2 (saved there) through a plain engine and at DP=3 through Trainer."""
+    _, dp2, dp3, _ = hf
+    for error in (dp2["forgot_enable_same_dp"], dp3["forgot_enable"]):
+        assert error is not None and error.startswith("ZeRORuntimeException"), error
+        assert WRITTEN_BY_ZERO_BNB in error, error
+    assert "current world size is 2" in dp2["forgot_enable_same_dp"]
+    assert "current world size is 3" in dp3["forgot_enable"]
 
 
 def test_checkpoint_holds_module_weights_for_stock_readers(hf):
@@ -149,6 +175,91 @@ def test_zero_to_fp32_script_in_the_save_folder(hf, tmp_path):
     for name, value in trainer_weights.items():
         assert torch.equal(state[name], value), name
     assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])  # tied, as DeepSpeed's script
+
+
+def test_zero_to_fp32_safetensors_writes_tied_names_and_counts_true(hf, tmp_path):
+    """--safe_serialization: every name of the .bin output is in model.safetensors (tied ones as copies), the
+    printed count is the file's, and both strict load_state_dict and from_pretrained read it back."""
+    from transformers import GPT2LMHeadModel
+
+    workdir, _, _, _ = hf
+    folder = workdir / "out" / "checkpoint-4"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "zero_to_fp32.py", ".", str(tmp_path), "--safe_serialization"],
+                          cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    written = load_file(tmp_path / "model.safetensors")
+    assert f"wrote {len(written)} tensors" in done.stdout, done.stdout
+    assert "lm_head.weight" in written and torch.equal(written["lm_head.weight"], written["transformer.wte.weight"])
+    model = tiny_gpt2(seed=1)
+    model.load_state_dict(written, strict=True)
+    model.config.save_pretrained(tmp_path)
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path)
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, written[name]), name
+
+
+def test_deepspeed_get_fp32_state_dict_reads_zero_bnb_checkpoints_once_enabled(hf):
+    import deepspeed.utils.zero_to_fp32 as stock
+
+    workdir, _, _, _ = hf
+    folder = workdir / "out" / "checkpoint-4"
+    zero_bnb.enable()
+    try:
+        state = stock.get_fp32_state_dict_from_zero_checkpoint(str(folder))  # DeepSpeed's habit, looked up now
+    finally:
+        zero_bnb.disable()
+    trainer_weights = load_file(folder / "model.safetensors")
+    for name, value in trainer_weights.items():
+        assert torch.equal(state[name], value), name
+    tiny_gpt2().load_state_dict(state, strict=True)
+
+
+def test_export_writes_tied_names_with_the_umask_and_honours_the_suffix(hf, tmp_path):
+    workdir, _, _, _ = hf
+    folder = str(workdir / "out" / "checkpoint-4")
+    previous = os.umask(0o022)
+    try:
+        report = export_fp32(folder, str(tmp_path / "w.safetensors"))
+        pt_report = export_fp32(folder, str(tmp_path / "w.pt"))
+    finally:
+        os.umask(previous)
+    written, saved = load_file(tmp_path / "w.safetensors"), torch.load(tmp_path / "w.pt", weights_only=True)
+    assert report["tensors"] == len(written) == pt_report["tensors"] == len(saved)
+    assert set(written) == set(saved) and "lm_head.weight" in written
+    tiny_gpt2().load_state_dict(saved, strict=True)
+    for name in ("w.safetensors", "w.pt"):
+        assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o644, name  # the umask's mode, not 0600
+    with pytest.raises(CheckpointUsageError, match=r"suffix '.txt'.*\.safetensors.*\.pt"):
+        export_fp32(folder, str(tmp_path / "w.txt"))
+    assert not (tmp_path / "w.txt").exists()
+
+
+def test_verify_on_a_trainer_output_folder_suggests_checkpoint_n(hf):
+    workdir, _, _, _ = hf
+    code, _, err = cli("verify", workdir / "out")
+    assert code == 2, err
+    assert os.path.join(str(workdir / "out"), "checkpoint-8") in err, err
+    assert os.path.join("checkpoint-8", "global_step8") in err, err
+
+
+def test_readme_trainer_and_accelerate_examples_run(hf):
+    """The README's Trainer and Accelerate blocks, extracted from README.md, run at 2 processes and resume at 3."""
+    _, dp2, dp3, _ = hf
+    assert dp2["readme_trainer"]["engine"] == dp3["readme_trainer"]["engine"] == "ZeroBnbEngine"
+    assert (dp2["readme_trainer"]["global_step"], dp3["readme_trainer"]["global_step"]) == (2, 4)
+    assert any("saved at DP=2 into DP=3" in m for m in dp3["readme_trainer"]["log"]), dp3["readme_trainer"]["log"]
+    assert not [m for m in dp3["readme_trainer"]["log"] if "global batch" in m]
+    accelerate2, accelerate3 = dp2["readme_accelerate"], dp3["readme_accelerate"]
+    assert accelerate2["engine"] == accelerate3["engine"] == "ZeroBnbEngine"
+    assert (accelerate2["global_steps"], accelerate3["global_steps"]) == (2, 4)
+    # The README's CPU advice, PartialState(cpu=True) first: each process its own index and its own share of data.
+    assert accelerate2["process_indices"] == [0, 1] and accelerate3["process_indices"] == [0, 1, 2]
+    for run in (accelerate2, accelerate3):
+        rows = [tuple(first) for first in run["first_rows"]]
+        assert len(set(rows)) == len(rows), rows
+        # ... and the reason for it: without it Accelerate reports process_index 0 on every process.
+        assert set(run["process_indices_without_advice"]) == {0}, run
 
 
 #: Trainer's optim= name -> the bitsandbytes class Trainer builds (optim_bits and is_paged as arguments), which

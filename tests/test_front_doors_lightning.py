@@ -1,9 +1,10 @@
 """Lightning front door: ``strategy="deepspeed_zero_bnb_stage_1"`` on CPU, save at 2 processes, resume at 3.
 
-Two launches: at DP=2 an uninterrupted 2-epoch run and a 1-epoch run with the optimizer offloaded
-(``"deepspeed_zero_bnb_stage_1_offload"``) saved with ``trainer.save_checkpoint``; at DP=3 the
-second epoch from that checkpoint, not offloaded, with
-``accumulate_grad_batches`` 3 -> 2 (global batch 12 kept).
+Two launches: at DP=2 the README's example for 2 epochs (the uninterrupted run), a 1-epoch run with the
+optimizer offloaded (``"deepspeed_zero_bnb_stage_1_offload"``) saved with ``trainer.save_checkpoint``, and a
+run stopped mid-epoch, saved; at DP=3 the README's resume of the offloaded checkpoint for the second epoch,
+not offloaded, with ``accumulate_grad_batches`` 3 -> 2 (global batch 12 kept), and the mid-epoch checkpoint
+resumed with accumulation 3 (the warnings).
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ from zero_bnb.testing.launch import run_distributed
 
 @pytest.fixture(scope="module")
 def lightning_runs(tmp_path_factory):
+    """``(dp2 results, dp3 results, workdir)``."""
     workdir = tmp_path_factory.mktemp("lightning")
     run_distributed(lightning_dp2, 2, str(workdir))
     run_distributed(lightning_dp3, 3, str(workdir))
     return (torch.load(workdir / "lightning_dp2.pt", weights_only=False),
-            torch.load(workdir / "lightning_dp3.pt", weights_only=False))
+            torch.load(workdir / "lightning_dp3.pt", weights_only=False), workdir)
 
 
 def test_strategy_builds_zero_bnb_engine_on_cpu(lightning_runs):
-    dp2, _ = lightning_runs
+    dp2, _, _ = lightning_runs
     assert dp2["strategy"] == "ZeroBnbStrategy" and dp2["engine"] == "ZeroBnbEngine"
     # Same seed, same data: the two DP=2 runs agree, the second one with the optimizer offloaded to the CPU.
     assert dp2["first_epoch"] == dp2["uninterrupted"][:4]
@@ -37,9 +39,74 @@ def test_strategy_builds_zero_bnb_engine_on_cpu(lightning_runs):
 def test_resume_at_3_with_other_accumulation_continues_the_curve(lightning_runs):
     """Lightning divides the loss by accumulate_grad_batches; DeepSpeed must not divide it again (it would
     make the update depend on the accumulation setting, so changing it on resume would drift)."""
-    dp2, dp3 = lightning_runs
+    dp2, dp3, _ = lightning_runs
     assert dp3["global_step"] == 8
     assert dp3["resumed"] == pytest.approx(dp2["uninterrupted"][4:], rel=1e-5)
+
+
+def test_changed_global_batch_warns_in_lightnings_words(lightning_runs):
+    _, dp3, _ = lightning_runs
+    [warning] = [m for m in dp3["mid_epoch_warnings"] if "global batch" in m]
+    for part in ("global batch 12 (micro batch 2 x accumulation 3 x DP 2)", "global batch 18 (micro batch 2 x "
+                 "accumulation 3 x DP 3)", "set pl.Trainer(accumulate_grad_batches=2)"):
+        assert part in warning, part
+    assert "gradient_accumulation_steps" not in warning and "Trainer skips" not in warning
+
+
+def test_mid_epoch_checkpoint_at_another_process_count_warns_with_the_numbers(lightning_runs):
+    _, dp3, _ = lightning_runs
+    [warning] = [m for m in dp3["mid_epoch_warnings"] if "mid-epoch" in m]
+    for part in ("after 3 micro-batches per process at 2 processes (accumulation 3)", "this run has 3 processes and "
+                 "accumulate_grad_batches=3", "(6 micro-batches of all processes then, 9 now)", "save at epoch ends"):
+        assert part in warning, part
+    assert "not a multiple" not in warning  # 3 % 3 == 0: the first step is whole; the split is what differs
+
+
+def test_mid_epoch_warning_numbers():
+    from zero_bnb.integrations.lightning import mid_epoch_warning
+
+    def checkpoint(counter, last=False):
+        progress = {"current": {"completed": counter}, "is_last_batch": last}
+        return {"loops": {"fit_loop": {"epoch_loop.batch_progress": progress}}}
+
+    saved = {"dp": 2, "accumulation": 3, "micro": 2, "global": 12}
+    message = mid_epoch_warning(checkpoint(3), saved, 3, 2)
+    assert "3 is not a multiple of accumulate_grad_batches=2" in message
+    assert "accumulates 1 micro-batches instead of 2" in message
+    assert mid_epoch_warning(checkpoint(12, last=True), saved, 3, 2) is None  # an epoch-end checkpoint
+    assert mid_epoch_warning(checkpoint(6), saved, 2, 3) is None  # same split, whole steps
+    assert mid_epoch_warning({"state_dict": {}}, saved, 3, 2) is None  # not a fitting checkpoint
+
+
+def test_lightning_convert_zero_checkpoint_to_fp32_state_dict(lightning_runs, tmp_path):
+    """Lightning's own habit, on a zero_bnb checkpoint, once zero_bnb.lightning is imported: a Lightning
+    checkpoint with fp32 weights that loads into the module."""
+    import lightning.pytorch.utilities.deepspeed as utilities
+    from lightning_scenarios import _module
+
+    import zero_bnb.lightning  # noqa: F401 - routes Lightning's function to zero_bnb's export
+
+    ckpt = lightning_runs[2] / "lightning.ckpt"
+    out = tmp_path / "lightning_model.pt"
+    client_state = utilities.convert_zero_checkpoint_to_fp32_state_dict(str(ckpt), str(out))
+    saved = torch.load(out, weights_only=True)
+    assert saved["global_step"] == 4 and set(saved) == set(client_state)
+    assert "dp_world_size" not in saved and "module" not in saved
+    module = _module()
+    module.load_state_dict(saved["state_dict"], strict=True)
+    tag = (ckpt / "latest").read_text().strip()
+    model_file = torch.load(ckpt / tag / "mp_rank_00_model_states.pt", weights_only=False)
+    for name, value in model_file["module"].items():  # fp32 training: module weights are the master weights
+        assert torch.equal(saved["state_dict"][name.removeprefix("_forward_module.")], value), name
+
+
+def test_deepspeed_get_fp32_state_dict_on_a_lightning_checkpoint(lightning_runs):
+    import deepspeed.utils.zero_to_fp32 as stock
+
+    import zero_bnb.lightning  # noqa: F401 - routes DeepSpeed's function too
+
+    state = stock.get_fp32_state_dict_from_zero_checkpoint(str(lightning_runs[2] / "lightning.ckpt"))
+    assert state and all(value.dtype == torch.float32 for value in state.values())
 
 
 def test_strategy_names_and_stage_check():

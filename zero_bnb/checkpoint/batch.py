@@ -6,6 +6,10 @@ accumulation x DP size) is unchanged. zero_bnb records the geometry in the manif
 warns, with both values and the accumulation that keeps it, when a resume changes it. A
 deliberate batch-size ramp-up stays legal: it is a warning, not an error.
 
+The warning speaks the words of the front door that built the engine (:data:`FRONT_DOORS`):
+Lightning's knob is ``accumulate_grad_batches``, Trainer's ``TrainingArguments``, plain
+DeepSpeed's the config key.
+
 Local, no collectives.
 """
 
@@ -17,9 +21,38 @@ from typing import Any
 
 from zero_bnb.format.manifest import Manifest
 
-__all__ = ["batch_of", "warn_if_batch_changed", "with_batch"]
+__all__ = ["FRONT_DOORS", "FrontDoor", "batch_of", "warn_if_batch_changed", "with_batch"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontDoor:
+    """How one front door names the accumulation setting, and what its resume does with the data."""
+
+    #: The framework, as users call it.
+    name: str
+    #: The instruction that sets the accumulation to ``{steps}``.
+    set_accumulation: str
+    #: What a changed global batch does to this front door's resume.
+    consequence: str
+
+
+_TRAINER_SKIPS = ("skips global_step x gradient_accumulation_steps micro-batches per process on resume assuming the "
+                  "global batch is unchanged, so this run now trains on other samples than an uninterrupted one would")
+_STEP_MEANS = "each optimizer step now averages another number of samples than the saved run's steps did"
+
+#: Front doors by the name the engine records (``ZeroBnbEngine.zero_bnb_front_door``).
+FRONT_DOORS = {
+    "deepspeed": FrontDoor("DeepSpeed", 'set "gradient_accumulation_steps": {steps} in the DeepSpeed config',
+                           _STEP_MEANS),
+    "trainer": FrontDoor("Trainer", "set TrainingArguments(gradient_accumulation_steps={steps})",
+                         f"Trainer {_TRAINER_SKIPS}"),
+    "accelerate": FrontDoor("Accelerate", 'set "gradient_accumulation_steps": {steps} in the DeepSpeed config given '
+                            "to DeepSpeedPlugin (or DeepSpeedPlugin(gradient_accumulation_steps={steps}))",
+                            f"Accelerate's skip_first_batches {_TRAINER_SKIPS}"),
+    "lightning": FrontDoor("Lightning", "set pl.Trainer(accumulate_grad_batches={steps})", _STEP_MEANS),
+}
 
 
 def batch_of(engine: Any) -> dict[str, int]:
@@ -42,23 +75,26 @@ def _describe(batch: dict[str, int]) -> str:
             f"x DP {batch['dp']})")
 
 
-def warn_if_batch_changed(manifest: Manifest, engine: Any, where: str) -> bool:
-    """Warn (rank 0 logs) when ``engine``'s global batch differs from the saved one; returns whether it does."""
+def warn_if_batch_changed(manifest: Manifest, engine: Any, where: str, front_door: str = "deepspeed") -> bool:
+    """Warn (rank 0 logs) when ``engine``'s global batch differs from the saved one; returns whether it does.
+
+    ``front_door`` (a key of :data:`FRONT_DOORS`) chooses the words of the fix.
+    """
     saved = getattr(manifest, "batch", None) or {}
     if "global" not in saved:
         return False  # stock DeepSpeed or an older zero_bnb checkpoint: nothing recorded
     now = batch_of(engine)
     if saved["global"] == now["global"]:
         return False
+    door = FRONT_DOORS.get(front_door, FRONT_DOORS["deepspeed"])
     keep = saved["global"] / (now["micro"] * now["dp"])
-    fix = (f"set gradient_accumulation_steps to {int(keep)} (= {saved['global']} / (micro batch {now['micro']} x "
+    fix = (door.set_accumulation.format(steps=int(keep)) + f" (= {saved['global']} / (micro batch {now['micro']} x "
            f"DP {now['dp']}))" if keep == int(keep) and keep >= 1 else
            f"choose micro batch x accumulation x DP = {saved['global']}")
     if engine.global_rank == 0:
         logger.warning(
-            "zero_bnb: %s was saved with %s; this run has %s. Trainer and Accelerate skip data on resume assuming the "
-            "global batch is unchanged, so this run now trains on other samples than an uninterrupted one would. To "
-            "keep the global batch, %s. If the change is a deliberate batch-size ramp-up, ignore this warning.",
-            where, _describe(saved), _describe(now), fix,
+            "zero_bnb: %s was saved with %s; this run has %s. %s. To keep the global batch, %s. If the change is a "
+            "deliberate batch-size ramp-up, ignore this warning.",
+            where, _describe(saved), _describe(now), door.consequence, fix,
         )
     return True

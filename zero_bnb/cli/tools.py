@@ -60,10 +60,11 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                       help=f"universal -> zero_bnb: the bitsandbytes optimizer to start, one of {list(UNIVERSAL_TARGETS)} "
                            f"(default AdamW8bit); stock -> zero_bnb: the class that wrote the checkpoint (needed for "
                            f"Lion8bit, SGD8bit, RMSprop8bit, Adagrad8bit; Adam and AdEMAMix are recognised)")
-    export = commands.add_parser("export", help="consolidated fp32 weights (and moments) as safetensors")
+    export = commands.add_parser("export", help="consolidated fp32 weights (and moments) as safetensors or torch file")
     export.add_argument("checkpoint")
     export.add_argument("--to", required=True, choices=("fp32",), dest="target")
-    export.add_argument("out", help="output .safetensors file (outside the checkpoint)")
+    export.add_argument("out", help="output file (outside the checkpoint): .safetensors, or .pt / .pth / .bin for "
+                                    "torch.save of the state dict")
     export.add_argument("--tag")
     export.add_argument("--force", action="store_true", help="replace an existing output file")
     export.add_argument("--moments", action="store_true", help="also write <name>.exp_avg / <name>.exp_avg_sq")

@@ -11,10 +11,9 @@ import argparse
 import os
 import sys
 
-import torch
-
 from zero_bnb.errors import CheckpointError
 from zero_bnb.tools.recovery import get_fp32_state_dict_from_zero_checkpoint
+from zero_bnb.tools.views import write_state_dict
 
 __all__ = ["main"]
 
@@ -35,21 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"zero_to_fp32: {type(error).__name__}: {' '.join(str(error).split())}", file=sys.stderr)
         return 1
     os.makedirs(args.output_dir, exist_ok=True)
-    if args.safe_serialization:
-        from safetensors.torch import save_file
-
-        out = os.path.join(args.output_dir, "model.safetensors")
-        seen: set[int] = set()
-        unique = {}
-        for name, value in state.items():  # safetensors refuses shared storage: keep the first name of each tensor
-            if value.data_ptr() not in seen:
-                seen.add(value.data_ptr())
-                unique[name] = value.contiguous()
-        save_file(unique, out, metadata={"format": "pt"})
-    else:
-        out = os.path.join(args.output_dir, "pytorch_model.bin")
-        torch.save(state, out)
-    print(f"zero_bnb: wrote {len(state)} tensors to {out}")
+    out = os.path.join(args.output_dir, "model.safetensors" if args.safe_serialization else "pytorch_model.bin")
+    count = write_state_dict(state, out, metadata={"format": "pt"})  # tied names too: every name is written
+    print(f"zero_bnb: wrote {count} tensors to {out}")
     return 0
 
 

@@ -44,6 +44,7 @@ from zero_bnb.core.state_spec import StateRule, declared, spec_for
 from zero_bnb.ds.zero_optimizer import BlockAlignedBF16Optimizer, BlockAlignedZeroOptimizer
 from zero_bnb.errors import CheckpointUsageError
 from zero_bnb.format.durable import makedirs, save_torch
+from zero_bnb.format.stock_files import stock_dp_world_size
 from zero_bnb.format.tags import resolve_tag
 from zero_bnb.format.unpickle import safe_load
 
@@ -115,6 +116,12 @@ class ZeroBnbEngine(DeepSpeedEngine):
     Built by :func:`zero_bnb.initialize`; takes ``DeepSpeedEngine``'s arguments plus the
     parsed :class:`~zero_bnb.core.config.ZeroBnbConfig`.
     """
+
+    #: The front door that built the engine (a key of ``zero_bnb.checkpoint.batch.FRONT_DOORS``): its messages use
+    #: that front door's words. Set by ``zero_bnb.enable()``'s dispatcher and the Lightning strategy.
+    zero_bnb_front_door: str = "deepspeed"
+    #: The batch geometry (``global``, ``micro``, ``accumulation``, ``dp``) the last loaded checkpoint recorded.
+    zero_bnb_loaded_batch: dict[str, int] | None = None
 
     def __init__(self, *args: Any, zero_bnb_config: ZeroBnbConfig, **kwargs: Any) -> None:
         self.zero_bnb_config = zero_bnb_config
@@ -236,7 +243,10 @@ class ZeroBnbEngine(DeepSpeedEngine):
     def _save_checkpoint(self, save_dir, tag, client_state=None, exclude_frozen_parameters=False):
         derived = self._derived_module_weights()
         self._zero_bnb_dropped = set(derived)
-        extra = {DERIVED_PARAMS_KEY: derived} if derived else {}
+        # A plain DeepSpeed engine given this checkpoint (zero_bnb.enable() forgotten) fails naming zero_bnb.
+        extra = {"dp_world_size": stock_dp_world_size(self.optimizer.dp_size)}
+        if derived:
+            extra[DERIVED_PARAMS_KEY] = derived
         try:
             with self.checkpoint_engine.transaction.guard():
                 super()._save_checkpoint(save_dir, tag, client_state={**(client_state or {}), **extra},
@@ -310,7 +320,8 @@ class ZeroBnbEngine(DeepSpeedEngine):
                                                  optimizer_states=optimizer_states, strict=load_module_strict))
         self._zero_bnb_plan = plan
         self.checkpoint_engine.planned = {plan.model_file: plan.model_states}
-        warn_if_batch_changed(saved.manifest, self, os.path.join(load_dir, folder_tag))
+        warn_if_batch_changed(saved.manifest, self, os.path.join(load_dir, folder_tag), self.zero_bnb_front_door)
+        self.zero_bnb_loaded_batch = dict(saved.manifest.batch) or None
         try:
             result = super().load_checkpoint(
                 load_dir,

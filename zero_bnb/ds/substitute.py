@@ -22,6 +22,11 @@ How the substitution behaves:
 * Under optimizer offload Accelerate (and Trainer through it) would replace the user's optimizer
   by ``DeepSpeedCPUAdam`` before ``deepspeed.initialize``; while zero_bnb routes the call it keeps
   the optimizer (:mod:`zero_bnb.integrations.accelerate`, installed with the dispatcher).
+* The engine records which front door built it (Trainer, Accelerate or plain DeepSpeed, from the
+  calling stack), so that its messages use that front door's words.
+* :func:`enable` and :func:`enabled` also let DeepSpeed's
+  ``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` read zero_bnb
+  checkpoints (:mod:`zero_bnb.integrations.conversions`; it stays after :func:`disable`).
 
 Local: no collectives. Call it on every rank (each process has its own ``deepspeed`` module).
 """
@@ -133,7 +138,24 @@ def _dispatcher(*args: Any, **kwargs: Any):
         install_trainer_patch()
     from zero_bnb.ds.initialize import initialize
 
-    return initialize(*args, **kwargs)
+    built = initialize(*args, **kwargs)
+    built[0].zero_bnb_front_door = _calling_front_door()
+    return built
+
+
+def _calling_front_door() -> str:
+    """Which framework called ``deepspeed.initialize``: ``"trainer"`` when transformers' Trainer is on the stack
+    (it calls through Accelerate), else ``"accelerate"`` when Accelerate is, else ``"deepspeed"``."""
+    door = "deepspeed"
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module == "transformers.trainer" or module.startswith("transformers.trainer."):
+            return "trainer"
+        if module == "accelerate" or module.startswith("accelerate."):
+            door = "accelerate"
+        frame = frame.f_back
+    return door
 
 
 def _make_dispatcher() -> Callable[..., Any]:
@@ -148,8 +170,10 @@ def _make_dispatcher() -> Callable[..., Any]:
 
 def _install() -> None:
     from zero_bnb.integrations.accelerate import install_accelerate_patch
+    from zero_bnb.integrations.conversions import route_deepspeed_zero_to_fp32
 
     install_accelerate_patch()  # Accelerate's offload swap must keep the user's optimizer (idempotent)
+    route_deepspeed_zero_to_fp32()  # stays: DeepSpeed's zero_to_fp32 then reads zero_bnb checkpoints too
     if _State.installed is not None:
         return
     current = deepspeed.initialize

@@ -17,14 +17,32 @@ from zero_bnb.format.manifest import ParamEntry
 from zero_bnb.format.paths import check_name
 from zero_bnb.format.unpickle import check_checkpoint_file, safe_load
 
-__all__ = ["MODEL_STATES", "UNIVERSAL_STATE", "group_states", "model_states_files", "param_entries", "read_rank_files",
-           "zero_file_names"]
+__all__ = ["MODEL_STATES", "UNIVERSAL_STATE", "WRITTEN_BY_ZERO_BNB", "group_states", "model_states_files",
+           "param_entries", "read_rank_files", "stock_dp_world_size", "zero_file_names"]
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 #: The file that marks a DeepSpeed universal checkpoint's tag folder (relative to it).
 UNIVERSAL_STATE = os.path.join("zero", "optimizer_state.pt")
 
 _BNB_WRAPPED = "__bnb_optimizer_quant_state__"
+
+#: The sentence a plain DeepSpeed engine shows when it is given a zero_bnb checkpoint (the user forgot
+#: ``zero_bnb.enable()``). zero_bnb stores it, as plain text, in the model file's ``dp_world_size``.
+WRITTEN_BY_ZERO_BNB = "this checkpoint was written by zero_bnb; call zero_bnb.enable() (or import zero_bnb.lightning)"
+
+
+def stock_dp_world_size(dp_size: int) -> str:
+    """What a zero_bnb checkpoint's model file holds under ``dp_world_size`` (stock DeepSpeed writes the int).
+
+    A plain ``DeepSpeedEngine.load_checkpoint`` compares it with its own DP size before it reads any
+    optimizer file (``_load_zero_checkpoint``); a string never equals the int, so at every DP size
+    it raises ``ZeRORuntimeException("The checkpoint being loaded used a DP world size of <this>
+    ...")``, which then names zero_bnb and the fix instead of a missing ``zero_pp_rank_*`` file.
+    ``load_module_only=True`` and ``load_optimizer_states=False`` never compare it, so stock readers
+    of the module weights are unaffected. Plain data: nothing executes when it is read.
+    """
+    return (f"{dp_size} ({WRITTEN_BY_ZERO_BNB} before the engine is built, and it loads at any DP size; "
+            f"stock DeepSpeed reads only its module weights, with load_module_only=True)")
 
 
 def _unwrap(state: dict[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,15 @@
   division is switched off (``scale_wrt_gas=False``), so the gradient of one optimizer step
   is the mean over its micro-batches, whatever the split.
 
+A resume from a checkpoint Lightning saved mid-epoch at another number of processes (or whose
+batch counter is not a multiple of the new ``accumulate_grad_batches``) logs a warning with the
+numbers: Lightning keeps the saved run's micro-batch counter, so the first optimizer step after
+resume is partial and the rest of the epoch is counted in the old split.
+
+Importing this module also lets Lightning's ``convert_zero_checkpoint_to_fp32_state_dict`` and
+DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint`` read zero_bnb checkpoints
+(:mod:`zero_bnb.integrations.conversions`).
+
 The strategy names keep "deepspeed" in them: Lightning's accelerator connector recognises
 DeepSpeed strategies by that substring. Needs ``pip install zero_bnb[lightning]``.
 """
@@ -36,8 +45,9 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 
 import zero_bnb
+from zero_bnb.integrations.conversions import route_deepspeed_zero_to_fp32, route_lightning_convert
 
-__all__ = ["STRATEGY_NAMES", "ZeroBnbStrategy"]
+__all__ = ["STRATEGY_NAMES", "ZeroBnbStrategy", "mid_epoch_warning"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +108,19 @@ class ZeroBnbStrategy(DeepSpeedStrategy):
             lr_scheduler=lr_scheduler,
             dist_init_required=False,
         )
+        engine.zero_bnb_front_door = "lightning"  # its messages name accumulate_grad_batches
         return engine, deepspeed_optimizer
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's DeepSpeed load, then a warning when a mid-epoch checkpoint resumes at another split
+        (collective: every rank; rank 0 logs)."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        saved = getattr(self.deepspeed_engine, "zero_bnb_loaded_batch", None)
+        message = mid_epoch_warning(checkpoint, saved, self.world_size,
+                                    self.lightning_module.trainer.accumulate_grad_batches)
+        if message and self.global_rank == 0:
+            logger.warning("zero_bnb: %s %s", checkpoint_path, message)
+        return checkpoint
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """DeepSpeed's backward without its second division by the accumulation steps (every rank, every micro-batch)."""
@@ -114,4 +136,34 @@ class ZeroBnbStrategy(DeepSpeedStrategy):
                                        f"{offload}, elastic bitsandbytes checkpoints", override=True, **params)
 
 
+def mid_epoch_warning(checkpoint: dict[str, Any], saved: dict[str, int] | None, processes: int,
+                      accumulation: int) -> str | None:
+    """What is wrong with resuming Lightning's ``checkpoint`` with ``processes`` and ``accumulation``, or ``None``.
+
+    ``saved`` is the batch geometry zero_bnb recorded (``dp``, ``accumulation``, ...). Only a
+    checkpoint saved mid-epoch matters: Lightning resumes its per-process micro-batch counter
+    where it was, counted in the saved run's split.
+    """
+    try:
+        progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+        counter, last = int(progress["current"]["completed"]), bool(progress["is_last_batch"])
+    except (KeyError, TypeError, ValueError):
+        return None  # not a fitting checkpoint, or another Lightning version's layout
+    saved_dp = (saved or {}).get("dp", processes)
+    if last or counter == 0 or (saved_dp == processes and counter % accumulation == 0):
+        return None
+    partial = counter % accumulation
+    first_step = (f"; {counter} is not a multiple of accumulate_grad_batches={accumulation}, so the first optimizer "
+                  f"step after resume accumulates {accumulation - partial} micro-batches instead of {accumulation}"
+                  if partial else "")
+    return (f"was saved mid-epoch, after {counter} micro-batches per process at {saved_dp} processes "
+            f"(accumulation {(saved or {}).get('accumulation', '?')}); this run has {processes} processes and "
+            f"accumulate_grad_batches={accumulation}. Lightning resumes its batch counter at {counter}, counted in "
+            f"the saved run's split ({counter * saved_dp} micro-batches of all processes then, "
+            f"{counter * processes} now){first_step}. To resume at another number of processes, save at epoch ends "
+            f"(or where the counter is a multiple of the accumulation at every process count you will use).")
+
+
 ZeroBnbStrategy.register_strategies(StrategyRegistry)
+route_deepspeed_zero_to_fp32()  # DeepSpeed's and Lightning's zero_to_fp32 habits work on zero_bnb checkpoints
+route_lightning_convert()

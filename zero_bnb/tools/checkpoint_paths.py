@@ -36,11 +36,19 @@ def locate(path: str, tag: str | None = None, *, latest: str = LATEST_NAME) -> t
         absolute = os.path.abspath(path)
         return os.path.dirname(absolute), check_tag(os.path.basename(absolute))
     if tag is None and not os.path.isfile(os.path.join(path, latest)):
-        raise CheckpointUsageError(
-            f"{path} holds no '{latest}' file and is not a tag folder; pass the tag folder (for example "
-            f"{os.path.join(path, 'global_step100')}) or --tag"
-        )
+        raise CheckpointUsageError(f"{path} holds no '{latest}' file and is not a tag folder; {_suggest(path)}")
     return path, resolve_tag(path, tag, latest_name=latest)
+
+
+def _suggest(path: str) -> str:
+    """What to pass instead of ``path``: a Trainer output folder's newest ``checkpoint-N`` (a save folder), or a tag."""
+    steps = sorted((int(name.removeprefix("checkpoint-")), name) for name in os.listdir(path)
+                   if name.startswith("checkpoint-") and name.removeprefix("checkpoint-").isdigit())
+    if steps:  # transformers' Trainer: OUTPUT_DIR/checkpoint-N/global_stepN
+        step, name = steps[-1]
+        return (f"it looks like a Trainer output folder: pass one of its checkpoints, for example "
+                f"{os.path.join(path, name)} (or its tag folder {os.path.join(path, name, f'global_step{step}')})")
+    return f"pass the tag folder (for example {os.path.join(path, 'global_step100')}) or --tag"
 
 
 def detect(path: str, tag: str | None = None) -> str:

@@ -116,6 +116,7 @@ def to_universal(path: str, out: str, *, tag: str | None = None, force: bool = F
         model_states = safe_load(source, "DeepSpeed model file", deepspeed_classes=True)
         with malformed(f"DeepSpeed model file {source}"):
             restore_derived(model_states, weights.__getitem__)  # DeepSpeed reads the module weights from this file
+        model_states["dp_world_size"] = manifest.dp_world_size  # stock DeepSpeed's int (zero_bnb's file names it)
         model_files[name] = model_states
     param_groups, written = [], 0
     with local_commit(out_dir, out_tag, latest_name=UNIVERSAL_LATEST, replace=force) as staging:

@@ -63,15 +63,19 @@ def fp32_state_dict(path: str, tag: str | None = None, *, moments_too: bool = Fa
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None,
-                                             exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+                                             exclude_frozen_parameters: bool = False, *, moments_too: bool = False,
+                                             progress: bool = False,
+                                             command: str = "zero_to_fp32") -> dict[str, torch.Tensor]:
     """DeepSpeed's function of the same name, for zero_bnb checkpoints: a module ``state_dict`` in fp32.
 
     Trained parameters come from the master weights; tied parameters appear under every name
-    (DeepSpeed's ``shared_params``); buffers and, unless ``exclude_frozen_parameters``, frozen
-    parameters come from DeepSpeed's model file (read with ``weights_only=True``).
+    (DeepSpeed's ``shared_params``; the names share one tensor, as in DeepSpeed's result);
+    buffers and, unless ``exclude_frozen_parameters``, frozen parameters come from DeepSpeed's
+    model file (read with ``weights_only=True``). With ``moments_too`` (``zero-bnb export
+    --moments``), also ``<name>.exp_avg`` / ``<name>.exp_avg_sq`` of every trained parameter.
     """
-    _, reader = open_verified(checkpoint_dir, tag, command="zero_to_fp32")
-    state = _fp32_tensors(reader, moments_too=False, progress=False)
+    _, reader = open_verified(checkpoint_dir, tag, command=command)
+    state = _fp32_tensors(reader, moments_too=moments_too, progress=progress)
     model_file = model_states_files(reader.tag_folder)[MODEL_STATES]
     model_states = safe_load(model_file, "DeepSpeed model file", deepspeed_classes=True)
     with malformed(f"DeepSpeed model file {model_file}"):

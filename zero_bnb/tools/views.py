@@ -8,13 +8,19 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
 from zero_bnb.core.kinds import is_partitioned
 from zero_bnb.core.state_spec import StateKind
+from zero_bnb.errors import CheckpointUsageError
 from zero_bnb.tools.checkpoint_paths import locate, open_verified, require_zero_bnb
 from zero_bnb.tools.outputs import check_output_file, replacing_file
-from zero_bnb.tools.recovery import fp32_state_dict
+from zero_bnb.tools.recovery import get_fp32_state_dict_from_zero_checkpoint
 
-__all__ = ["export_fp32", "inspect_checkpoint"]
+__all__ = ["OUTPUT_SUFFIXES", "export_fp32", "inspect_checkpoint", "output_format", "write_state_dict"]
+
+#: File suffix -> how a state dict is written: ``safetensors`` or ``torch`` (``torch.save`` of the dict).
+OUTPUT_SUFFIXES = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
 
 
 def inspect_checkpoint(path: str, tag: str | None = None) -> dict[str, Any]:
@@ -60,26 +66,68 @@ def inspect_checkpoint(path: str, tag: str | None = None) -> dict[str, Any]:
     }
 
 
-def export_fp32(path: str, out_path: str, *, tag: str | None = None, moments_too: bool = False,
-                force: bool = False, progress: bool = False) -> dict[str, Any]:
-    """Consolidated fp32 weights (like DeepSpeed's ``zero_to_fp32``) as one safetensors file.
-
-    With ``moments_too``, also ``<name>.exp_avg`` / ``<name>.exp_avg_sq`` (8-bit moments
-    dequantized exactly). ``out_path`` must lie outside the checkpoint; an existing file is
-    replaced (atomically) only with ``force``.
+def output_format(path: str) -> str:
+    """``"safetensors"`` or ``"torch"``: how a state dict goes to ``path``, by its suffix.
 
     Raises:
-        CheckpointUsageError: ``out_path`` is part of the input, a folder, or exists without
-            ``force``; nothing was read or written.
+        CheckpointUsageError: another suffix (named, with the ones that work).
     """
-    from safetensors.torch import save_file
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in OUTPUT_SUFFIXES:
+        raise CheckpointUsageError(
+            f"the output {path} has the suffix {suffix or '(none)'!r}; name it .safetensors (safetensors) or "
+            f".pt / .pth / .bin (torch.save of the state dict)"
+        )
+    return OUTPUT_SUFFIXES[suffix]
 
+
+def write_state_dict(state: dict[str, torch.Tensor], path: str, *, metadata: dict[str, str] | None = None) -> int:
+    """Write ``state`` to ``path`` as :func:`output_format` says, replacing it only once complete; returns the
+    number of tensors written (every name of ``state``).
+
+    Names that share one tensor (tied weights, e.g. ``lm_head.weight`` and the input embeddings)
+    are all written: ``torch.save`` keeps them shared, safetensors (which refuses shared storage)
+    gets a copy under each name, so ``load_state_dict(strict=True)`` and ``from_pretrained`` find
+    every name. The file is created with the process umask, like any other file.
+    """
+    kind = output_format(path)
+    with replacing_file(path) as temporary:
+        if kind == "torch":
+            torch.save(state, temporary)
+        else:
+            from safetensors.torch import save_file
+
+            seen: set[tuple[int, int]] = set()
+            unshared = {}
+            for name, value in state.items():
+                key = (value.untyped_storage().data_ptr(), value.storage_offset())
+                unshared[name] = value.contiguous() if key not in seen else value.clone()  # a tied name: a copy
+                seen.add(key)
+            save_file(unshared, temporary, metadata=metadata)
+    return len(state)
+
+
+def export_fp32(path: str, out_path: str, *, tag: str | None = None, moments_too: bool = False,
+                force: bool = False, progress: bool = False) -> dict[str, Any]:
+    """Consolidated fp32 weights (like DeepSpeed's ``zero_to_fp32``) as one safetensors or torch file.
+
+    The module's state dict in fp32: every trained parameter's master weight, tied names (each
+    name written), buffers and frozen parameters (:func:`~zero_bnb.tools.recovery.get_fp32_state_dict_from_zero_checkpoint`).
+    With ``moments_too``, also ``<name>.exp_avg`` / ``<name>.exp_avg_sq`` (8-bit moments
+    dequantized exactly). ``out_path``'s suffix chooses the format (:data:`OUTPUT_SUFFIXES`); it
+    must lie outside the checkpoint; an existing file is replaced (atomically) only with ``force``.
+
+    Raises:
+        CheckpointUsageError: ``out_path`` has another suffix, is part of the input, a folder, or
+            exists without ``force``; nothing was read or written.
+    """
+    output_format(out_path)
     require_zero_bnb(path, tag, "export")
     save_dir, folder_tag = locate(path, tag)
     check_output_file(out_path, source_tag_folder=os.path.join(save_dir, folder_tag), source_save_dir=save_dir,
                       force=force)
-    tensors = fp32_state_dict(path, tag, moments_too=moments_too, progress=progress, command="export")
+    tensors = get_fp32_state_dict_from_zero_checkpoint(path, tag, moments_too=moments_too, progress=progress,
+                                                       command="export")
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    with replacing_file(out_path) as temporary:
-        save_file(tensors, temporary, metadata={"format": "pt", "source": os.path.join(save_dir, folder_tag)})
-    return {"output": out_path, "tensors": len(tensors), "bytes": os.path.getsize(out_path)}
+    count = write_state_dict(tensors, out_path, metadata={"format": "pt", "source": os.path.join(save_dir, folder_tag)})
+    return {"output": out_path, "tensors": count, "bytes": os.path.getsize(out_path)}
