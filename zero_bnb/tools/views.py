@@ -104,7 +104,22 @@ def write_state_dict(state: dict[str, torch.Tensor], path: str, *, metadata: dic
                 unshared[name] = value.contiguous() if key not in seen else value.clone()  # a tied name: a copy
                 seen.add(key)
             save_file(unshared, temporary, metadata=metadata)
+        os.chmod(temporary, _new_file_mode())  # safetensors creates its files 0600 whatever the umask
     return len(state)
+
+
+def _new_file_mode() -> int:
+    """The mode ``open()`` gives a new file in this process: 0o666 less the umask."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:  # Linux: read without changing it
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)  # elsewhere: read it by setting it (and put it back at once)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def export_fp32(path: str, out_path: str, *, tag: str | None = None, moments_too: bool = False,
@@ -121,11 +136,11 @@ def export_fp32(path: str, out_path: str, *, tag: str | None = None, moments_too
         CheckpointUsageError: ``out_path`` has another suffix, is part of the input, a folder, or
             exists without ``force``; nothing was read or written.
     """
-    output_format(out_path)
     require_zero_bnb(path, tag, "export")
     save_dir, folder_tag = locate(path, tag)
     check_output_file(out_path, source_tag_folder=os.path.join(save_dir, folder_tag), source_save_dir=save_dir,
                       force=force)
+    output_format(out_path)
     tensors = get_fp32_state_dict_from_zero_checkpoint(path, tag, moments_too=moments_too, progress=progress,
                                                        command="export")
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
