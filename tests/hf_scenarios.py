@@ -271,8 +271,11 @@ def _readme_namespace(world) -> dict:
             "loader": torch.utils.data.DataLoader(subset, batch_size=MICRO)}
 
 
-def readme_trainer(workdir, world, part: str) -> dict:
-    """The README's Trainer example (and its ds.json), set-up + ``part`` ("# first run" or "# later"), 2 steps each."""
+def readme_trainer(workdir, world, part: str, *, use_cpu: bool = True, stock: bool = False) -> dict:
+    """The README's Trainer example (and its ds.json), set-up + ``part`` ("# first run" or "# later"), 2 steps each.
+
+    ``use_cpu=False`` runs it without the README's CPU advice; ``stock`` without ``zero_bnb.enable()``.
+    """
     import json
 
     from readme_examples import adapt, block, run, segment, segments
@@ -284,7 +287,8 @@ def readme_trainer(workdir, world, part: str) -> dict:
     parts = segments(block("Hugging Face Trainer"))
     steps = 2 if part == "# first run" else 4
     code = adapt(parts["setup"] + segment(parts, part), {
-        'deepspeed="ds.json",': f'deepspeed="ds.json", use_cpu=True, max_steps={steps}, disable_tqdm=True,',
+        'deepspeed="ds.json",': f'deepspeed="ds.json", use_cpu={use_cpu}, max_steps={steps}, disable_tqdm=True,',
+        **({"zero_bnb.enable()": "zero_bnb.disable()"} if stock else {}),
         "save_steps=500": "save_steps=2",
         **({'"out/checkpoint-500"': '"out/checkpoint-2"'} if part == "# later" else {}),
     })
@@ -360,6 +364,9 @@ def hf_dp2(rank, world, workdir):
     out["assigned"] = _assigned_initialize(world)
     out["forgot_enable_same_dp"] = _plain_engine_load(workdir, world)
     out["readme_trainer"] = readme_trainer(workdir, world, "# first run")
+    out["readme_trainer_without_use_cpu"] = [  # the README's reason for use_cpu=True, with zero_bnb and stock
+        _error(lambda stock=stock: readme_trainer(workdir, world, "# first run", use_cpu=False, stock=stock))
+        for stock in (False, True)]
     out["readme_accelerate"] = readme_accelerate(workdir, world, resume=False)
     if rank == 0:
         torch.save(out, os.path.join(workdir, "hf_dp2.pt"))

@@ -246,6 +246,8 @@ def test_readme_trainer_and_accelerate_examples_run(hf):
     assert (dp2["readme_trainer"]["global_step"], dp3["readme_trainer"]["global_step"]) == (2, 4)
     assert any("saved at DP=2 into DP=3" in m for m in dp3["readme_trainer"]["log"]), dp3["readme_trainer"]["log"]
     assert not [m for m in dp3["readme_trainer"]["log"] if "global batch" in m]
+    for error in dp2["readme_trainer_without_use_cpu"]:  # zero_bnb and stock alike: the README says so
+        assert error is not None and "train_batch_size is not equal to micro_batch_per_gpu" in error, error
     accelerate2, accelerate3 = dp2["readme_accelerate"], dp3["readme_accelerate"]
     assert accelerate2["engine"] == accelerate3["engine"] == "ZeroBnbEngine"
     assert (accelerate2["global_steps"], accelerate3["global_steps"]) == (2, 4)
