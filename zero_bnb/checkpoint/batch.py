@@ -30,28 +30,29 @@ logger = logging.getLogger(__name__)
 class FrontDoor:
     """How one front door names the accumulation setting, and what its resume does with the data."""
 
-    #: The framework, as users call it.
-    name: str
     #: The instruction that sets the accumulation to ``{steps}``.
     set_accumulation: str
     #: What a changed global batch does to this front door's resume.
     consequence: str
 
 
-_TRAINER_SKIPS = ("skips global_step x gradient_accumulation_steps micro-batches per process on resume assuming the "
-                  "global batch is unchanged, so this run now trains on other samples than an uninterrupted one would")
+_TRAINER_SKIPS = ("Trainer skips global_step x gradient_accumulation_steps micro-batches per process on resume "
+                  "assuming the global batch is unchanged, so this run now trains on other samples than an "
+                  "uninterrupted one would")
 _STEP_MEANS = "each optimizer step now averages another number of samples than the saved run's steps did"
 
 #: Front doors by the name the engine records (``ZeroBnbEngine.zero_bnb_front_door``).
 FRONT_DOORS = {
-    "deepspeed": FrontDoor("DeepSpeed", 'set "gradient_accumulation_steps": {steps} in the DeepSpeed config',
+    "deepspeed": FrontDoor('set "gradient_accumulation_steps": {steps} in the DeepSpeed config',
                            _STEP_MEANS),
-    "trainer": FrontDoor("Trainer", "set TrainingArguments(gradient_accumulation_steps={steps})",
-                         f"Trainer {_TRAINER_SKIPS}"),
-    "accelerate": FrontDoor("Accelerate", 'set "gradient_accumulation_steps": {steps} in the DeepSpeed config given '
+    "trainer": FrontDoor("set TrainingArguments(gradient_accumulation_steps={steps})",
+                         _TRAINER_SKIPS),
+    "accelerate": FrontDoor('set "gradient_accumulation_steps": {steps} in the DeepSpeed config given '
                             "to DeepSpeedPlugin (or DeepSpeedPlugin(gradient_accumulation_steps={steps}))",
-                            f"Accelerate's skip_first_batches {_TRAINER_SKIPS}"),
-    "lightning": FrontDoor("Lightning", "set pl.Trainer(accumulate_grad_batches={steps})", _STEP_MEANS),
+                            "accelerator.skip_first_batches(loader, global_step x gradient_accumulation_steps) "
+                            "assumes the global batch is unchanged, so it now lands on other samples than an "
+                            "uninterrupted run would"),
+    "lightning": FrontDoor("set pl.Trainer(accumulate_grad_batches={steps})", _STEP_MEANS),
 }
 
 
