@@ -281,9 +281,12 @@ def readme_trainer(workdir, world, part: str, *, use_cpu: bool = True, stock: bo
     from readme_examples import adapt, block, run, segment, segments
 
     folder = os.path.join(workdir, "readme_trainer")
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "ds.json"), "w") as handle:
-        json.dump(json.loads(block("Hugging Face Trainer", "json")), handle)
+    if dist.get_rank() == 0:  # one writer, complete before any rank reads it
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "ds.json.tmp"), "w") as handle:
+            json.dump(json.loads(block("Hugging Face Trainer", "json")), handle)
+        os.replace(os.path.join(folder, "ds.json.tmp"), os.path.join(folder, "ds.json"))
+    dist.barrier()
     parts = segments(block("Hugging Face Trainer"))
     steps = 2 if part == "# first run" else 4
     code = adapt(parts["setup"] + segment(parts, part), {
