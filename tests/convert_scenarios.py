@@ -83,7 +83,9 @@ def _universal_into_adamw(c, out):
 
 def _zero_bnb_resume(folder: str, family: str = "Adam8bit", module: bool = False):
     def phase(c, out):
-        engine = make_engine(c["world"], family)
+        # A rescued stock checkpoint trains on as stock does: with bitsandbytes' CPU arithmetic.
+        config = {"zero_cpu_update": "bitsandbytes"} if folder.startswith("rescued") else {}
+        engine = make_engine(c["world"], family, **config)
         engine.load_checkpoint(os.path.join(c["workdir"], folder))
         out[folder] = consolidated_state(engine)
         if module:

@@ -104,6 +104,16 @@ def _state_dtypes(engine) -> list[str | None]:
             for flat in map(engine.optimizer.master_partition, range(engine.optimizer.num_groups))]
 
 
+def _fused_steps(engine) -> int | None:
+    """How many updates the fused CPU 8-bit kernel made (``None``: not installed, as for torch optimizers)."""
+    from zero_bnb.kernels.cpu_update import CpuUpdate
+
+    update = engine.optimizer.optimizer.__dict__.get("update_step")
+    while update is not None and not isinstance(update, CpuUpdate):
+        update = getattr(update, "original", None)  # inside zero_bnb.bnb.chunked.ChunkedUpdate
+    return None if update is None else update.fused_steps
+
+
 def _offload_facts(engine) -> dict:
     """Where the optimizer lives: DeepSpeed's offload flag, the device of masters and state, the 8-bit dtypes."""
     wrapper = engine.optimizer
@@ -116,6 +126,7 @@ def _offload_facts(engine) -> dict:
         "devices": sorted({str(t.device) for t in partitions} | {str(v.device) for state in states
                                                                    for v in state.values() if torch.is_tensor(v)}),
         "state1_dtypes": [str(state["state1"].dtype) if "state1" in state else None for state in states],
+        "fused_steps": _fused_steps(engine),
     }
 
 
@@ -147,6 +158,7 @@ def save_all(rank, world, workdir):
             train_steps(engine, RUN, 0, STEPS)
             engine.save_checkpoint(os.path.join(workdir, case), tag="a")
             out[case] = consolidated_state(engine)
+            out[f"{case}/fused_steps"] = _fused_steps(engine)
 
         phase.__name__ = case
         return phase

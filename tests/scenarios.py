@@ -88,7 +88,7 @@ def _stock_baseline(context, out):
     train_steps(stock, RUN, 0, 3)
     stock.save_checkpoint(os.path.join(workdir, "stock"), tag="s")
     stock_weights = {n: p.detach().clone() for n, p in stock.module.named_parameters()}
-    engine = make_engine(world)
+    engine = make_engine(world, zero_cpu_update="bitsandbytes")  # stock steps with bitsandbytes' CPU arithmetic
     engine.load_checkpoint(os.path.join(workdir, "stock"))
     out["stock_loaded"] = consolidated_state(engine)
     out["stock_weights"] = stock_weights

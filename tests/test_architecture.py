@@ -25,9 +25,9 @@ ALLOWED = {
     "checkpoint": {"core", "format", "checkpoint", "errors", "versions"},
     "bnb": {"core", "bnb", "errors"},
     "kernels": {"core", "kernels", "errors"},
-    "ds": {"core", "format", "checkpoint", "bnb", "ds", "errors", "versions"},
+    "ds": {"core", "format", "checkpoint", "bnb", "kernels", "ds", "errors", "versions"},
     "tools": {"core", "format", "checkpoint", "tools", "errors", "versions", "ds.loss_scaler"},
-    "integrations": {"core", "format", "checkpoint", "bnb", "ds", "tools", "integrations", "errors", "versions",
+    "integrations": {"core", "format", "checkpoint", "bnb", "kernels", "ds", "tools", "integrations", "errors", "versions",
                      "zero_bnb"},
 }
 #: Declared exceptions (each named in its package's docstring).

@@ -93,13 +93,13 @@ def assert_same_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
             assert differ.numel() == 0, f"{key}: {differ.numel()} codes differ, first at {differ[:5].tolist()}"
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(cases())
 def test_kernel_gives_the_reference_bits(case):
     assert_same_bits(run(fused_update, case), run(reference_update, case))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(cases())
 def test_kernel_does_not_depend_on_the_thread_count(case):
     one = run(fused_update, case, threads=1)
@@ -107,7 +107,7 @@ def test_kernel_does_not_depend_on_the_thread_count(case):
         assert_same_bits(run(fused_update, case, threads=threads), one)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(cases(), st.data())
 def test_updating_pieces_split_at_block_boundaries_equals_updating_the_whole(case, data):
     """Block-local: what each rank computes for its partition does not depend on where partitions start."""

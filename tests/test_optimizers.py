@@ -52,6 +52,16 @@ def test_save_at_dp2_load_at_dp3_is_exact(matrix, case):
     assert math.isfinite(loaded["loss"])
 
 
+@pytest.mark.parametrize("case", [case for case in CASES if runnable(case)])
+def test_every_cpu_8bit_step_takes_the_fused_kernel(matrix, case):
+    """8-bit state on the CPU is updated by zero_bnb.kernels (zero_cpu_update "auto"); 32-bit and torch state is not."""
+    fused_steps = result([matrix[0]], f"{case}/fused_steps")
+    if "8bit" in case:
+        assert fused_steps >= STEPS, fused_steps
+    else:
+        assert fused_steps in (None, 0), fused_steps
+
+
 def test_bitsandbytes_override_gets_its_own_flat_group_and_survives_resume(matrix):
     saved, loaded, _ = matrix
     assert saved["override_groups"] == [["2.weight"], ["0.bias", "2.bias", "4.bias"], ["4.weight"], ["0.weight"]]
@@ -117,6 +127,7 @@ def test_offloaded_save_at_dp2_resumes_offloaded_at_dp3_and_without_offload_at_d
     assert facts["base"] == family, "the optimizer that trains is the user's"
     if "8bit" in family:
         assert facts["state1_dtypes"][0] == "torch.uint8", facts  # the large group keeps 8-bit state on the CPU
+        assert facts["fused_steps"] >= STEPS, facts  # and zero_bnb's fused CPU kernel steps it
     assert len(losses) == STEPS + STEPS_AFTER and all(math.isfinite(loss) for loss in losses)
     _assert_resumed(saved, losses, result([dp3], case), offloaded=True)
     _assert_resumed(saved, losses, result([dp1], case), offloaded=False)

@@ -1,10 +1,10 @@
 """zero_bnb's own config keys, read from (and stripped out of) a DeepSpeed config.
 
 zero_bnb's keys (``zero_unsharded_state_keys``, ``zero_unsharded_state_max_numel``,
-``zero_nonfinite_check``, ``zero_checkpoint_verify``, ``zero_derived_module_weights``) may sit at the top level
-of the DeepSpeed config (stock DeepSpeed ignores unknown top-level keys, so one JSON serves
-both) or inside ``zero_optimization`` (which stock DeepSpeed would reject, so they are
-removed before DeepSpeed validates the config).
+``zero_nonfinite_check``, ``zero_checkpoint_verify``, ``zero_derived_module_weights``,
+``zero_cpu_update``) may sit at the top level of the DeepSpeed config (stock DeepSpeed ignores unknown
+top-level keys, so one JSON serves both) or inside ``zero_optimization`` (which stock DeepSpeed would
+reject, so they are removed before DeepSpeed validates the config).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from zero_bnb.core.state_spec import declared
 
 __all__ = [
     "CHECKPOINT_VERIFY",
+    "CPU_UPDATE",
+    "CPU_UPDATE_MODES",
     "DERIVED_MODULE_WEIGHTS",
     "NONFINITE_CHECK",
     "UNSHARDED_KEYS",
@@ -37,7 +39,11 @@ UNSHARDED_MAX_NUMEL = "zero_unsharded_state_max_numel"
 NONFINITE_CHECK = "zero_nonfinite_check"
 CHECKPOINT_VERIFY = "zero_checkpoint_verify"
 DERIVED_MODULE_WEIGHTS = "zero_derived_module_weights"
-_OWN_KEYS = (UNSHARDED_KEYS, UNSHARDED_MAX_NUMEL, NONFINITE_CHECK, CHECKPOINT_VERIFY, DERIVED_MODULE_WEIGHTS)
+CPU_UPDATE = "zero_cpu_update"
+#: Values of ``zero_cpu_update``.
+CPU_UPDATE_MODES = ("auto", "fused", "bitsandbytes")
+_OWN_KEYS = (UNSHARDED_KEYS, UNSHARDED_MAX_NUMEL, NONFINITE_CHECK, CHECKPOINT_VERIFY, DERIVED_MODULE_WEIGHTS,
+             CPU_UPDATE)
 _NONFINITE_MODES = ("error", "warn", "off")
 #: DeepSpeed's top-level key that makes it refuse every client optimizer under optimizer offload.
 FORCE_DS_CPU_OPTIMIZER = "zero_force_ds_cpu_optimizer"
@@ -70,6 +76,11 @@ class ZeroBnbConfig:
             shards; a load rebuilds them). Saves 4 bytes per parameter in fp32 training. Default
             ``False``: the model file holds the weights, as stock DeepSpeed's does, so stock
             ``load_checkpoint``, ``load_module_only`` and other readers see them.
+        cpu_update: how a bitsandbytes 8-bit update whose state lives on the CPU (optimizer offload, CPU
+            training) runs: ``"auto"`` (default) with zero_bnb's fused kernel (``zero_bnb.kernels``: the
+            arithmetic of bitsandbytes' CUDA kernel, compiled on first use) or, when it cannot be built,
+            bitsandbytes' CPU path with one warning; ``"fused"`` the kernel or an error; ``"bitsandbytes"``
+            bitsandbytes' own CPU path (what stock DeepSpeed runs).
     """
 
     unsharded_state_keys: tuple[str, ...] | None = None
@@ -77,6 +88,7 @@ class ZeroBnbConfig:
     nonfinite_check: str = "error"
     checkpoint_verify: bool = True
     derived_module_weights: bool = False
+    cpu_update: str = "auto"
 
     def __post_init__(self) -> None:
         keys = self.unsharded_state_keys
@@ -96,6 +108,10 @@ class ZeroBnbConfig:
         if self.nonfinite_check not in _NONFINITE_MODES:
             raise ZeroBnbConfigError(
                 f"{NONFINITE_CHECK} must be one of {list(_NONFINITE_MODES)}, got {self.nonfinite_check!r}"
+            )
+        if self.cpu_update not in CPU_UPDATE_MODES:
+            raise ZeroBnbConfigError(
+                f"{CPU_UPDATE} must be one of {list(CPU_UPDATE_MODES)}, got {self.cpu_update!r}"
             )
         for key, value in ((CHECKPOINT_VERIFY, self.checkpoint_verify), (DERIVED_MODULE_WEIGHTS, self.derived_module_weights)):
             if not isinstance(value, bool):
@@ -155,7 +171,7 @@ def split_config(ds_config: Mapping[str, Any]) -> tuple[ZeroBnbConfig, dict[str,
     optional = {
         field: found[key]
         for field, key in (("nonfinite_check", NONFINITE_CHECK), ("checkpoint_verify", CHECKPOINT_VERIFY),
-                           ("derived_module_weights", DERIVED_MODULE_WEIGHTS))
+                           ("derived_module_weights", DERIVED_MODULE_WEIGHTS), ("cpu_update", CPU_UPDATE))
         if key in found
     }
     parsed = ZeroBnbConfig(

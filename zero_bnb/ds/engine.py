@@ -47,6 +47,7 @@ from zero_bnb.format.durable import makedirs, save_torch
 from zero_bnb.format.stock_files import stock_dp_world_size
 from zero_bnb.format.tags import resolve_tag
 from zero_bnb.format.unpickle import safe_load
+from zero_bnb.kernels.cpu_update import install_cpu_update, uninstall_cpu_update
 
 __all__ = ["DurableCheckpointEngine", "ZeroBnbEngine", "swapped_attribute"]
 
@@ -164,6 +165,8 @@ class ZeroBnbEngine(DeepSpeedEngine):
         spec = spec_for(optimizer)
         factory = functools.partial(cls, zero_bnb_spec=spec, zero_bnb_rule=self._state_rule(spec))
         try:
+            if spec.bitsandbytes:  # CPU 8-bit updates (offload, CPU training) take the fused kernel
+                install_cpu_update(optimizer, self.zero_bnb_config.cpu_update)
             with swapped_attribute(ds_engine_module, ds_name, factory):
                 wrapper = build(optimizer)
             if not isinstance(wrapper, cls):
@@ -173,6 +176,7 @@ class ZeroBnbEngine(DeepSpeedEngine):
                 )
         except BaseException:
             uninstall_chunked_update(optimizer)  # the user's optimizer leaves a failed construction as it came
+            uninstall_cpu_update(optimizer)
             raise
         if self.global_rank == 0:
             for index in range(wrapper.num_groups):

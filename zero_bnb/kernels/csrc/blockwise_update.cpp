@@ -17,6 +17,9 @@
 // bitsandbytes' CPU lookup table (which returns the bucket's code for every x in it), the result is the
 // binary search's, always.
 #include <cfloat>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -82,8 +85,13 @@ int binary_search(const float* code, float x) {
 }
 
 // Table entry: bits 0-7 the code at the bucket's first key, bit 8 "one step inside", bit 9 "use the
-// search", bits 16-31 the low 16 bits of the last key that keeps the first code.
-constexpr uint32_t kStep = 1u << 8, kSlow = 1u << 9;
+// search", bits 10 and 11 the sign bits of the map values of the first code and the next, bits 16-31
+// the low 16 bits of the last key that keeps the first code.
+constexpr uint32_t kStep = 1u << 8, kSlow = 1u << 9, kSign = 1u << 10, kNextSign = 1u << 11;
+
+inline uint32_t sign_bits(const float* code, int c) {
+    return (std::signbit(code[c]) ? kSign : 0u) | (c < 255 && std::signbit(code[c + 1]) ? kNextSign : 0u);
+}
 
 template <bool SIGNED>
 std::vector<uint32_t> build_table(const float* code) {
@@ -97,14 +105,14 @@ std::vector<uint32_t> build_table(const float* code) {
         }
         const int c_lo = binary_search<SIGNED>(code, lo), c_hi = binary_search<SIGNED>(code, hi);
         if (c_hi == c_lo) {
-            table[bucket] = static_cast<uint32_t>(c_lo);
+            table[bucket] = static_cast<uint32_t>(c_lo) | sign_bits(code, c_lo);
         } else if (c_hi == c_lo + 1) {
             uint32_t keep = first, change = last;  // code(keep) == c_lo, code(change) == c_hi
             while (change - keep > 1) {
                 const uint32_t mid = keep + (change - keep) / 2;
                 (binary_search<SIGNED>(code, float_of_key(mid)) == c_lo ? keep : change) = mid;
             }
-            table[bucket] = static_cast<uint32_t>(c_lo) | kStep | ((keep & 0xffffu) << 16);
+            table[bucket] = static_cast<uint32_t>(c_lo) | kStep | sign_bits(code, c_lo) | ((keep & 0xffffu) << 16);
         } else {
             table[bucket] = kSlow;
         }
@@ -138,32 +146,77 @@ template <bool SIGNED>
 inline void quantize(const Map& map, const float* __restrict__ s, float absmax, uint8_t* __restrict__ out) {
     const uint32_t* __restrict__ table = map.table.data();
     const float* __restrict__ code = map.code;
-    int codes[kBlock];
     int slow = 0;
+#if defined(__AVX512F__)
+    const __m512 scale = _mm512_set1_ps(absmax);
+    const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u)), low = _mm512_set1_epi32(0xffff);
+    const __m512i one = _mm512_set1_epi32(1), byte = _mm512_set1_epi32(0xff);
+    __mmask16 any_slow = 0;
+    for (int j = 0; j < kBlock; j += 16) {
+        const __m512 moment = _mm512_loadu_ps(s + j);
+        const __m512i u = _mm512_castps_si512(_mm512_div_ps(moment, scale));
+        const __mmask16 negative = _mm512_test_epi32_mask(u, sign);
+        const __m512i key = _mm512_mask_blend_epi32(negative, _mm512_or_si512(u, sign),
+                                                    _mm512_xor_si512(u, _mm512_set1_epi32(-1)));
+        const __m512i entry = _mm512_i32gather_epi32(_mm512_srli_epi32(key, 16), table, 4);
+        const __mmask16 stepped = _mm512_test_epi32_mask(entry, _mm512_set1_epi32(kStep)) &
+                                  _mm512_cmpgt_epu32_mask(_mm512_and_si512(key, low), _mm512_srli_epi32(entry, 16));
+        __m512i c = _mm512_mask_add_epi32(_mm512_and_si512(entry, byte), stepped, _mm512_and_si512(entry, byte), one);
+        if (SIGNED) {  // the sign bit of code[c], from the entry
+            const __mmask16 code_negative =
+                (stepped & _mm512_test_epi32_mask(entry, _mm512_set1_epi32(kNextSign))) |
+                (static_cast<__mmask16>(~stepped) & _mm512_test_epi32_mask(entry, _mm512_set1_epi32(kSign)));
+            const __mmask16 flipped = code_negative ^ _mm512_test_epi32_mask(_mm512_castps_si512(moment), sign);
+            const __mmask16 positive = _mm512_cmp_ps_mask(moment, _mm512_setzero_ps(), _CMP_GT_OQ);
+            c = _mm512_mask_add_epi32(c, flipped & positive, c, one);
+            c = _mm512_mask_sub_epi32(c, flipped & static_cast<__mmask16>(~positive), c, one);
+        }
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm512_cvtepi32_epi8(c));
+        any_slow |= _mm512_test_epi32_mask(entry, _mm512_set1_epi32(kSlow));
+    }
+    slow = any_slow != 0;
+#else
 #pragma omp simd reduction(| : slow)
     for (int j = 0; j < kBlock; ++j) {
         const float x = s[j] / absmax;
         const uint32_t key = key_of(x);
         const uint32_t entry = table[key >> 16];
-        const uint32_t stepped = (entry & kStep) && (key & 0xffffu) > (entry >> 16);
-        codes[j] = static_cast<int>((entry & 0xffu) + stepped);
-        slow |= static_cast<int>(entry & kSlow);
-    }
-    if (slow) {
-        for (int j = 0; j < kBlock; ++j) {
-            const float x = s[j] / absmax;
-            if (table[key_of(x) >> 16] & kSlow) codes[j] = binary_search<SIGNED>(code, x);
-        }
-    }
-#pragma omp simd
-    for (int j = 0; j < kBlock; ++j) {
-        int c = codes[j];
-        if (SIGNED) {
-            const bool flipped = std::signbit(code[c]) != std::signbit(s[j]);
+        const bool stepped = (entry & kStep) && (key & 0xffffu) > (entry >> 16);
+        int c = static_cast<int>((entry & 0xffu) + stepped);
+        if (SIGNED) {  // the sign bit of code[c], from the entry
+            const bool negative = (entry & (stepped ? kNextSign : kSign)) != 0;
+            const bool flipped = negative != std::signbit(s[j]);
             c += flipped ? (s[j] > 0.0f ? 1 : -1) : 0;
         }
         out[j] = static_cast<uint8_t>(c);
+        slow |= static_cast<int>(entry & kSlow);
     }
+#endif
+    if (slow) {  // infinities and NaN (an absmax of 0 or Inf): the binary search itself
+        for (int j = 0; j < kBlock; ++j) {
+            const float x = s[j] / absmax;
+            if (!(table[key_of(x) >> 16] & kSlow)) continue;
+            int c = binary_search<SIGNED>(code, x);
+            if (SIGNED && std::signbit(code[c]) != std::signbit(s[j])) c += s[j] > 0.0f ? 1 : -1;
+            out[j] = static_cast<uint8_t>(c);
+        }
+    }
+}
+
+// Dequantize 256 codes through a 256-entry map and scale by absmax (an explicit gather where AVX-512 exists:
+// compilers tuned for AMD Zen emulate gathers with scalar loads).
+inline void dequantize(const float* __restrict__ code, const uint8_t* __restrict__ c, float absmax,
+                       float* __restrict__ out) {
+#if defined(__AVX512F__)
+    const __m512 scale = _mm512_set1_ps(absmax);
+    for (int j = 0; j < kBlock; j += 16) {
+        const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j)));
+        _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_i32gather_ps(index, code, 4), scale));
+    }
+#else
+#pragma omp simd
+    for (int j = 0; j < kBlock; ++j) out[j] = code[c[j]] * absmax;
+#endif
 }
 
 // fmaxf over |s| from -FLT_MAX, NaN ignored (kernels.cu 1043): order-free, so a vector max is exact.
@@ -209,20 +262,19 @@ template <int FAMILY>
 void two_state(const Scalars& s, Block& b, const Map& map1, const Map& map2, float* a1, float* a2, float* a3) {
     const float* __restrict__ q1 = map1.code;
     const float* __restrict__ q2 = map2.code;
-    const float m1 = *a1, m2 = *a2, m3 = FAMILY == ADEMAMIX ? *a3 : 0.0f;
+    dequantize(q1, b.c1, *a1, b.s1);
+    dequantize(q2, b.c2, *a2, b.s2);
+    if (FAMILY == ADEMAMIX) dequantize(q1, b.c3, *a3, b.s3);
 #pragma omp simd
     for (int j = 0; j < kBlock; ++j) {
         const float g = b.g[j];
         const bool finite = std::isfinite(g);
-        float v = q2[b.c2[j]] * m2;
-        v = v * s.beta2 + (s.one_minus_beta2 * g) * g;
-        float m = q1[b.c1[j]] * m1;
-        m = m * s.beta1 + s.one_minus_beta1 * g;
+        const float v = b.s2[j] * s.beta2 + (s.one_minus_beta2 * g) * g;
+        const float m = b.s1[j] * s.beta1 + s.one_minus_beta1 * g;
         b.s1[j] = finite ? m : 0.0f;
         b.s2[j] = finite ? v : 0.0f;
         if (FAMILY == ADEMAMIX) {
-            float slow = q1[b.c3[j]] * m3;
-            slow = slow * s.beta3 + s.one_minus_beta3 * g;
+            const float slow = b.s3[j] * s.beta3 + s.one_minus_beta3 * g;
             b.s3[j] = finite ? slow : 0.0f;
         }
     }

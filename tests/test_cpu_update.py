@@ -1,0 +1,139 @@
+"""Wiring of the fused CPU 8-bit update into bitsandbytes optimizers (``zero_cpu_update``).
+
+Real bitsandbytes optimizers step on CPU tensors: with the update installed every 8-bit step gives the
+reference's bits (bitsandbytes' CUDA arithmetic), ``"bitsandbytes"`` and fp32 state keep bitsandbytes' own
+path, and a machine without a compiler falls back once, with one warning (``"auto"``), or fails naming
+the fix (``"fused"``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import subprocess
+import sys
+
+import bitsandbytes as bnb
+import pytest
+import torch
+
+from zero_bnb.core.config import ZeroBnbConfigError, split_config
+from zero_bnb.kernels import build, cpu_update
+from zero_bnb.kernels.build import KernelBuildError
+from zero_bnb.kernels.cpu_update import CpuUpdate, hyper_for, install_cpu_update
+from zero_bnb.kernels.hyper import step_scalars
+from zero_bnb.kernels.reference import reference_update
+
+NUMEL = 5000  # above bitsandbytes' min_8bit_size (4096): 8-bit state, two blocks with a partial one
+OPTIMIZERS = {
+    "AdamW8bit": functools.partial(bnb.optim.AdamW8bit, weight_decay=0.1),
+    "Adam8bit": bnb.optim.Adam8bit,
+    "Lion8bit": functools.partial(bnb.optim.Lion8bit, weight_decay=0.1),
+    "SGD8bit": functools.partial(bnb.optim.SGD8bit, momentum=0.9, weight_decay=0.01),
+    "RMSprop8bit": bnb.optim.RMSprop8bit,
+    "Adagrad8bit": bnb.optim.Adagrad8bit,
+    "AdEMAMix8bit": functools.partial(bnb.optim.AdEMAMix8bit, t_alpha=4, t_beta3=4),
+}
+EIGHT_BIT = sorted(OPTIMIZERS)
+OPTIMIZERS["AdamW32bit"] = bnb.optim.AdamW32bit
+
+
+def make(name: str, seed: int = 0, **kwargs):
+    param = torch.nn.Parameter(torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed)))
+    return param, OPTIMIZERS[name]([param], lr=1e-2, **kwargs)
+
+
+def gradients(steps: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(NUMEL, generator=gen) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("name", EIGHT_BIT)
+def test_every_cpu_8bit_step_gives_the_reference_bits(name):
+    param, optimizer = make(name)
+    install_cpu_update(optimizer, "auto")
+    for step, grad in enumerate(gradients(4), start=1):
+        if step > 1:
+            state = {key: value.clone() if isinstance(value, torch.Tensor) else value
+                     for key, value in optimizer.state[param].items()}
+            expected = param.detach().clone()
+            config = optimizer.get_config(0, 0, optimizer.param_groups[0])
+            hyper = hyper_for(optimizer.optimizer_name, config, step)
+            reference_update(hyper, step_scalars(hyper, step), expected, grad, state["state1"], state["absmax1"],
+                             state["qmap1"], state.get("state2"), state.get("absmax2"), state.get("qmap2"))
+        param.grad = grad.clone()
+        optimizer.step()
+        assert optimizer.state[param]["state1"].dtype == torch.uint8
+        if step > 1:
+            assert torch.equal(param.detach(), expected), name
+            for key in ("state1", "absmax1", "state2", "absmax2"):
+                if key in state:
+                    assert torch.equal(optimizer.state[param][key], state[key]), (name, key)
+    assert optimizer.update_step.fused_steps == 4
+
+
+@pytest.mark.parametrize(("name", "mode"), [("AdamW8bit", "bitsandbytes"), ("Lion8bit", "bitsandbytes"),
+                                            ("AdamW32bit", "auto")])
+def test_bitsandbytes_mode_and_fp32_state_keep_bitsandbytes_path(name, mode):
+    plain, plain_optimizer = make(name)
+    wired, wired_optimizer = make(name)
+    install_cpu_update(wired_optimizer, mode)
+    for grad in gradients(3):
+        plain.grad, wired.grad = grad.clone(), grad.clone()
+        plain_optimizer.step()
+        wired_optimizer.step()
+    assert torch.equal(plain.detach(), wired.detach())
+    assert wired_optimizer.update_step.fused_steps == 0
+
+
+@pytest.fixture
+def no_compiler(monkeypatch, tmp_path):
+    """A machine without a C++ compiler (and an empty kernel cache)."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_update, "_warned", False)
+    build.load_library.cache_clear()
+    yield
+    build.load_library.cache_clear()
+
+
+def test_auto_mode_without_a_compiler_takes_bitsandbytes_path_with_one_warning(no_compiler, caplog):
+    plain, plain_optimizer = make("AdamW8bit")
+    wired, wired_optimizer = make("AdamW8bit")
+    install_cpu_update(wired_optimizer, "auto")
+    with caplog.at_level(logging.WARNING, logger="zero_bnb.kernels.cpu_update"):
+        for grad in gradients(3):
+            plain.grad, wired.grad = grad.clone(), grad.clone()
+            plain_optimizer.step()
+            wired_optimizer.step()
+    assert torch.equal(plain.detach(), wired.detach())
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1, warnings
+    assert "python -m zero_bnb.kernels.build" in warnings[0] and "no-such-compiler" in warnings[0]
+
+
+def test_fused_mode_without_a_compiler_fails_naming_the_setting_and_the_fix(no_compiler):
+    _, optimizer = make("AdamW8bit")
+    with pytest.raises(KernelBuildError, match=r"zero_cpu_update is \"fused\".*g\+\+.*\"bitsandbytes\""):
+        install_cpu_update(optimizer, "fused")
+    assert not isinstance(optimizer.__dict__.get("update_step"), CpuUpdate)
+
+
+def test_zero_cpu_update_is_validated_and_stripped_from_the_deepspeed_config():
+    parsed, cleaned = split_config({"zero_optimization": {"stage": 1, "zero_cpu_update": "bitsandbytes"}})
+    assert parsed.cpu_update == "bitsandbytes" and "zero_cpu_update" not in cleaned["zero_optimization"]
+    assert split_config({})[0].cpu_update == "auto"
+    with pytest.raises(ZeroBnbConfigError, match=r"zero_cpu_update must be one of \['auto', 'fused', "
+                                                 r"'bitsandbytes'\], got 'fast'"):
+        split_config({"zero_cpu_update": "fast"})
+
+
+def test_the_kernel_prebuilds_from_the_command_line(tmp_path):
+    env = dict(os.environ, **{build.CACHE_ENV: str(tmp_path)})
+    done = subprocess.run([sys.executable, "-m", "zero_bnb.kernels.build"], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    path = done.stdout.strip()
+    assert os.path.dirname(path) == str(tmp_path) and os.path.isfile(path)
+    assert os.listdir(tmp_path) == [os.path.basename(path)]  # no scratch file left behind
