@@ -162,6 +162,27 @@ def distance_from_reference(millions: int = 4, warmup: int = 10) -> dict:
     }
 
 
+def quantizer_distance(numel: int = 2**20) -> dict:
+    """bitsandbytes' CPU quantizer (its 65 536-bin lookup table) against quantize_2D's binary search, on
+    normalized values spread evenly in log scale over [1e-6, 1] (each block's absmax is 1)."""
+    from zero_bnb.kernels.reference import quantize_codes
+
+    gen = torch.Generator().manual_seed(0)
+    x = 10.0 ** (-6 * torch.rand(numel, generator=gen)) * torch.where(torch.rand(numel, generator=gen) < 0.5, -1, 1)
+    x.view(-1, 256)[:, 0] = 1.0
+    out = {}
+    for label, signed in (("signed", True), ("unsigned", False)):
+        values = x if signed else x.abs()
+        qmap = F.create_dynamic_map(signed=signed)
+        theirs, _ = torch.ops.bitsandbytes.quantize_blockwise(values, qmap, 256)
+        ours = quantize_codes(values, qmap, signed)
+        differ = theirs.long() != ours
+        small = values.abs() < 1e-2
+        out[label] = {"codes_differ": differ.double().mean().item(),
+                      "codes_differ_below_1e-2": differ[small].double().mean().item()}
+    return out
+
+
 def machine() -> dict:
     model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                  platform.processor())
@@ -194,6 +215,10 @@ def markdown(result: dict) -> str:
               f"after {d['steps_before']} reference steps): {d['state1_codes_differ']:.1%} of state1 codes and "
               f"{d['state2_codes_differ']:.1%} of state2 codes differ; parameter error max {d['param_max_abs_error']:.2e}, "
               f"mean {d['param_error_over_mean_update']:.1%} of the mean update."]
+    for label, q in result["quantizer"].items():
+        lines.append(f"bitsandbytes' CPU quantizer, {label} map, normalized values log-uniform in [1e-6, 1]: "
+                     f"{q['codes_differ']:.1%} of codes differ from the binary search's "
+                     f"({q['codes_differ_below_1e-2']:.1%} of those below 1e-2).")
     return "\n".join(lines) + "\n"
 
 
@@ -205,7 +230,8 @@ def main() -> None:
     parser.add_argument("--bnb-max-size", type=int, default=16, help="largest size for bitsandbytes' slow CPU path")
     parser.add_argument("--output", default=os.path.join(RESULTS, "cpu_optimizer_step"))
     args = parser.parse_args()
-    result = {"machine": machine(), "rows": [], "distance": distance_from_reference()}
+    result = {"machine": machine(), "rows": [], "distance": distance_from_reference(),
+              "quantizer": quantizer_distance()}
     for millions in args.sizes:
         result["rows"] += bench_size(millions, args.threads, args.repeats, args.bnb_max_size)
         print(f"{millions}M done", flush=True)
