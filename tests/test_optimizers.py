@@ -102,7 +102,7 @@ def _offload_runnable(cases):
     return [pytest.param(case, marks=pytest.mark.skipif(not runnable(case), reason=GPU_ONLY)) for case in cases]
 
 
-def _assert_resumed(saved_state, reference_losses, resumed, *, offloaded: bool):
+def _assert_resumed(saved_state, reference_losses, resumed, *, offloaded: bool, rel: float = 2e-3):
     checked, differences = state_differences(saved_state, resumed["state"])
     assert not differences, differences
     assert checked >= 12
@@ -112,7 +112,7 @@ def _assert_resumed(saved_state, reference_losses, resumed, *, offloaded: bool):
     # Same state as the uninterrupted run: the first resumed loss differs only by reduction order; the later ones
     # also by the group that changes between 8-bit and fp32 state with the DP size (as in tests/test_elastic.py).
     assert resumed["losses"][0] == pytest.approx(reference_losses[STEPS], rel=1e-5)
-    assert resumed["losses"] == pytest.approx(reference_losses[STEPS:], rel=2e-3)
+    assert resumed["losses"] == pytest.approx(reference_losses[STEPS:], rel=rel)
 
 
 @pytest.mark.parametrize("case", _offload_runnable(OFFLOAD_CASES))
@@ -129,8 +129,12 @@ def test_offloaded_save_at_dp2_resumes_offloaded_at_dp3_and_without_offload_at_d
         assert facts["state1_dtypes"][0] == "torch.uint8", facts  # the large group keeps 8-bit state on the CPU
         assert facts["fused_steps"] >= STEPS, facts  # and zero_bnb's fused CPU kernel steps it
     assert len(losses) == STEPS + STEPS_AFTER and all(math.isfinite(loss) for loss in losses)
-    _assert_resumed(saved, losses, result([dp3], case), offloaded=True)
-    _assert_resumed(saved, losses, result([dp1], case), offloaded=False)
+    # RMSprop's toy run is unstable (its loss grows by ~60% per step here), so the group whose state switches
+    # between 8-bit and fp32 with the DP size moves the second resumed loss by 1.25% (measured with the fused CUDA
+    # arithmetic; the first resumed loss, from identical state, still agrees to 1e-5).
+    rel = 2e-2 if family == "RMSprop8bit" else 2e-3
+    _assert_resumed(saved, losses, result([dp3], case), offloaded=True, rel=rel)
+    _assert_resumed(saved, losses, result([dp1], case), offloaded=False, rel=rel)
 
 
 @pytest.mark.parametrize("case", BACK)
