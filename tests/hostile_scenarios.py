@@ -25,6 +25,8 @@ from zero_bnb.testing.toy import DEFAULT_RUN as RUN
 from zero_bnb.testing.toy import train_steps
 
 UNSAFE_TAGS = ("latest", "latest_universal", "../escape", "/tmp/zero_bnb_abs_tag", "a/b", ".hidden", "..", " x")
+#: Safe names, but names zero_bnb or DeepSpeed use inside checkpoint folders: refused for new checkpoints.
+INTERNAL_TAGS = ("zero_bnb", "mp_rank_00_model_states.pt", "zero_to_fp32.py", "zero", "x_optim_states.pt")
 
 
 class Payload:
@@ -86,6 +88,8 @@ def _unsafe_tags(c, out):
     for tag in UNSAFE_TAGS:
         out[f"save_tag:{tag}"] = _error(lambda tag=tag: engine.save_checkpoint(save, tag=tag))
         out[f"load_tag:{tag}"] = _error(lambda tag=tag: engine.load_checkpoint(save, tag=tag))
+    for tag in INTERNAL_TAGS:
+        out[f"save_internal:{tag}"] = _error(lambda tag=tag: engine.save_checkpoint(save, tag=tag))
     out["listing_after_tags"] = _listing(save)
     dist.barrier()  # every rank has listed before rank 0 adds a symlink below
     out["escape_created"] = os.path.exists(os.path.join(workdir, "escape")) or os.path.exists("/tmp/zero_bnb_abs_tag")
@@ -156,6 +160,51 @@ def _locks(c, out):
     out["stale_lock"] = _error(lambda: engine.save_checkpoint(save, tag="C"))
     out["lock_left"] = os.path.exists(lock)
     out["listing_after_locks"] = _listing(save)
+
+
+def _planted_links(c, out):
+    rank, workdir, engine = c["rank"], c["workdir"], c["engine"]
+    # A symlink planted where a save used to write its temporary pointer file (and one at every name a
+    # writer could guess) sends no write through it: the victim keeps its bytes, 'latest' is a file.
+    folder, victim = os.path.join(workdir, "planted"), os.path.join(workdir, "victim.txt")
+    engine.save_checkpoint(folder, tag="A")
+    if rank == 0:
+        with open(victim, "w") as handle:
+            handle.write("precious")
+        for name in ("latest.zero_bnb-tmp", ".latest.zero_bnb-tmp", ".zero_to_fp32.py.zero_bnb-tmp"):
+            os.symlink(victim, os.path.join(folder, name))
+    dist.barrier()
+    out["planted_save"] = _error(lambda: engine.save_checkpoint(folder, tag="B"))
+    out["planted_victim"] = open(victim).read()
+    out["planted_latest_is_file"] = not os.path.islink(os.path.join(folder, "latest"))
+    out["planted_listing"] = _listing(folder)
+
+
+def _full_disk(c, out):
+    rank, workdir, engine = c["rank"], c["workdir"], c["engine"]
+    # The disk fills while the new 'latest' is written: nothing was published and the error says so; the
+    # rename of 'latest' fails after the tag folder's: the error says the checkpoint WAS published. Nothing
+    # temporary is left either way.
+    folder = os.path.join(workdir, "full")
+    engine.save_checkpoint(folder, tag="A")
+
+    def full(event, path):
+        if rank == 0 and event == "write" and os.path.basename(path).startswith("latest"):
+            raise OSError(28, "No space left on device (injected)")
+
+    durable.set_io_hook(full)
+    out["full_pointer"] = _error(lambda: engine.save_checkpoint(folder, tag="B"))
+    durable.set_io_hook(None)
+    out["full_pointer_listing"] = _listing(folder)
+
+    def rename_fails(event, path):
+        if rank == 0 and event == "replace" and os.path.basename(path) == "latest":
+            raise OSError(28, "No space left on device (injected)")
+
+    durable.set_io_hook(rename_fails)
+    out["full_rename"] = _error(lambda: engine.save_checkpoint(folder, tag="B"))
+    durable.set_io_hook(None)
+    out["full_rename_listing"] = _listing(folder)
 
 
 def _late_mismatch(c, out):
@@ -252,7 +301,8 @@ def hostile(rank, world, workdir, foreign_pid):
     out["listing_before"] = _listing(save)
     context = {"rank": rank, "world": world, "workdir": workdir, "foreign_pid": foreign_pid, "engine": engine,
                "save": save, "log": log}
-    run_phases(out, context, _unsafe_tags, _symlinked_tag, _unwritable_folders, _split_folders_and_fifo_lock, _locks, _late_mismatch, _code_payload, _hyperparameter_log, _weights_only_loads, _failed_initialize)
+    run_phases(out, context, _unsafe_tags, _symlinked_tag, _unwritable_folders, _split_folders_and_fifo_lock, _locks,
+               _planted_links, _full_disk, _late_mismatch, _code_payload, _hyperparameter_log, _weights_only_loads, _failed_initialize)
     logging.getLogger("zero_bnb").removeHandler(handler)
     gathered = [None] * world
     dist.all_gather_object(gathered, out)

@@ -18,7 +18,7 @@ import threading
 
 import pytest
 import torch
-from hostile_scenarios import UNSAFE_TAGS, Payload, hostile, replace_listed_file, resign, saving_job
+from hostile_scenarios import INTERNAL_TAGS, UNSAFE_TAGS, Payload, hostile, replace_listed_file, resign, saving_job
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scenarios import _save_result, _stock_engine, cli, make_engine, result
@@ -37,6 +37,26 @@ SECRET_SIZE = 12345  # a size that must never appear in any output
 SCRIPT = "zero_to_fp32.py"  # every save folder gets one, as with stock DeepSpeed
 
 
+def _frozen_engines(world):
+    """A zero_bnb and a stock DeepSpeed engine of the toy model with its first bias frozen (requires_grad=False)."""
+    import bitsandbytes as bnb
+    import deepspeed
+
+    from zero_bnb.testing.toy import param_groups
+
+    engines = []
+    for initialize in (zero_bnb.initialize, deepspeed.initialize):
+        model = build_model()
+        model[0].bias.requires_grad_(False)
+        groups = [{**group, "params": [p for p in group["params"] if p.requires_grad]} for group in param_groups(model)]
+        optimizer = bnb.optim.Adam8bit(groups, lr=1e-2)
+        engine, *_ = initialize(model=model, optimizer=optimizer,
+                                config=RUN.ds_config(world, zero_allow_untested_optimizer=True))
+        train_steps(engine, RUN, 0, 1)
+        engines.append(engine)
+    return engines
+
+
 def write_sources(rank, world, workdir):
     engine = make_engine(world)
     train_steps(engine, RUN, 0, 2)
@@ -44,6 +64,9 @@ def write_sources(rank, world, workdir):
     stock = _stock_engine(world)
     train_steps(stock, RUN, 0, 2)
     stock.save_checkpoint(os.path.join(workdir, "stock"), tag="A")
+    for name, frozen in zip(("zb_frozen", "stock_frozen"), _frozen_engines(world)):
+        frozen.save_checkpoint(os.path.join(workdir, name), tag="F")
+        _save_result(os.path.join(workdir, f"{name}.pt"), {n: p.detach().clone() for n, p in frozen.module.named_parameters()})
     _save_result(os.path.join(workdir, "done.pt"), True)
 
 
@@ -373,6 +396,35 @@ def test_one_writer_at_a_time_and_a_dead_writers_lock_is_taken_over(ranks):
     assert _same(ranks, "listing_after_locks") == (["A", "C", "L", "latest", SCRIPT], "C")
 
 
+def test_tags_naming_files_inside_checkpoints_are_refused_at_save(ranks):
+    _, ranks = ranks
+    for tag in INTERNAL_TAGS:
+        message = _same(ranks, f"save_internal:{tag}")
+        assert message.startswith("CheckpointUsageError:") and "is a name used inside checkpoint folders" in message
+        assert "'mp_rank_00_model_states.pt'" in message and "Nothing was written" in message, message
+
+
+def test_a_save_never_writes_through_a_link_planted_at_a_temporary_name(ranks):
+    workdir, ranks = ranks
+    assert _same(ranks, "planted_save") is None
+    assert _same(ranks, "planted_victim") == "precious" and _same(ranks, "planted_latest_is_file") is True
+    links = [".latest.zero_bnb-tmp", ".zero_to_fp32.py.zero_bnb-tmp", "latest.zero_bnb-tmp"]  # left alone, unused
+    assert _same(ranks, "planted_listing") == (sorted(links + ["A", "B", "latest", SCRIPT]), "B")
+
+
+def test_a_full_disk_while_latest_is_written_says_what_was_published_and_leaves_nothing_temporary(ranks):
+    _, ranks = ranks
+    message = _same(ranks, "full_pointer")
+    assert message.startswith("CheckpointSaveError:") and "No space left on device" in message, message
+    assert "the previous checkpoint and 'latest' are unchanged" in message
+    assert _same(ranks, "full_pointer_listing") == (["A", "latest", SCRIPT], "A")  # true: B was not published
+    message = _same(ranks, "full_rename")
+    assert message.startswith("CheckpointSaveError:") and "No space left on device" in message, message
+    assert "was published" in message and "still names the previous tag" in message and "tag='B'" in message
+    assert "unchanged" not in message
+    assert _same(ranks, "full_rename_listing") == (["A", "B", "latest", SCRIPT], "A")
+
+
 def test_a_mismatch_found_late_in_restore_leaves_the_engine_bit_identical(ranks):
     _, ranks = ranks
     message = _same(ranks, "late_mismatch")
@@ -594,3 +646,208 @@ def test_saving_to_an_empty_path_is_a_usage_error():
 
     with pytest.raises(CheckpointUsageError, match="save_dir must be a non-empty path"):
         ZeroBnbEngine.save_checkpoint(object(), "")
+
+
+# -- writes that leave the folder, code that runs, full disks (issue 18) ---------------------
+
+
+def _script(folder, *args, cwd=None, limit_bytes=None):
+    """Run the ``zero_to_fp32.py`` of save folder ``folder`` as a user does; ``limit_bytes`` caps every file written."""
+    import resource
+    import signal
+    import subprocess
+
+    def cap():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the cap then fails with EFBIG, as on a full disk
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    return subprocess.run([sys.executable, *args], cwd=cwd or folder, env=env, capture_output=True, text=True,
+                          timeout=300, preexec_fn=cap if limit_bytes else None)
+
+
+def test_no_write_follows_a_link_planted_at_a_temporary_or_output_name(sources, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    stock = _fresh(sources, tmp_path, "stock")
+    for name in ("latest.zero_bnb-tmp", ".latest.zero_bnb-tmp"):  # the fixed names writers used
+        (stock / name).symlink_to(victim)
+    code, _, err = cli("convert", stock, "--to", "zero_bnb", stock, "--out-tag", "T")
+    assert code == 0, err
+    assert victim.read_text() == "precious" and not (stock / "latest").is_symlink()
+    assert (stock / "latest").read_text() == "T"
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "pytorch_model.bin").symlink_to(victim)
+    zb = _fresh(sources, tmp_path)
+    done = _script(zb, SCRIPT, ".", str(out))
+    assert done.returncode == 0, done.stderr
+    assert victim.read_text() == "precious" and not (out / "pytorch_model.bin").is_symlink()
+    assert set(torch.load(out / "pytorch_model.bin", weights_only=True)) >= {"0.weight", "0.bias"}
+    assert os.listdir(out) == ["pytorch_model.bin"]  # nothing temporary left
+
+
+def test_zero_to_fp32_never_imports_a_package_planted_beside_it(sources, tmp_path):
+    zb = _fresh(sources, tmp_path)
+    marker = tmp_path / "pwned"
+    (zb / "zero_bnb").mkdir()
+    (zb / "zero_bnb" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    done = _script(zb, SCRIPT, ".", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    imported = _script(zb, "-c", "import sys; from zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as g; "
+                       "print(len(g('A')), '' in sys.path)")  # imported from a notebook whose folder is the save folder
+    assert imported.returncode == 0 and imported.stdout.splitlines()[-1].split() == [str(len(torch.load(
+        tmp_path / "out" / "pytorch_model.bin", weights_only=True))), "True"], imported.stderr
+    assert not marker.exists()
+
+
+def test_convert_beside_a_stock_checkpoint_replaces_its_zero_to_fp32_script_with_ours(sources, tmp_path):
+    stock = _fresh(sources, tmp_path, "stock")
+    assert "zero_bnb" not in (stock / SCRIPT).read_text()  # DeepSpeed's own, which cannot read zero_bnb tags
+    code, _, err = cli("convert", stock, "--to", "zero_bnb", stock, "--out-tag", "T")
+    assert code == 0, err
+    assert "written by zero_bnb" in (stock / SCRIPT).read_text() and os.access(stock / SCRIPT, os.X_OK)
+    done = _script(stock, SCRIPT, ".", str(tmp_path / "out"))
+    assert done.returncode == 0 and "wrote" in done.stdout, done.stderr
+    assert sorted(os.listdir(stock)) == sorted(os.listdir(sources / "stock") + ["T"])  # nothing temporary left
+
+
+def test_a_full_disk_gives_one_line_and_leaves_no_partial_or_temporary_output(sources, tmp_path):
+    zb = _fresh(sources, tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "pytorch_model.bin").write_bytes(b"previous")
+    cases = [((SCRIPT, ".", str(out)), "pytorch_model.bin"),
+             ((SCRIPT, ".", str(out), "--safe_serialization"), "model.safetensors"),
+             (("-m", "zero_bnb", "export", ".", "--to", "fp32", str(out / "w.safetensors")), "w.safetensors")]
+    for args, name in cases:
+        done = _script(zb, *args, limit_bytes=20_000)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, (args, done.stderr[-3000:])
+        last = done.stderr.strip().splitlines()[-1]  # after the progress bars, one line
+        assert f"could not write {out / name}" in last and "nothing was written" in last, done.stderr
+        assert os.listdir(out) == ["pytorch_model.bin"] and (out / "pytorch_model.bin").read_bytes() == b"previous"
+    _still_good(zb)
+
+
+def test_tags_naming_files_inside_checkpoints_are_refused_for_new_checkpoints(sources, tmp_path):
+    stock = _fresh(sources, tmp_path, "stock")
+    for tag in INTERNAL_TAGS:
+        code, _, err = cli("convert", stock, "--to", "zero_bnb", stock, "--out-tag", tag)
+        assert code == 2 and "is a name used inside checkpoint folders" in err and "'zero_bnb'" in err, (tag, err)
+    assert sorted(os.listdir(stock)) == sorted(os.listdir(sources / "stock"))
+
+
+def resign_text(path, text):
+    import hashlib
+
+    import re
+
+    old = re.search(r'"manifest_sha256": "([0-9a-f]{64})"', text).group(1)
+    unsigned = text.replace(old, "0" * 64, 1)
+    path.write_text(unsigned.replace("0" * 64, hashlib.sha256(unsigned.encode()).hexdigest(), 1))
+
+
+def _signed_manifest(zb, edit):
+    data = json.loads((zb / "A" / SUBDIR / MANIFEST_NAME).read_text())
+    edit(data)
+    resign(str(zb / "A" / SUBDIR), data)
+
+
+def test_manifests_too_large_or_deep_are_refused_in_one_line_and_checks_stay_linear(sources, tmp_path):
+    import time
+
+    from zero_bnb.format.manifest import MAX_MANIFEST_BYTES, MAX_MANIFEST_DEPTH
+
+    deep = _fresh(sources, tmp_path / "deep")
+    _signed_manifest(deep, lambda data: data.update(versions={"x": "DEEP"}))  # then the 50 000-deep array, re-signed
+    text = (deep / "A" / SUBDIR / MANIFEST_NAME).read_text().replace('"DEEP"', "[" * 50_000 + "]" * 50_000)
+    resign_text(deep / "A" / SUBDIR / MANIFEST_NAME, text)
+    large = _fresh(sources, tmp_path / "large")
+    with open(large / "A" / SUBDIR / MANIFEST_NAME, "a") as handle:
+        handle.write(" " * MAX_MANIFEST_BYTES)
+    for folder, message in ((deep, f"deeper than the {MAX_MANIFEST_DEPTH} levels"),
+                            (large, f"larger than the {MAX_MANIFEST_BYTES} bytes")):
+        for command in (("verify", folder), ("inspect", folder),
+                        ("export", folder, "--to", "fp32", tmp_path / "w.safetensors")):
+            code, _, err = cli(*command)
+            assert code == 1 and message in err and len(err.strip().splitlines()) == 1, (command, err[-2000:])
+
+    def many(data):  # 100 000 parameters in the first group, one name twice
+        group = data["groups"][0]
+        group["params"] = [{"name": f"p{i}", "shape": [1], "offset": i} for i in range(100_000)]
+        group["params"][-1]["name"] = "p7"
+        group["numel"] = 100_000
+
+    duplicated = _fresh(sources, tmp_path / "dup")
+    _signed_manifest(duplicated, many)
+    start = time.monotonic()
+    code, _, err = cli("verify", duplicated)
+    assert code == 1 and "every parameter name must appear once" in err and "'p7'" in err, err
+    assert time.monotonic() - start < 30  # quadratic, this took minutes
+
+
+def test_exactly_one_writer_takes_over_a_stale_lock(tmp_path):
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    workers, trials = 6, 25
+    barrier = context.Barrier(workers)
+    queue = context.Queue()
+    processes = [context.Process(target=_take_over, args=(str(tmp_path), barrier, queue, trials, w == 0))
+                 for w in range(workers)]
+    for process in processes:
+        process.start()
+    results = [queue.get(timeout=300) for _ in processes]
+    for process in processes:
+        process.join(timeout=60)
+    holders = [sum(held[t] for held, _ in results) for t in range(trials)]
+    errors = {error for _, errors in results for error in errors if error}
+    assert holders == [1] * trials, holders
+    assert all("another job is writing" in error for error in errors), errors
+    assert os.listdir(tmp_path) == []
+
+
+def _take_over(folder, barrier, queue, trials, planter):
+    """One of several processes that all try to take over the same stale lock, ``trials`` times."""
+    import socket
+    import time
+
+    from zero_bnb.format.lock import SaveFolderLock
+
+    held, errors = [], []
+    for _ in range(trials):
+        if planter:
+            with open(os.path.join(folder, LOCK_NAME), "w") as handle:  # a dead writer's lock
+                json.dump({"host": socket.gethostname(), "pid": 2**22 + 12345, "token": "x", "since": 0}, handle)
+        barrier.wait()
+        lock = SaveFolderLock(folder, "test")
+        try:
+            lock.acquire()
+            errors.append(None)
+        except zero_bnb.CheckpointSaveError as error:
+            errors.append(str(error))
+        held.append(lock.held)
+        time.sleep(0.01)
+        barrier.wait()  # everybody has tried while the winner holds it
+        lock.release()
+        barrier.wait()
+    queue.put((held, errors))
+
+
+def test_frozen_parameters_are_in_zero_to_fp32_and_export_as_in_stock_deepspeeds(sources, tmp_path):
+    from safetensors.torch import load_file
+
+    trained = torch.load(sources / "zb_frozen.pt", weights_only=True)
+    ours = _script(sources / "zb_frozen", SCRIPT, ".", str(tmp_path / "ours"))
+    stock = _script(sources / "stock_frozen", SCRIPT, ".", str(tmp_path / "stock"))
+    assert ours.returncode == 0 and stock.returncode == 0, (ours.stderr, stock.stderr)
+    ours, stock = (torch.load(tmp_path / name / "pytorch_model.bin", weights_only=True) for name in ("ours", "stock"))
+    assert set(stock) <= set(ours) == set(trained)  # at least what DeepSpeed's script writes; here, every parameter
+    model = build_model()
+    model[0].bias.requires_grad_(False)
+    model.load_state_dict(ours, strict=True)
+    assert all(torch.equal(ours[name], value) for name, value in trained.items())
+    assert cli("export", sources / "zb_frozen", "--to", "fp32", tmp_path / "w.safetensors")[0] == 0
+    exported = load_file(tmp_path / "w.safetensors")
+    assert set(exported) == set(trained) and all(torch.equal(exported[n], v) for n, v in trained.items())

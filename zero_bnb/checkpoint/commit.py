@@ -12,9 +12,11 @@ A save of tag ``T`` into ``save_dir`` goes through three states:
    rank. If any rank failed, the staging folder is removed and every rank raises
    :class:`~zero_bnb.errors.CheckpointSaveError`; the previous checkpoint is untouched.
 3. **publish** (rank 0) — write the manifest (with every file's checksum) last, fsync the
-   folders, rename the staging folder to ``save_dir/T`` (an existing ``T`` is first moved
-   aside to ``.T.zero_bnb-replaced`` and removed after), then replace ``latest`` atomically,
-   then release the lock.
+   folders, write the new ``latest`` into a private folder (a full disk fails here, before
+   anything is visible), rename the staging folder to ``save_dir/T`` (an existing ``T`` is first
+   moved aside to ``.T.zero_bnb-replaced`` and removed after), then rename the new ``latest`` into
+   place, then release the lock. An error after the folder's rename says that ``T`` *was*
+   published and what ``latest`` names.
 
 Killing any process at any moment therefore leaves either the previous checkpoint with its
 ``latest``, or the new one complete. The one window in which ``save_dir/T`` is absent
@@ -38,22 +40,30 @@ from zero_bnb.checkpoint.collective import raise_reported
 from zero_bnb.errors import CheckpointSaveError, CheckpointUsageError
 from zero_bnb.format.durable import (
     FileRecord,
+    StagedFile,
+    finish_publish,
     fsync_dir,
     makedirs,
     publish_folder,
     remove_tree,
-    replace_text,
+    write_text,
 )
 from zero_bnb.format.lock import SaveFolderLock
 from zero_bnb.format.manifest import SUBDIR, Manifest, write_manifest
-from zero_bnb.format.paths import check_tag
-from zero_bnb.format.tags import LATEST_NAME, aside_tag
+from zero_bnb.format.tags import LATEST_NAME, aside_tag, check_new_tag
 
-__all__ = ["SaveTransaction", "local_commit"]
+__all__ = ["PublishedError", "SaveTransaction", "local_commit"]
 
 logger = logging.getLogger(__name__)
 
 _STAGING_SUFFIX = ".zero_bnb-staging"
+
+
+_PUBLISHED_MARK = "published:"
+
+
+class PublishedError(CheckpointSaveError):
+    """The new checkpoint was published, but a step after (``latest``, syncing, tidying) failed; the message says which."""
 
 
 def _check_targets(save_dir: str, tag: str, latest_name: str | None) -> None:
@@ -85,7 +95,7 @@ def _prepare(save_dir: str, tag: str, latest_name: str | None, token: str) -> tu
             if name.startswith(".") and _STAGING_SUFFIX in name:
                 remove_tree(os.path.join(save_dir, name))
         staging = os.path.join(save_dir, f".{tag}{_STAGING_SUFFIX}-{token}")
-        makedirs(staging)
+        makedirs(staging, fresh=True)
         fsync_dir(save_dir)  # other ranks (other nodes on shared storage) look the new name up next
     except BaseException:
         lock.release()
@@ -94,13 +104,39 @@ def _prepare(save_dir: str, tag: str, latest_name: str | None, token: str) -> tu
 
 
 def _publish(save_dir: str, tag: str, staging: str, latest_name: str | None) -> str:
-    """Make the finished ``staging`` folder visible as ``save_dir/tag``, then point ``latest_name`` at it."""
+    """Make the finished ``staging`` folder visible as ``save_dir/tag``, then point ``latest_name`` at it.
+
+    Raises:
+        OSError: nothing was published (the previous checkpoint and pointer file are unchanged).
+        PublishedError: ``save_dir/tag`` is the new checkpoint, but a later step failed (named).
+    """
     for folder in [os.path.join(root, name) for root, names, _ in os.walk(staging) for name in names] + [staging]:
         fsync_dir(folder)
     final = os.path.join(save_dir, tag)
-    publish_folder(staging, final, os.path.join(save_dir, aside_tag(tag)))
-    if latest_name is not None:
-        replace_text(tag, os.path.join(save_dir, latest_name))
+    aside = os.path.join(save_dir, aside_tag(tag))
+    pointer = None if latest_name is None else StagedFile(os.path.join(save_dir, latest_name))
+    try:
+        if pointer is not None:
+            write_text(tag, pointer.path, root=pointer.folder)  # before anything is visible: a full disk fails here
+        publish_folder(staging, final, aside)
+        try:
+            finish_publish(final, aside)
+            if pointer is not None:
+                pointer.publish()
+        except OSError as error:
+            if pointer is None:
+                state = "no pointer file was asked for"
+            elif pointer.published:
+                state = f"{pointer.destination} names it"
+            else:
+                state = f"{pointer.destination} still names the previous tag; load the new one with tag={tag!r}"
+            raise PublishedError(
+                f"the new checkpoint {final} was published, but a step after failed ({type(error).__name__}: "
+                f"{error}); {state}. Fix the cause (disk space, permissions) before the next save"
+            ) from error
+    finally:
+        if pointer is not None:
+            pointer.discard()
     return final
 
 
@@ -117,7 +153,7 @@ def local_commit(save_dir: str, tag: str, *, latest_name: str | None = LATEST_NA
         CheckpointUsageError: ``save_dir/tag`` exists and ``replace`` is false (checked under
             the lock, so two tools writing the same output cannot both succeed).
     """
-    tag = check_tag(tag)
+    tag = check_new_tag(tag)
     lock, staging = _prepare(save_dir, tag, latest_name, uuid.uuid4().hex[:12])
     try:
         if not replace and os.path.lexists(os.path.join(save_dir, tag)):
@@ -146,7 +182,7 @@ class SaveTransaction:
 
     def __init__(self, save_dir: str, tag: str, *, save_latest: bool = True) -> None:
         self.save_dir = save_dir
-        self.tag = check_tag(tag)
+        self.tag = check_new_tag(tag)
         self.latest_name = LATEST_NAME if save_latest else None
         self.staging_tag = ""
         self.staging_folder = ""
@@ -223,12 +259,18 @@ class SaveTransaction:
                     self._publish(build_manifest(files))
                     if after_publish is not None:
                         after_publish()
+            except PublishedError as error:
+                logger.error("zero_bnb: checkpoint %r published, but: %r", self.tag, error)
+                outcome = [("CheckpointSaveError", f"{_PUBLISHED_MARK}{error}")]
             except Exception as error:  # noqa: BLE001 - reported to every rank below
                 logger.error("zero_bnb: publishing checkpoint %r failed: %r", self.tag, error)
                 outcome = [("CheckpointSaveError", f"rank 0 could not publish it: {type(error).__name__}: {error}")]
             finally:
                 self.abort()
         dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is not None and outcome[0][1].startswith(_PUBLISHED_MARK):
+            raise CheckpointSaveError(f"saving checkpoint {self.tag!r} to {self.save_dir}: "
+                                      f"{outcome[0][1][len(_PUBLISHED_MARK):]}")
         if outcome[0] is not None:
             failures = [outcome[0]] + [None] * (len(failures) - 1)
         raise_reported(

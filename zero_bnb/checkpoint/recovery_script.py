@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import stat
-import tempfile
+
+from zero_bnb.format.durable import replacing, write_text
 
 __all__ = ["SCRIPT_NAME", "write_recovery_script"]
 
@@ -28,10 +29,20 @@ or, in Python:
     state_dict = get_fp32_state_dict_from_zero_checkpoint(".")
 Needs zero_bnb installed (pip install zero_bnb).
 """
+import os
 import sys
 
-from zero_bnb.cli.zero_to_fp32 import main
-from zero_bnb.tools.recovery import get_fp32_state_dict_from_zero_checkpoint  # noqa: F401
+# This folder is sys.path[0] when the script runs (and often the working directory when it is
+# imported): never import zero_bnb, torch or anything else from files planted beside it.
+_HERE = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
+_PATH = list(sys.path)
+sys.path[:] = [entry for entry in sys.path if os.path.realpath(os.path.abspath(entry or os.curdir)) != _HERE]
+try:
+    from zero_bnb.cli.zero_to_fp32 import main
+    from zero_bnb.tools.recovery import get_fp32_state_dict_from_zero_checkpoint  # noqa: F401
+finally:
+    if __name__ != "__main__":
+        sys.path[:] = _PATH  # imported: the caller's sys.path is theirs
 
 if __name__ == "__main__":
     sys.exit(main())
@@ -39,22 +50,17 @@ if __name__ == "__main__":
 
 
 def write_recovery_script(save_dir: str) -> str | None:
-    """Write ``zero_to_fp32.py`` into ``save_dir`` (write-then-rename, executable); returns its path.
+    """Write ``zero_to_fp32.py`` into ``save_dir`` (a new file renamed into place, executable); returns its path.
 
+    Replaces whatever was there (stock DeepSpeed's script, which cannot read zero_bnb checkpoints).
     Local: call on one rank (rank 0), as DeepSpeed does, after the checkpoint is committed. A
     failure is logged, not raised: the checkpoint itself is complete without the script.
     """
     path = os.path.join(save_dir, SCRIPT_NAME)
     try:
-        descriptor, temporary = tempfile.mkstemp(prefix=f".{SCRIPT_NAME}.", suffix=".zero_bnb-tmp", dir=save_dir)
-        try:
-            with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-                handle.write(_SCRIPT)
-            os.chmod(temporary, 0o644 | stat.S_IEXEC | stat.S_IXGRP | stat.S_IXOTH)
-            os.replace(temporary, path)
-        finally:
-            if os.path.lexists(temporary):
-                os.remove(temporary)
+        with replacing(path) as temporary:
+            write_text(_SCRIPT, temporary, root=os.path.dirname(temporary))
+            os.chmod(temporary, os.stat(temporary).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     except OSError as error:
         logger.warning("zero_bnb: could not write %s (%r); the checkpoint is complete without it", path, error)
         return None

@@ -11,6 +11,7 @@ import shutil
 
 import torch
 
+from zero_bnb.format.durable import replacing
 from zero_bnb.testing.consolidate import state_differences
 from zero_bnb.testing.launch import run_distributed
 from zero_bnb.testing.toy import DEFAULT_RUN as RUN
@@ -37,7 +38,8 @@ def _uninterrupted(rank: int, world: int, out: str, before: int, after: int) -> 
     saved = consolidated_state(engine)
     losses += train_steps(engine, RUN, before, after)
     if rank == 0:
-        torch.save({"saved": saved, "losses": losses}, os.path.join(out, "uninterrupted.pt"))
+        with replacing(os.path.join(out, "uninterrupted.pt")) as temporary:
+            torch.save({"saved": saved, "losses": losses}, temporary)
 
 
 def _resumed(rank: int, world: int, out: str, before: int, after: int) -> None:
@@ -50,8 +52,8 @@ def _resumed(rank: int, world: int, out: str, before: int, after: int) -> None:
     resumed_at = engine.global_steps
     losses = train_steps(engine, RUN, resumed_at, after)
     if rank == 0:
-        torch.save({"loaded": loaded, "losses": losses, "global_steps": resumed_at},
-                   os.path.join(out, "resumed.pt"))
+        with replacing(os.path.join(out, "resumed.pt")) as temporary:
+            torch.save({"loaded": loaded, "losses": losses, "global_steps": resumed_at}, temporary)
 
 
 
@@ -70,7 +72,8 @@ def _plot(path: str, steps: list[int], reference: list[float], resumed: list[flo
     axis.set_title("zero_bnb: Adam8bit under ZeRO-1, elastic resume")
     axis.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    with replacing(path) as temporary:
+        figure.savefig(temporary, dpi=120, format="png")
     plt.close(figure)
 
 

@@ -28,14 +28,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exclude_frozen_parameters", action="store_true")
     parser.add_argument("--max_shard_size", default=None, help="accepted for compatibility; one file is written")
     args = parser.parse_args(argv)
+    out = os.path.join(args.output_dir, "model.safetensors" if args.safe_serialization else "pytorch_model.bin")
     try:
         state = get_fp32_state_dict_from_zero_checkpoint(args.checkpoint_dir, args.tag, args.exclude_frozen_parameters)
-    except CheckpointError as error:
+        count = write_state_dict(state, out, metadata={"format": "pt"})  # tied names too: every name is written
+    except CheckpointError as error:  # a full disk included: nothing written, one line
         print(f"zero_to_fp32: {type(error).__name__}: {' '.join(str(error).split())}", file=sys.stderr)
         return 1
-    os.makedirs(args.output_dir, exist_ok=True)
-    out = os.path.join(args.output_dir, "model.safetensors" if args.safe_serialization else "pytorch_model.bin")
-    count = write_state_dict(state, out, metadata={"format": "pt"})  # tied names too: every name is written
     print(f"zero_bnb: wrote {count} tensors to {out}")
     return 0
 

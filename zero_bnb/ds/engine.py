@@ -43,7 +43,7 @@ from zero_bnb.core.config import ZeroBnbConfig
 from zero_bnb.core.state_spec import StateRule, declared, spec_for
 from zero_bnb.ds.zero_optimizer import BlockAlignedBF16Optimizer, BlockAlignedZeroOptimizer
 from zero_bnb.errors import CheckpointUsageError
-from zero_bnb.format.durable import makedirs, save_torch
+from zero_bnb.format.durable import makedirs, replacing, save_torch
 from zero_bnb.format.stock_files import stock_dp_world_size
 from zero_bnb.format.tags import resolve_tag
 from zero_bnb.format.unpickle import safe_load
@@ -98,11 +98,14 @@ class DurableCheckpointEngine(TorchCheckpointEngine):
             makedirs(path)
 
     def save(self, state_dict, path: str) -> None:
+        """Write ``path`` as a new file in the save's staging folder; outside a save (DeepSpeed's
+        ``save_16bit_model``), into a private folder renamed over ``path`` when complete."""
         transaction = self.transaction
-        root = transaction.staging_folder if transaction is not None else os.path.dirname(path)
-        record = save_torch(state_dict, path, root=root)
-        if transaction is not None:
-            transaction.add([record])
+        if transaction is None:
+            with replacing(path) as temporary:
+                save_torch(state_dict, temporary, root=os.path.dirname(temporary))
+            return
+        transaction.add([save_torch(state_dict, path, root=transaction.staging_folder)])
 
     def load(self, path: str, map_location=None):
         """The planned object for ``path``, else ``torch.load(weights_only=True)`` (no code from the file runs)."""

@@ -4,8 +4,12 @@ All of zero_bnb's checkpoint writes go through this module, which
 
 * computes each file's SHA-256 while it is written (no second read),
 * flushes and fsyncs files and the folders that name them before a save is published,
-* publishes a finished folder with ``rename`` and replaces small files (``latest``)
-  atomically, so a reader sees the old version or the new one, never a half-written one,
+* creates every file it writes itself, under a name nobody else chose, with ``O_CREAT | O_EXCL |
+  O_NOFOLLOW`` (never opening an existing path, so a symlink planted where a file goes cannot
+  redirect a write), inside a fresh staging folder or a fresh private folder (:class:`StagedFile`),
+* publishes a finished folder with ``rename`` and replaces single files (``latest``, the tools'
+  outputs, ``zero_to_fp32.py``) by renaming them out of their private folder, so a reader sees the
+  old version or the new one, never a half-written one, and a failure leaves nothing temporary,
 * reports each step to an optional I/O hook (:func:`set_io_hook`), which fault-injection
   tests use to kill or fail a process at an exact point of a save.
 
@@ -17,22 +21,28 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 __all__ = [
+    "TEMP_SUFFIX",
     "FileRecord",
     "IoHook",
+    "StagedFile",
     "copy_file",
     "digest_file",
+    "finish_publish",
     "fsync_dir",
     "makedirs",
     "publish_folder",
     "remove_tree",
     "replace_text",
+    "replacing",
     "save_torch",
     "set_io_hook",
     "write_text",
@@ -44,6 +54,10 @@ IoHook = Callable[[str, str], None]
 
 _hook: IoHook | None = None
 _CHUNK = 1 << 20
+#: Suffix of the private folders single files are written in before they are renamed into place.
+TEMP_SUFFIX = ".zero_bnb-tmp"
+#: Creates a new file or fails: never truncates, never follows a symlink, never inherited by children.
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 def set_io_hook(hook: IoHook | None) -> IoHook | None:
@@ -95,7 +109,7 @@ class _HashingWriter:
 
 def _durable_write(path: str, root: str, fill: Callable[[_HashingWriter], None]) -> FileRecord:
     _event("create", path)
-    with open(path, "wb") as handle:
+    with os.fdopen(os.open(path, _CREATE_FLAGS, 0o666), "wb") as handle:
         writer = _HashingWriter(handle, path)
         try:
             fill(writer)
@@ -110,7 +124,11 @@ def _durable_write(path: str, root: str, fill: Callable[[_HashingWriter], None])
 
 
 def save_torch(obj: Any, path: str, *, root: str) -> FileRecord:
-    """``torch.save(obj)`` to ``path``, fsynced; the record's path is relative to ``root``."""
+    """``torch.save(obj)`` to the new file ``path``, fsynced; the record's path is relative to ``root``.
+
+    Like every writer here it creates ``path`` (``O_EXCL | O_NOFOLLOW``): an existing file or link
+    there is an error, never written through.
+    """
     return _durable_write(path, root, lambda writer: torch.save(obj, writer))
 
 
@@ -151,10 +169,13 @@ def fsync_dir(path: str) -> None:
         os.close(descriptor)
 
 
-def makedirs(path: str) -> None:
-    """``os.makedirs(path, exist_ok=True)``, reported to the I/O hook."""
+def makedirs(path: str, *, fresh: bool = False) -> None:
+    """``os.makedirs(path, exist_ok=True)``, reported to the I/O hook; ``fresh``: ``path`` must not exist yet."""
     _event("mkdir", path)
-    os.makedirs(path, exist_ok=True)
+    if fresh:
+        os.mkdir(path)
+    else:
+        os.makedirs(path, exist_ok=True)
 
 
 def remove_tree(path: str) -> None:
@@ -164,24 +185,74 @@ def remove_tree(path: str) -> None:
         shutil.rmtree(path)
 
 
+class StagedFile:
+    """A file written in a fresh private folder beside its destination, published by one rename.
+
+    ``StagedFile(dest)`` creates ``.{name}.XXXX.zero_bnb-tmp/`` (mode 0700, a name nobody could
+    plant) in ``dest``'s folder; write :attr:`path` (zero_bnb's writers, or a library's own
+    ``torch.save``/``save_file``: nobody else can put a link there), then :meth:`publish` renames
+    it over ``dest`` (a link at ``dest`` is replaced, never followed) and :meth:`discard` removes
+    the private folder, published or not. Local: any process.
+    """
+
+    def __init__(self, destination: str) -> None:
+        self.destination = destination
+        parent = os.path.dirname(os.path.abspath(destination))
+        name = os.path.basename(destination)
+        _event("mkdir", parent)
+        self.folder = tempfile.mkdtemp(prefix=f".{name}.", suffix=TEMP_SUFFIX, dir=parent)
+        self.path = os.path.join(self.folder, name)
+        self.published = False
+
+    def publish(self) -> None:
+        """Flush the written file to disk and rename it over the destination (atomic)."""
+        descriptor = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            _event("fsync", self.path)
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        _event("replace", self.destination)
+        os.replace(self.path, self.destination)
+        self.published = True
+        fsync_dir(os.path.dirname(os.path.abspath(self.destination)))
+
+    def discard(self) -> None:
+        """Remove the private folder (and the file, if it was not published). Idempotent; never raises."""
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@contextmanager
+def replacing(destination: str) -> Iterator[str]:
+    """Yield a path to write; when the block succeeds it atomically replaces ``destination``.
+
+    If the block (or the rename) fails, ``destination`` is unchanged and nothing temporary is
+    left (see :class:`StagedFile`).
+    """
+    staged = StagedFile(destination)
+    try:
+        yield staged.path
+        staged.publish()
+    finally:
+        staged.discard()
+
+
 def replace_text(text: str, path: str) -> None:
     """Atomically replace the small file ``path`` with ``text``: readers see old or new, never a mix."""
-    temporary = f"{path}.zero_bnb-tmp"
-    write_text(text, temporary, root=os.path.dirname(path) or ".")
-    _event("replace", path)
-    os.replace(temporary, path)
-    fsync_dir(os.path.dirname(path) or ".")
+    with replacing(path) as temporary:
+        write_text(text, temporary, root=os.path.dirname(temporary))
 
 
 def publish_folder(staging: str, final: str, aside: str) -> None:
-    """Move the finished folder ``staging`` to ``final``; an existing ``final`` is replaced.
+    """Move the finished folder ``staging`` to ``final``; an existing ``final`` is moved to ``aside``.
 
-    An existing ``final`` is first renamed to ``aside``, then ``staging`` takes its place, then
-    ``aside`` is removed. If the second rename fails, ``aside`` is renamed back. A crash
-    between the two renames leaves ``final`` absent and the previous folder complete at
-    ``aside``, where loaders look for it.
+    An existing ``final`` is first renamed to ``aside``, then ``staging`` takes its place. If the
+    second rename fails, ``aside`` is renamed back and the error raised: nothing was published.
+    Once it returns, the new folder is visible; the caller then calls :func:`finish_publish`
+    (whose failure means "published, but not made durable or tidied"). A crash between the two
+    renames leaves ``final`` absent and the previous folder complete at ``aside``, where loaders
+    look for it.
     """
-    parent = os.path.dirname(final) or "."
     moved_aside = os.path.lexists(final)
     if moved_aside:
         remove_tree(aside)
@@ -194,5 +265,9 @@ def publish_folder(staging: str, final: str, aside: str) -> None:
         if moved_aside:
             os.rename(aside, final)
         raise
-    fsync_dir(parent)
+
+
+def finish_publish(final: str, aside: str) -> None:
+    """After :func:`publish_folder`: make the rename durable, then remove the previous folder at ``aside``."""
+    fsync_dir(os.path.dirname(final) or ".")
     remove_tree(aside)

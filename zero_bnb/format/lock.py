@@ -5,17 +5,26 @@ publish one job's manifest with the other's files. Every zero_bnb writer (an eng
 on rank 0, an offline tool) holds :class:`SaveFolderLock` on the save folder from before it
 stages anything until its checkpoint is published or discarded.
 
-The lock is ``{save_dir}/.zero_bnb.lock``, created with ``O_CREAT | O_EXCL`` (atomic on local
-and NFSv3+ file systems) and holding the holder's host, pid, process start time and a random
-token. A lock left by a process that died (same host, pid gone or reused) is stale and is
-taken over; a lock from another host is never taken over automatically: the error names the
-holder and how to remove it.
+The lock is ``{save_dir}/.zero_bnb.lock``, created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (atomic
+on local and NFSv3+ file systems) and holding the holder's host, pid, process start time and a
+random token. Its holder also keeps an advisory ``flock`` on the open file until it removes it.
+A lock left by a process that died (same host, pid gone or reused) is stale and is taken over; a
+lock from another host is never taken over automatically: the error names the holder and how to
+remove it.
+
+Taking over is exclusive: a taker first takes the ``flock`` of the very file it judged stale
+(a live holder's flock refuses it at once), checks that this file is still the one at the
+lock's path, re-reads it, and only then removes it and competes for a new one with ``O_EXCL``
+like everybody else. Only a flock holder removes a lock file, so two takers can never remove
+each other's fresh lock: exactly one writer holds the lock, always.
 
 Local: one process calls it (rank 0 of a save, or a tool).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import math
@@ -35,6 +44,8 @@ logger = logging.getLogger(__name__)
 LOCK_NAME = ".zero_bnb.lock"
 #: A lock file that is still empty or unreadable after this many seconds is a crashed writer's.
 _UNREADABLE_STALE_S = 30.0
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_ATTEMPTS = 5
 
 
 def _start_time(pid: int) -> str | None:
@@ -65,9 +76,10 @@ class SaveFolderLock:
         self.purpose = purpose
         self.token = uuid.uuid4().hex
         self.held = False
+        self._descriptor = -1
 
-    def _holder(self) -> dict | None:
-        """The current lock's record, ``{}`` if it is unreadable, ``None`` if there is no lock.
+    def _check_regular(self) -> bool:
+        """Whether the lock path exists (``False``: it does not).
 
         Raises:
             CheckpointSaveError: the lock path is not a regular file (a folder, a symlink, a FIFO:
@@ -76,19 +88,20 @@ class SaveFolderLock:
         try:
             mode = os.lstat(self.path).st_mode
         except FileNotFoundError:
-            return None
+            return False
         if not stat.S_ISREG(mode):
             raise CheckpointSaveError(
                 f"{self.path} exists but is not a regular file, so it cannot be zero_bnb's save lock. Nothing was "
                 f"written. Remove {self.path} and save again"
             )
+        return True
+
+    @staticmethod
+    def _record(descriptor: int) -> dict:
+        """The lock record read from ``descriptor``, ``{}`` if it is unreadable or not what :meth:`acquire` writes."""
         try:
-            descriptor = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-            with os.fdopen(descriptor, encoding="utf-8") as handle:
-                record = json.loads(handle.read(4096))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError):
+            record = json.loads(os.pread(descriptor, 4096, 0))
+        except (OSError, ValueError, RecursionError):
             return {}
         if not isinstance(record, dict):
             return {}
@@ -98,46 +111,97 @@ class SaveFolderLock:
             return {}  # not what acquire() writes: garbage, handled like an unreadable lock
         return record
 
-    def _stale(self, holder: dict) -> bool:
+    def _holder(self) -> dict | None:
+        """The current lock's record, ``{}`` if it is unreadable, ``None`` if there is no lock.
+
+        Raises:
+            CheckpointSaveError: the lock path is not a regular file (see :meth:`_check_regular`).
+        """
+        if not self._check_regular():
+            return None
+        try:
+            descriptor = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return {}
+        try:
+            return self._record(descriptor)
+        finally:
+            os.close(descriptor)
+
+    @staticmethod
+    def _stale(holder: dict, descriptor: int) -> bool:
         if not holder:
-            try:
-                return time.time() - os.path.getmtime(self.path) > _UNREADABLE_STALE_S
-            except OSError:
-                return True
+            return time.time() - os.fstat(descriptor).st_mtime > _UNREADABLE_STALE_S
         if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
             return False
         return not _alive(holder["pid"], holder.get("start"))
 
     def acquire(self) -> None:
-        """Take the lock, taking over a stale one.
+        """Take the lock, taking over a stale one (exclusively: see the module docstring).
 
         Raises:
             CheckpointSaveError: another live writer holds it (named, with the fix).
         """
         record = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid()),
                              "token": self.token, "purpose": self.purpose, "since": time.time()})
-        for _ in range(3):
+        holder: dict = {}
+        for _ in range(_ATTEMPTS):
             try:
-                descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _NOFOLLOW, 0o644)
             except FileExistsError:
-                holder = self._holder()
-                if holder is None:
-                    continue  # released meanwhile
-                if not self._stale(holder):
-                    self._refuse(holder)
-                logger.warning("zero_bnb: removing the stale save lock %s left by %s", self.path, holder or "a crash")
-                try:
-                    os.remove(self.path)
-                except FileNotFoundError:
-                    pass
+                holder = self._take_over_stale()
                 continue
-            with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-                handle.write(record)
-                handle.flush()
-                os.fsync(handle.fileno())
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX)  # a taker may hold it for a moment: it then sees a fresh lock
+                os.write(descriptor, record.encode("utf-8"))
+                os.fsync(descriptor)
+            except BaseException:
+                os.remove(self.path)
+                os.close(descriptor)
+                raise
+            self._descriptor = descriptor
             self.held = True
             return
-        self._refuse(self._holder() or {})
+        self._refuse(holder)
+
+    def _take_over_stale(self) -> dict:
+        """Remove the existing lock file if it is stale; returns its record. Holds its flock meanwhile.
+
+        Raises:
+            CheckpointSaveError: the lock is held by a live writer, or is not a regular file.
+        """
+        if not self._check_regular():
+            return {}  # released meanwhile
+        try:
+            descriptor = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
+        except FileNotFoundError:
+            return {}
+        except OSError as error:
+            if error.errno == errno.ELOOP:  # replaced by a symlink meanwhile
+                self._check_regular()
+            raise
+        try:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._refuse(self._record(descriptor))  # a live holder keeps its flock
+            try:
+                current = os.lstat(self.path)
+            except FileNotFoundError:
+                return {}  # removed meanwhile (by its holder, or a taker): compete for a new one
+            opened = os.fstat(descriptor)
+            if (current.st_dev, current.st_ino) != (opened.st_dev, opened.st_ino):
+                return {}  # replaced meanwhile: look again
+            holder = self._record(descriptor)
+            if not self._stale(holder, descriptor):
+                self._refuse(holder)
+            logger.warning("zero_bnb: removing the stale save lock %s left by %s", self.path, holder or "a crash")
+            os.remove(self.path)  # under its flock: nobody else can remove or replace this file meanwhile
+            return holder
+        finally:
+            os.close(descriptor)
 
     def _refuse(self, holder: dict) -> None:
         since = holder.get("since")
@@ -150,16 +214,20 @@ class SaveFolderLock:
         )
 
     def release(self) -> None:
-        """Remove the lock if this object still holds it."""
+        """Remove the lock if this object still holds it (under its flock), then let the flock go."""
         if not self.held:
             return
         self.held = False
-        holder = self._holder()
-        if holder and holder.get("token") == self.token:
-            try:
+        descriptor, self._descriptor = self._descriptor, -1
+        try:
+            current = os.lstat(self.path)
+            opened = os.fstat(descriptor)
+            if (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino):
                 os.remove(self.path)
-            except FileNotFoundError:
-                pass
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(descriptor)
 
     def __enter__(self) -> SaveFolderLock:
         self.acquire()

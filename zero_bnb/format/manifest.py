@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import re
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -37,6 +38,8 @@ from zero_bnb.format.paths import check_name, check_relative_path
 __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
+    "MAX_MANIFEST_BYTES",
+    "MAX_MANIFEST_DEPTH",
     "MASTER_KEY",
     "READABLE_VERSIONS",
     "TENSOR_DTYPES",
@@ -224,6 +227,7 @@ class Manifest:
                 f"{source} was modified or damaged: its content hashes to sha256 {actual[:16]}..., but it records "
                 f"{match.group(1)[:16]}...; load an earlier checkpoint tag"
             )
+        _check_bounds(text, source)
         try:
             data = json.loads(text)
         except json.JSONDecodeError as error:
@@ -292,9 +296,9 @@ class Manifest:
             check_relative_path(record.path, f"{source}: files[{index}].path")
             if record.size < 0 or not _SHA256.fullmatch(record.sha256):
                 fail(f"files[{index}]", record, "size must be >= 0 and sha256 64 lowercase hex digits")
-        names = [param.name for group in self.groups for param in group.params]
-        if len(set(names)) != len(names):
-            fail("groups[*].params[*].name", sorted({n for n in names if names.count(n) > 1})[:5],
+        counts = Counter(param.name for group in self.groups for param in group.params)
+        if len(counts) != sum(counts.values()):
+            fail("groups[*].params[*].name", sorted(n for n, count in counts.items() if count > 1)[:5],
                  "every parameter name must appear once")
         for g, group in enumerate(self.groups):
             where = f"groups[{g}]"
@@ -341,10 +345,39 @@ _MAX_BLOCK = 1 << 24
 _MAX_NUMEL = 1 << 50
 _MAX_LEAD = 64
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+#: Largest manifest read: about 500 000 parameters (zero_bnb writes ~130 bytes per parameter).
+MAX_MANIFEST_BYTES = 64 << 20
+#: Deepest JSON nesting read (zero_bnb writes 6 levels).
+MAX_MANIFEST_DEPTH = 32
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_INNERMOST = re.compile(r"\[\]|\{\}")
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "dp_world_size": int, "block_size": int, "optimizer_class": str, "optimizer_spec": str, "groups": list,
     "shards": list, "files": list, "non_finite": dict, "versions": dict, "format_version": int,
 }
+
+
+def _check_bounds(text: str, source: str) -> None:
+    """Refuse, before parsing, a manifest larger than :data:`MAX_MANIFEST_BYTES` or nested deeper than
+    :data:`MAX_MANIFEST_DEPTH` (linear: strings and other characters dropped, then innermost pairs, level by level)."""
+    if len(text) > MAX_MANIFEST_BYTES:
+        raise CheckpointFormatError(
+            f"{source} holds {len(text)} characters, more than the {MAX_MANIFEST_BYTES} a manifest may have "
+            f"(about 500 000 parameters); it was not written by zero_bnb or was edited"
+        )
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    for _ in range(MAX_MANIFEST_DEPTH):
+        brackets, found = _INNERMOST.subn("", brackets)
+        if not found:
+            break
+    else:
+        found = _INNERMOST.search(brackets) is not None
+    if found or len(brackets) > MAX_MANIFEST_DEPTH:  # deeper, or a long run left unclosed (json would recurse)
+        raise CheckpointFormatError(
+            f"{source} nests JSON arrays or objects deeper than the {MAX_MANIFEST_DEPTH} levels a manifest may have; "
+            f"it was not written by zero_bnb or was edited"
+        )
 
 
 def _is(value: Any, kind: type | tuple[type, ...]) -> bool:
@@ -410,7 +443,12 @@ def read_manifest(folder: str) -> Manifest:
     if not os.path.isfile(path):
         raise CheckpointFormatError(f"{path} does not exist: {folder} is not a complete zero_bnb checkpoint")
     with open(path, "rb") as handle:
-        raw = handle.read()
+        raw = handle.read(MAX_MANIFEST_BYTES + 1)
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise CheckpointFormatError(
+            f"{path} is larger than the {MAX_MANIFEST_BYTES} bytes a manifest may have (about 500 000 parameters); it "
+            f"was not written by zero_bnb or was edited"
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:

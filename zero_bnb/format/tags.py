@@ -1,7 +1,8 @@
 """Tags and pointer files of a save folder: which tag folder ``latest`` (or an explicit tag) names.
 
 Local, read-only: names and the pointer file, no checkpoint content. The save protocol
-(:mod:`zero_bnb.checkpoint.commit`) writes what these functions read.
+(:mod:`zero_bnb.checkpoint.commit`) writes what these functions read, under tags that
+:func:`check_new_tag` accepts.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import os
 from zero_bnb.errors import CheckpointFormatError, CheckpointUsageError
 from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR
 from zero_bnb.format.paths import check_tag
+from zero_bnb.format.stock_files import MODEL_STATES, UNIVERSAL_STATE
 
-__all__ = ["LATEST_NAME", "UNIVERSAL_LATEST", "aside_tag", "resolve_tag"]
+__all__ = ["INTERNAL_NAMES", "LATEST_NAME", "UNIVERSAL_LATEST", "aside_tag", "check_new_tag", "resolve_tag"]
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +23,30 @@ LATEST_NAME = "latest"
 #: DeepSpeed's pointer file for universal checkpoints.
 UNIVERSAL_LATEST = "latest_universal"
 _ASIDE_SUFFIX = ".zero_bnb-replaced"
+#: Names zero_bnb and DeepSpeed give files and folders inside a save or tag folder. A tag folder of
+#: one of these names would make the tools take the save folder for a tag folder (or collide with
+#: the file), so no new checkpoint gets one.
+INTERNAL_NAMES = frozenset({SUBDIR, MODEL_STATES, UNIVERSAL_STATE.split(os.sep)[0], "zero_to_fp32.py"})
+#: DeepSpeed's per-rank file endings (``*_model_states.pt``, ``*_optim_states.pt``), matched the same way.
+_INTERNAL_ENDINGS = ("model_states.pt", "optim_states.pt")
+
+
+def check_new_tag(tag: object) -> str:
+    """:func:`~zero_bnb.format.paths.check_tag`, and not a name zero_bnb or DeepSpeed uses inside a checkpoint.
+
+    For tags of checkpoints about to be written (loads accept any safe tag, so older folders stay readable).
+
+    Raises:
+        CheckpointUsageError: names the tag and the names refused.
+    """
+    tag = check_tag(tag)
+    if tag in INTERNAL_NAMES or tag.endswith(_INTERNAL_ENDINGS):
+        raise CheckpointUsageError(
+            f"checkpoint tag {tag!r} is a name used inside checkpoint folders ({sorted(INTERNAL_NAMES)}, "
+            f"'*{_INTERNAL_ENDINGS[0]}', '*{_INTERNAL_ENDINGS[1]}'): the tools would take the save folder for a tag "
+            f"folder. Nothing was written. Use a plain name such as 'global_step100'"
+        )
+    return tag
 
 
 def aside_tag(tag: str) -> str:

@@ -9,7 +9,7 @@ import glob
 import os
 
 from zero_bnb.errors import CheckpointUsageError
-from zero_bnb.format.manifest import SUBDIR
+from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR
 from zero_bnb.format.paths import check_tag
 from zero_bnb.format.reader import CheckpointReader, verify_checkpoint
 from zero_bnb.format.stock_files import UNIVERSAL_STATE, zero_file_names
@@ -30,8 +30,10 @@ def locate(path: str, tag: str | None = None, *, latest: str = LATEST_NAME) -> t
     path = os.path.normpath(path)
     if not os.path.isdir(path):
         raise CheckpointUsageError(f"{path} is not a folder; pass a checkpoint save folder or one of its tag folders")
-    is_tag_folder = os.path.isdir(os.path.join(path, SUBDIR)) or glob.glob(
-        os.path.join(glob.escape(path), "*model_states.pt"))
+    # A tag folder holds no pointer file; a save folder may hold anything else (even a folder named zero_bnb).
+    is_tag_folder = not os.path.isfile(os.path.join(path, latest)) and (
+        os.path.isfile(os.path.join(path, SUBDIR, MANIFEST_NAME)) or glob.glob(
+            os.path.join(glob.escape(path), "*model_states.pt")))
     if tag is None and is_tag_folder:
         absolute = os.path.abspath(path)
         return os.path.dirname(absolute), check_tag(os.path.basename(absolute))

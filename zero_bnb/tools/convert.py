@@ -46,7 +46,6 @@ from zero_bnb.ds.loss_scaler import live_wrapper
 from zero_bnb.errors import CheckpointFormatError, CheckpointUsageError, malformed
 from zero_bnb.format.durable import makedirs, save_torch
 from zero_bnb.format.manifest import ParamEntry, StateEntry
-from zero_bnb.format.paths import check_tag
 from zero_bnb.format.stock_files import (
     MODEL_STATES,
     UNIVERSAL_STATE,
@@ -56,7 +55,7 @@ from zero_bnb.format.stock_files import (
     read_rank_files,
     zero_file_names,
 )
-from zero_bnb.format.tags import LATEST_NAME, UNIVERSAL_LATEST
+from zero_bnb.format.tags import LATEST_NAME, UNIVERSAL_LATEST, check_new_tag
 from zero_bnb.format.unpickle import safe_load
 from zero_bnb.format.wrapper_state import WRAPPER_SCALARS, plain_wrapper
 from zero_bnb.tools.checkpoint_paths import locate, open_verified
@@ -77,7 +76,7 @@ _UNIVERSAL_MOMENTS = ("exp_avg", "exp_avg_sq")
 def _output_tag_folder(out: str) -> tuple[str, str]:
     """``(save folder, tag)`` of the tag folder ``out`` (``ckpt/global_step3_universal``)."""
     out_dir, out_tag = os.path.split(os.path.normpath(out))
-    return out_dir or ".", check_tag(out_tag)
+    return out_dir or ".", check_new_tag(out_tag)
 
 
 def to_universal(path: str, out: str, *, tag: str | None = None, force: bool = False,
@@ -218,7 +217,7 @@ def _target(path: str, tag: str | None, out_dir: str, out_tag: str | None, *, la
             force: bool) -> tuple[str, str]:
     """Locate the input, check the output ``out_dir/out_tag`` against it; returns ``(input tag folder, out tag)``."""
     save_dir, folder_tag = locate(path, tag, latest=latest)
-    out_tag = check_tag(out_tag or folder_tag.lstrip("."))
+    out_tag = check_new_tag(out_tag or folder_tag.lstrip("."))
     check_output_folder(os.path.join(out_dir, out_tag), source_tag_folder=os.path.join(save_dir, folder_tag),
                         force=force)
     return os.path.join(save_dir, folder_tag), out_tag

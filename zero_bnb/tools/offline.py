@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from zero_bnb.checkpoint.commit import local_commit
+from zero_bnb.checkpoint.recovery_script import write_recovery_script
 from zero_bnb.checkpoint.whole import FullGroup
 from zero_bnb.core import quant
 from zero_bnb.core.kinds import is_partitioned
@@ -84,7 +85,8 @@ def write_checkpoint(
     save_latest: bool = True,
     replace: bool = False,
 ) -> str:
-    """Write ``groups`` as a DP=1 zero_bnb checkpoint ``save_dir/tag``, committed atomically.
+    """Write ``groups`` as a DP=1 zero_bnb checkpoint ``save_dir/tag``, committed atomically, and
+    ``save_dir/zero_to_fp32.py`` (zero_bnb's, replacing stock DeepSpeed's) as saves do.
 
     Args:
         extra_files: file name in the tag folder -> source path copied byte for byte, or a
@@ -125,5 +127,6 @@ def write_checkpoint(
                                    source=f"the checkpoint being written to {os.path.join(save_dir, tag)}")
         write_manifest(manifest, folder, root=staging)
     published = os.path.join(save_dir, tag)
+    write_recovery_script(save_dir)  # as saves do: stock DeepSpeed's script beside it cannot read zero_bnb tags
     logger.info("zero_bnb: wrote %s (%d groups)", published, len(groups))
     return published

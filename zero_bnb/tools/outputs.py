@@ -1,8 +1,9 @@
-"""Where an offline tool may write: never over its input, never over an existing output unasked.
+"""Where an offline tool may write, and how: never over its input, never over an existing output unasked,
+atomically, and with one truthful line when the disk is full.
 
-The checkpoint tools (:mod:`zero_bnb.tools.convert`, :mod:`zero_bnb.tools.views`) call these checks before
-they read more than the input's location, so a mistyped output path costs nothing. Local,
-single-process; pure path logic plus ``os.path`` look-ups.
+The checkpoint tools (:mod:`zero_bnb.tools.convert`, :mod:`zero_bnb.tools.views`) call the checks before
+they read more than the input's location, so a mistyped output path costs nothing; weights files
+are written through :func:`replacing_file`. Local, single-process.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from zero_bnb.errors import CheckpointUsageError
+from zero_bnb.errors import CheckpointSaveError, CheckpointUsageError
+from zero_bnb.format.durable import replacing
 from zero_bnb.format.lock import LOCK_NAME
 from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR
 from zero_bnb.format.paths import RESERVED_TAGS, inside, overlaps, resolved
@@ -82,11 +84,27 @@ def check_output_file(path: str, *, source_tag_folder: str, source_save_dir: str
 
 @contextmanager
 def replacing_file(path: str) -> Iterator[str]:
-    """Yield a temporary path beside ``path``; on success it atomically replaces ``path``, on failure it is removed."""
-    temporary = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.zero_bnb-tmp")
+    """Yield a path to write; once the block succeeds, that file atomically replaces ``path``.
+
+    The file is written in a fresh private folder beside ``path`` and renamed over it
+    (:func:`zero_bnb.format.durable.replacing`): a link planted at ``path`` is replaced, never
+    followed; missing folders above ``path`` are created.
+
+    Raises:
+        CheckpointSaveError: the write failed (a full disk, say: ``OSError``, safetensors'
+            ``SafetensorError``, ``torch.save``'s ``RuntimeError``); ``path`` is unchanged and
+            nothing temporary is left. One line, naming the cause.
+    """
+    from safetensors import SafetensorError
+
     try:
-        yield temporary
-        os.replace(temporary, path)
-    finally:
-        if os.path.lexists(temporary):
-            os.remove(temporary)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with replacing(path) as temporary:
+            yield temporary
+    except (OSError, SafetensorError, RuntimeError) as error:
+        cause = " ".join(str(error).split())
+        raise CheckpointSaveError(
+            f"could not write {path} ({type(error).__name__}: {cause:.300}); nothing was written: "
+            f"{'the previous file is unchanged' if os.path.lexists(path) else 'no file was created'}. "
+            f"Free space (or fix permissions) and run it again"
+        ) from error

@@ -70,8 +70,8 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
 
     Trained parameters come from the master weights; tied parameters appear under every name
     (DeepSpeed's ``shared_params``; the names share one tensor, as in DeepSpeed's result);
-    buffers and, unless ``exclude_frozen_parameters``, frozen parameters come from DeepSpeed's
-    model file (read with ``weights_only=True``). With ``moments_too`` (``zero-bnb export
+    buffers and, unless ``exclude_frozen_parameters``, frozen parameters (at every ZeRO stage) come
+    from DeepSpeed's model file (read with ``weights_only=True``). With ``moments_too`` (``zero-bnb export
     --moments``), also ``<name>.exp_avg`` / ``<name>.exp_avg_sq`` of every trained parameter.
     """
     _, reader = open_verified(checkpoint_dir, tag, command=command)
@@ -80,13 +80,16 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
     model_states = safe_load(model_file, "DeepSpeed model file", deepspeed_classes=True)
     with malformed(f"DeepSpeed model file {model_file}"):
         module = model_states.get("module") or {}
-        extra = list(model_states.get("buffer_names") or [])
-        if not exclude_frozen_parameters:
-            extra += list(model_states.get("frozen_param_shapes") or {})
-        for name in extra:
-            if name in module and name not in state:
-                state[name] = module[name].float() if module[name].is_floating_point() else module[name]
-        for alias, source in (model_states.get("shared_params") or {}).items():
+        buffer_names = set(model_states.get("buffer_names") or [])
+        shared = dict(model_states.get("shared_params") or {})
+        # Frozen parameters: every module entry that is no trained parameter, buffer or tied alias. DeepSpeed
+        # records frozen_param_shapes at stage 2 only (its own script misses them at stage 1), but the module
+        # state dict always holds them (unless saved with exclude_frozen_parameters).
+        for name, value in module.items():
+            if name in state or name in shared or (name not in buffer_names and exclude_frozen_parameters):
+                continue
+            state[name] = value.float() if value.is_floating_point() else value
+        for alias, source in shared.items():
             if source in state:
                 state[alias] = state[source]
     return state
