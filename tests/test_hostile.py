@@ -705,6 +705,9 @@ def test_zero_to_fp32_never_imports_a_package_planted_beside_it(sources, tmp_pat
 def test_convert_beside_a_stock_checkpoint_replaces_its_zero_to_fp32_script_with_ours(sources, tmp_path):
     stock = _fresh(sources, tmp_path, "stock")
     assert "zero_bnb" not in (stock / SCRIPT).read_text()  # DeepSpeed's own, which cannot read zero_bnb tags
+    for crashed in (f".{SCRIPT}.k1ll3d.zero_bnb-tmp", ".latest.k1ll3d.zero_bnb-tmp"):  # what a killed writer leaves
+        (stock / crashed).mkdir()
+        (stock / crashed / "partial").write_text("x")
     code, _, err = cli("convert", stock, "--to", "zero_bnb", stock, "--out-tag", "T")
     assert code == 0, err
     assert "written by zero_bnb" in (stock / SCRIPT).read_text() and os.access(stock / SCRIPT, os.X_OK)
@@ -813,8 +816,15 @@ def _take_over(folder, barrier, queue, trials, planter):
     import socket
     import time
 
+    import logging
+    import random
+
     from zero_bnb.format.lock import SaveFolderLock
 
+    random.seed(os.getpid())
+    slow = logging.Handler()  # a taker descheduled between judging the lock stale and removing it
+    slow.emit = lambda record: time.sleep(random.uniform(0, 0.05)) if "stale save lock" in record.getMessage() else None
+    logging.getLogger("zero_bnb.format.lock").addHandler(slow)
     held, errors = [], []
     for _ in range(trials):
         if planter:

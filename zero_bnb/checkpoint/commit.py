@@ -37,8 +37,10 @@ from typing import Any
 import torch.distributed as dist
 
 from zero_bnb.checkpoint.collective import raise_reported
+from zero_bnb.checkpoint.recovery_script import SCRIPT_NAME
 from zero_bnb.errors import CheckpointSaveError, CheckpointUsageError
 from zero_bnb.format.durable import (
+    TEMP_SUFFIX,
     FileRecord,
     StagedFile,
     finish_publish,
@@ -50,7 +52,7 @@ from zero_bnb.format.durable import (
 )
 from zero_bnb.format.lock import SaveFolderLock
 from zero_bnb.format.manifest import SUBDIR, Manifest, write_manifest
-from zero_bnb.format.tags import LATEST_NAME, aside_tag, check_new_tag
+from zero_bnb.format.tags import LATEST_NAME, UNIVERSAL_LATEST, aside_tag, check_new_tag
 
 __all__ = ["PublishedError", "SaveTransaction", "local_commit"]
 
@@ -91,8 +93,9 @@ def _prepare(save_dir: str, tag: str, latest_name: str | None, token: str) -> tu
     lock.acquire()
     try:
         _check_targets(save_dir, tag, latest_name)
-        for name in os.listdir(save_dir):  # only the lock holder stages, so these are crashed saves'
-            if name.startswith(".") and _STAGING_SUFFIX in name:
+        for name in os.listdir(save_dir):  # only the lock holder stages or replaces these, so they are crashed saves'
+            if name.startswith(".") and (_STAGING_SUFFIX in name or name.endswith(TEMP_SUFFIX) and name.startswith(
+                    tuple(f".{single}." for single in (LATEST_NAME, UNIVERSAL_LATEST, SCRIPT_NAME)))):
                 remove_tree(os.path.join(save_dir, name))
         staging = os.path.join(save_dir, f".{tag}{_STAGING_SUFFIX}-{token}")
         makedirs(staging, fresh=True)
@@ -141,13 +144,14 @@ def _publish(save_dir: str, tag: str, staging: str, latest_name: str | None) -> 
 
 
 @contextmanager
-def local_commit(save_dir: str, tag: str, *, latest_name: str | None = LATEST_NAME,
-                 replace: bool = False) -> Iterator[str]:
+def local_commit(save_dir: str, tag: str, *, latest_name: str | None = LATEST_NAME, replace: bool = False,
+                 after_publish: Callable[[], object] | None = None) -> Iterator[str]:
     """Write a checkpoint folder in one process: yields the staging folder, publishes it on success.
 
     Local: for offline tools. Holds the save folder's lock throughout; if the block raises,
     the staging folder is removed and ``save_dir/tag`` and the pointer file are unchanged.
-    ``latest_name=None`` leaves the pointer file alone.
+    ``latest_name=None`` leaves the pointer file alone; ``after_publish`` runs once the checkpoint
+    is published, under the lock (``zero_to_fp32.py`` beside it); it must not raise.
 
     Raises:
         CheckpointUsageError: ``save_dir/tag`` exists and ``replace`` is false (checked under
@@ -163,6 +167,8 @@ def local_commit(save_dir: str, tag: str, *, latest_name: str | None = LATEST_NA
             )
         yield staging
         _publish(save_dir, tag, staging, latest_name)
+        if after_publish is not None:
+            after_publish()  # still under the lock, as SaveTransaction.commit's
     finally:
         try:
             remove_tree(staging)

@@ -68,6 +68,23 @@ def _alive(pid: int, start: str | None) -> bool:
     return start is None or current is None or current == start
 
 
+def _flock(descriptor: int, operation: int) -> bool:
+    """``flock``; ``False`` where the file system does not support it (NFS without a lock daemon).
+
+    Raises:
+        BlockingIOError: ``LOCK_NB`` and another open file holds it.
+    """
+    try:
+        fcntl.flock(descriptor, operation)
+    except BlockingIOError:
+        raise
+    except OSError as error:
+        if error.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return False
+        raise
+    return True
+
+
 class SaveFolderLock:
     """Exclusive lock on a save folder, as a context manager (``with SaveFolderLock(d, "tag"): ...``)."""
 
@@ -154,7 +171,7 @@ class SaveFolderLock:
                 holder = self._take_over_stale()
                 continue
             try:
-                fcntl.flock(descriptor, fcntl.LOCK_EX)  # a taker may hold it for a moment: it then sees a fresh lock
+                _flock(descriptor, fcntl.LOCK_EX)  # a taker may hold it for a moment: it then sees a fresh lock
                 os.write(descriptor, record.encode("utf-8"))
                 os.fsync(descriptor)
             except BaseException:
@@ -184,7 +201,15 @@ class SaveFolderLock:
             raise
         try:
             try:
-                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if not _flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB):
+                    holder = self._record(descriptor)
+                    if not self._stale(holder, descriptor):
+                        self._refuse(holder)
+                    raise CheckpointSaveError(
+                        f"{self.path} was left by a writer that is gone ({holder or 'unreadable'}), but this file "
+                        f"system does not support flock, so zero_bnb cannot take the lock over safely. Nothing was "
+                        f"written. Delete {self.path} and save again"
+                    )
             except BlockingIOError:
                 self._refuse(self._record(descriptor))  # a live holder keeps its flock
             try:

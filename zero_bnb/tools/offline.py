@@ -112,7 +112,8 @@ def write_checkpoint(
                        for item in group.states)
         entries.append(GroupEntry.describe(group.numel, group.params, states, ((0, group.numel),),
                                            ((0, ceil_div(group.numel, block_size)),), group.param_group))
-    with local_commit(save_dir, tag, latest_name=LATEST_NAME if save_latest else None, replace=replace) as staging:
+    with local_commit(save_dir, tag, latest_name=LATEST_NAME if save_latest else None, replace=replace,
+                      after_publish=lambda: write_recovery_script(save_dir)) as staging:
         folder = os.path.join(staging, SUBDIR)
         makedirs(folder)
         files: list[FileRecord] = [
@@ -127,6 +128,5 @@ def write_checkpoint(
                                    source=f"the checkpoint being written to {os.path.join(save_dir, tag)}")
         write_manifest(manifest, folder, root=staging)
     published = os.path.join(save_dir, tag)
-    write_recovery_script(save_dir)  # as saves do: stock DeepSpeed's script beside it cannot read zero_bnb tags
     logger.info("zero_bnb: wrote %s (%d groups)", published, len(groups))
     return published
