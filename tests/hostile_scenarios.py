@@ -173,7 +173,10 @@ def _planted_links(c, out):
             handle.write("precious")
         for name in ("latest.zero_bnb-tmp", ".latest.zero_bnb-tmp", ".zero_to_fp32.py.zero_bnb-tmp"):
             os.symlink(victim, os.path.join(folder, name))
+        os.symlink(workdir, os.path.join(folder, ".A.zero_bnb-replaced"))  # where a re-save of A moves the old A
     dist.barrier()
+    out["planted_resave"] = _error(lambda: engine.save_checkpoint(folder, tag="A"))
+    out["planted_workdir_kept"] = os.path.isfile(victim) and os.path.isdir(os.path.join(workdir, "save"))
     out["planted_save"] = _error(lambda: engine.save_checkpoint(folder, tag="B"))
     out["planted_victim"] = open(victim).read()
     out["planted_latest_is_file"] = not os.path.islink(os.path.join(folder, "latest"))
@@ -188,23 +191,15 @@ def _full_disk(c, out):
     folder = os.path.join(workdir, "full")
     engine.save_checkpoint(folder, tag="A")
 
-    def full(event, path):
-        if rank == 0 and event == "write" and os.path.basename(path).startswith("latest"):
-            raise OSError(28, "No space left on device (injected)")
+    for key, step in (("full_pointer", "write"), ("full_rename", "replace")):
+        def full(event, path, step=step):
+            if rank == 0 and event == step and os.path.basename(path).startswith("latest"):
+                raise OSError(28, "No space left on device (injected)")
 
-    durable.set_io_hook(full)
-    out["full_pointer"] = _error(lambda: engine.save_checkpoint(folder, tag="B"))
-    durable.set_io_hook(None)
-    out["full_pointer_listing"] = _listing(folder)
-
-    def rename_fails(event, path):
-        if rank == 0 and event == "replace" and os.path.basename(path) == "latest":
-            raise OSError(28, "No space left on device (injected)")
-
-    durable.set_io_hook(rename_fails)
-    out["full_rename"] = _error(lambda: engine.save_checkpoint(folder, tag="B"))
-    durable.set_io_hook(None)
-    out["full_rename_listing"] = _listing(folder)
+        durable.set_io_hook(full)
+        out[key] = _error(lambda: engine.save_checkpoint(folder, tag="B"))
+        durable.set_io_hook(None)
+        out[f"{key}_listing"] = _listing(folder)
 
 
 def _late_mismatch(c, out):

@@ -406,6 +406,7 @@ def test_tags_naming_files_inside_checkpoints_are_refused_at_save(ranks):
 
 def test_a_save_never_writes_through_a_link_planted_at_a_temporary_name(ranks):
     workdir, ranks = ranks
+    assert _same(ranks, "planted_resave") is None and _same(ranks, "planted_workdir_kept") is True
     assert _same(ranks, "planted_save") is None
     assert _same(ranks, "planted_victim") == "precious" and _same(ranks, "planted_latest_is_file") is True
     links = [".latest.zero_bnb-tmp", ".zero_to_fp32.py.zero_bnb-tmp", "latest.zero_bnb-tmp"]  # left alone, unused

@@ -179,10 +179,13 @@ def makedirs(path: str, *, fresh: bool = False) -> None:
 
 
 def remove_tree(path: str) -> None:
-    """Remove folder ``path`` and everything in it, if it exists."""
+    """Remove folder ``path`` and everything in it, if it exists; a link or file there is removed itself (never followed)."""
     if os.path.lexists(path):
         _event("remove", path)
-        shutil.rmtree(path)
+        if os.path.islink(path) or not os.path.isdir(path):
+            os.unlink(path)
+        else:
+            shutil.rmtree(path)
 
 
 class StagedFile:
