@@ -84,7 +84,12 @@ def resolve_tag(load_dir: str, tag: str | None, *, latest_name: str = LATEST_NAM
             )
         if not os.path.isfile(latest):
             return None
-        with open(latest, "rb") as handle:
+        try:  # no link followed, no FIFO waited on, even if one replaced the file since the checks above
+            descriptor = os.open(latest, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        except OSError as error:
+            raise CheckpointFormatError(f"{latest} cannot be read as a pointer file ({error}); pass tag= "
+                                        f"(tags in {load_dir}: {_tags_in(load_dir)})") from error
+        with os.fdopen(descriptor, "rb") as handle:
             raw = handle.read(4097)
         try:
             tag = check_tag(raw.decode("utf-8").strip())
