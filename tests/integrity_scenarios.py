@@ -18,7 +18,7 @@ from scenarios import _error, make_engine, run_phases
 
 import zero_bnb
 from zero_bnb.format import durable
-from zero_bnb.format.manifest import SUBDIR, read_manifest, write_manifest
+from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR, read_manifest, write_manifest
 from zero_bnb.testing.consolidate import consolidated_state, state_differences
 from zero_bnb.testing.toy import DEFAULT_RUN as RUN
 from zero_bnb.testing.toy import LEARNING_RATE as LR
@@ -45,6 +45,7 @@ def _truncate(path: str) -> None:
 def _rewrite_manifest(folder: str, **changes) -> None:
     zero_folder = os.path.join(folder, "A", SUBDIR)
     manifest = dataclasses.replace(read_manifest(zero_folder), **changes)
+    os.remove(os.path.join(zero_folder, MANIFEST_NAME))  # zero_bnb's writers only create files
     write_manifest(manifest, zero_folder, root=os.path.join(folder, "A"))
 
 
