@@ -68,7 +68,11 @@ def test_resume_at_another_dp_size_is_exact(adam8bit_dp2, dp):
     expected_codes = torch.uint8 if dp <= 2 else torch.float32
     assert resumed["loaded"]["raw"][2]["state1"].dtype == expected_codes
     switched = "4.weight"
-    atol = {name: (2e-3 if name == switched and dp > 2 else 2e-4) for name in reference["saved"]["params"]}
+    # At DP>=3 the switched group steps fp32 state where the reference steps 8-bit state, and the other layers feel
+    # it through the loss: with the fused kernel (bitsandbytes' CUDA arithmetic) 2.weight drifted 3.0e-4 at DP=3 and
+    # DP=4 (2e-4 held with bitsandbytes' CPU path); DP=1 keeps 8-bit state everywhere.
+    coupled = 5e-4 if dp > 2 else 2e-4
+    atol = {name: (2e-3 if name == switched and dp > 2 else coupled) for name in reference["saved"]["params"]}
     _assert_training_continues(reference, resumed, atol=atol)
 
 
