@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import shutil
 
@@ -188,6 +189,48 @@ def _nan_state(c, out):
         master.data[0] = saved_value
 
 
+def _causes_and_switches(c, out):
+    """An unpicklable client_state names its kind and keeps its cause; ``zero_nonfinite_check: "off"`` saves NaN
+    unrecorded; loading a checkpoint saved with NaN warns; ``zero_checkpoint_verify: false`` skips checksums only."""
+    rank, workdir, engine, good = c["rank"], c["workdir"], c["engine"], c["good"]
+    try:
+        engine.save_checkpoint(good, tag="E", client_state={"callback": lambda: None})
+        out["unpicklable"] = None
+    except Exception as error:  # noqa: BLE001 - the message and its cause are what the test checks
+        out["unpicklable"] = f"{type(error).__name__}: {error}"
+        out[f"unpicklable_cause:{rank}"] = None if error.__cause__ is None else type(error.__cause__).__name__
+    out["unpicklable_listing"] = _listing(good)
+    config = engine.zero_bnb_config
+    master = engine.optimizer.master_partition(0)
+    saved_value = master[0].item()
+    if rank == 1:
+        master.data[0] = float("nan")
+    engine.zero_bnb_config = dataclasses.replace(config, nonfinite_check="off")
+    out["nan_off"] = _error(lambda: engine.save_checkpoint(good, tag="nan_off", save_latest=False))
+    out["nan_off_manifest"] = read_manifest(os.path.join(good, "nan_off", SUBDIR)).non_finite
+    if rank == 1:
+        master.data[0] = saved_value
+    engine.zero_bnb_config = config
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("zero_bnb").addHandler(handler)
+    try:
+        out["nan_load"] = _error(lambda: engine.load_checkpoint(good, tag="nan"))
+    finally:
+        logging.getLogger("zero_bnb").removeHandler(handler)
+    out[f"nan_load_warnings:{rank}"] = [m for m in seen if "NaN/Inf" in m]
+    engine.zero_bnb_config = dataclasses.replace(config, checkpoint_verify=False)
+    for name in ("flipped_shard_of_rank_1", "truncated_replicated"):
+        folder = os.path.join(workdir, f"unverified_{name}")
+        if rank == 0:
+            shutil.copytree(good, folder)
+            DAMAGES[name](folder)
+        dist.barrier()
+        out[f"unverified:{name}"] = _error(lambda folder=folder: engine.load_checkpoint(folder, tag="A"))
+    engine.zero_bnb_config = config
+
+
 def integrity(rank, world, workdir):
     out: dict = {}
     engine = make_engine(world)
@@ -196,7 +239,8 @@ def integrity(rank, world, workdir):
     engine.save_checkpoint(good, tag="A")
     train_steps(engine, RUN, 2, 1)  # the engine now differs from the checkpoint
     context = {"rank": rank, "world": world, "workdir": workdir, "engine": engine, "good": good}
-    run_phases(out, context, _bad_checkpoints, _failing_saves, _replicated_by_name, _nan_state)
+    run_phases(out, context, _bad_checkpoints, _failing_saves, _replicated_by_name, _nan_state,
+               _causes_and_switches)
 
     gathered = [None] * world
     dist.all_gather_object(gathered, out)

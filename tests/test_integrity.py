@@ -56,6 +56,7 @@ def test_a_save_failing_on_one_rank_fails_everywhere_and_keeps_the_previous_chec
     message = _same_on_every_rank(ranks, label)
     assert message is not None and message.startswith("CheckpointSaveError:"), message
     assert "injected: no space left on device" in message and f"rank(s) [{failure[0]}]" in message
+    assert "[the disk is full (ENOSPC): free space or save elsewhere]" in message  # the kind, not a guess
     assert "the previous checkpoint and 'latest' are unchanged" in message
     assert _same_on_every_rank(ranks, label + ":listing") == (["A", "latest", "zero_to_fp32.py"], "A")
 
@@ -84,3 +85,29 @@ def test_nan_in_master_weights_is_reported_by_parameter_name(ranks):
     assert "nan" not in _same_on_every_rank(ranks, "nan_listing")[0]
     assert _same_on_every_rank(ranks, "nan_warn") is None
     assert _same_on_every_rank(ranks, "nan_manifest") == {parameter: ["fp32"]}
+
+
+def test_an_unpicklable_client_state_is_named_as_such_with_its_cause_chained(ranks):
+    message = _same_on_every_rank(ranks, "unpicklable")
+    assert message.startswith("CheckpointSaveError:") and "rank(s) [0]" in message, message  # rank 0 writes it
+    assert "[an object that cannot be saved (client_state" in message and "disk" not in message, message
+    # The rank that failed chains its own exception (the traceback is logged there); the others only read about it.
+    causes = [ranks[rank][f"unpicklable_cause:{rank}"] for rank in range(2)]
+    assert causes[0] in ("PicklingError", "AttributeError") and causes[1] is None, causes
+    assert _same_on_every_rank(ranks, "unpicklable_listing") == (["A", "D", "latest", "nan", "zero_to_fp32.py"], "D")
+
+
+def test_nonfinite_check_off_saves_nan_unrecorded_and_a_nan_checkpoint_warns_on_load(ranks):
+    assert _same_on_every_rank(ranks, "nan_off") is None
+    assert _same_on_every_rank(ranks, "nan_off_manifest") == {}
+    assert _same_on_every_rank(ranks, "nan_load") is None
+    parameter = _same_on_every_rank(ranks, "nan_param")
+    warnings = ranks[0]["nan_load_warnings:0"]
+    assert len(warnings) == 1 and "was saved with NaN/Inf in" in warnings[0] and parameter in warnings[0], warnings
+    assert ranks[1]["nan_load_warnings:1"] == []  # rank 0 warns once for the job
+
+
+def test_checkpoint_verify_false_skips_only_the_checksums(ranks):
+    assert _same_on_every_rank(ranks, "unverified:flipped_shard_of_rank_1") is None  # a changed byte goes unseen
+    message = _same_on_every_rank(ranks, "unverified:truncated_replicated")  # size and format checks still run
+    assert message.startswith("CheckpointCorruptError:") and "truncated" in message, message

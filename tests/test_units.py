@@ -243,3 +243,56 @@ def test_stacked_moments_of_a_real_ademamix_step_dequantize_like_bitsandbytes_an
     changed = values.clone()
     changed[1] *= 3
     assert torch.equal(quant.quantize(changed, qmap, 256)[0][0], again_codes[0])  # rows do not share blocks
+
+
+# -- errors name their real kind ----------------------------------------------------------------
+
+@pytest.mark.parametrize(("error", "kind"), [
+    (OSError(28, "No space left on device"), "the disk is full (ENOSPC)"),
+    (PermissionError(13, "Permission denied"), "permission denied (EACCES)"),
+    (OSError(24, "Too many open files"), "too many open files (EMFILE)"),
+    (OSError(30, "Read-only file system"), "read-only (EROFS)"),
+    (MemoryError(), "out of memory"),
+    (AttributeError("Can't pickle local object 'f.<locals>.<lambda>'"), "cannot be saved (client_state"),
+    (__import__("pickle").PicklingError("Can't pickle <function <lambda>>"), "cannot be saved (client_state"),
+    (KeyError("exp_avg"), "probably a bug: the full traceback is in this rank's log"),
+    (CheckpointFormatError("bad"), "refused"),
+])
+def test_failure_kind_names_the_environment_the_data_or_a_bug(error, kind):
+    from zero_bnb.errors import failure_kind
+
+    assert kind in failure_kind(error)
+
+
+@pytest.mark.parametrize(("raised", "kind"), [
+    (PermissionError(13, "Permission denied"), "permission denied (EACCES)"),
+    (OSError(24, "Too many open files"), "too many open files (EMFILE)"),
+    (MemoryError(), "out of memory"),
+])
+def test_safe_load_reports_a_machine_failure_as_such_not_as_a_damaged_file(tmp_path, monkeypatch, raised, kind):
+    """Running as root here, chmod cannot make a file unreadable: torch.load raises what the OS would."""
+    from zero_bnb.errors import CheckpointError
+    from zero_bnb.format.unpickle import safe_load
+
+    path = tmp_path / "shard.pt"
+    torch.save({"x": torch.zeros(3)}, path)
+
+    def refuse(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(torch, "load", refuse)
+    with pytest.raises(CheckpointError) as caught:
+        safe_load(str(path), "shard file")
+    assert type(caught.value) is CheckpointError and caught.value.__cause__ is raised
+    message = str(caught.value)
+    assert kind in message and "damaged" not in message and "says nothing about the file's content" in message
+
+
+def test_safe_load_still_calls_a_truncated_file_damaged(tmp_path):
+    from zero_bnb.format.unpickle import safe_load
+
+    path = tmp_path / "shard.pt"
+    torch.save({"x": torch.zeros(300)}, path)
+    path.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(CheckpointCorruptError, match="the file is damaged"):
+        safe_load(str(path), "shard file")

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from zero_bnb.checkpoint.collective import raise_reported
 from zero_bnb.checkpoint.recovery_script import SCRIPT_NAME
-from zero_bnb.errors import CheckpointSaveError, CheckpointUsageError
+from zero_bnb.errors import CheckpointError, CheckpointSaveError, CheckpointUsageError, failure_kind
 from zero_bnb.format.durable import (
     TEMP_SUFFIX,
     FileRecord,
@@ -194,6 +194,8 @@ class SaveTransaction:
         self.staging_folder = ""
         self.files: list[FileRecord] = []
         self.errors: list[str] = []
+        #: the first exception a :meth:`guard` caught on this rank (chained to the error raised for it)
+        self.cause: BaseException | None = None
         self._lock: SaveFolderLock | None = None
 
     def begin(self) -> None:
@@ -218,7 +220,7 @@ class SaveTransaction:
         failures = [None if error is None else ("CheckpointSaveError", error) for error, _ in reports]
         if any(failures):
             self.abort()
-            raise_reported(failures, prefix=prefix)
+            self._raise_reported(failures, prefix)
         # The staging name is unique to this save, so a rank that does not see it saves into another folder.
         seen = None if os.path.isdir(self.staging_folder) else (
             f"rank {dist.get_rank()} does not see the staging folder {self.staging_tag} that rank 0 created in "
@@ -228,19 +230,35 @@ class SaveTransaction:
         failures = [None if error is None else ("CheckpointSaveError", error) for error in reports]
         if any(failures):
             self.abort()
-            raise_reported(failures, prefix=prefix)
+            self._raise_reported(failures, prefix)
 
     def add(self, records: list[FileRecord]) -> None:
         self.files.extend(records)
 
     @contextmanager
     def guard(self) -> Iterator[None]:
-        """Record an exception raised inside the block (it is re-raised on every rank by :meth:`commit`)."""
+        """Record an exception raised inside the block (it is re-raised on every rank by :meth:`commit`).
+
+        Local. The record names the exception, its message and its kind (:func:`~zero_bnb.errors.failure_kind`:
+        a full disk, permissions, an unpicklable ``client_state``, a bug...); the traceback is logged here, and
+        the first exception becomes the ``__cause__`` of the error :meth:`begin` or :meth:`commit` raises on this rank.
+        """
         try:
             yield
         except Exception as error:  # noqa: BLE001 - reported collectively by commit()
-            logger.error("zero_bnb: saving checkpoint %r failed on rank %d: %r", self.tag, dist.get_rank(), error)
-            self.errors.append(f"{type(error).__name__}: {error}")
+            kind = failure_kind(error)
+            logger.error("zero_bnb: saving checkpoint %r failed on rank %d (%s)", self.tag, dist.get_rank(), kind,
+                         exc_info=error)
+            text = f"{type(error).__name__}: {error}"
+            self.errors.append(text if isinstance(error, CheckpointError) else f"{text} [{kind}]")
+            self.cause = self.cause or error
+
+    def _raise_reported(self, failures: list[tuple[str, str] | None], prefix: str) -> None:
+        """:func:`raise_reported`, chaining this rank's own exception (if it had one) as the cause."""
+        try:
+            raise_reported(failures, prefix=prefix)
+        except CheckpointError as error:
+            raise error from self.cause
 
     def commit(self, build_manifest: Callable[[list[FileRecord]], Manifest],
                after_publish: Callable[[], object] | None = None) -> None:
@@ -269,8 +287,11 @@ class SaveTransaction:
                 logger.error("zero_bnb: checkpoint %r published, but: %r", self.tag, error)
                 outcome = [("CheckpointSaveError", f"{_PUBLISHED_MARK}{error}")]
             except Exception as error:  # noqa: BLE001 - reported to every rank below
-                logger.error("zero_bnb: publishing checkpoint %r failed: %r", self.tag, error)
-                outcome = [("CheckpointSaveError", f"rank 0 could not publish it: {type(error).__name__}: {error}")]
+                kind = failure_kind(error)
+                logger.error("zero_bnb: publishing checkpoint %r failed (%s)", self.tag, kind, exc_info=error)
+                outcome = [("CheckpointSaveError",
+                            f"rank 0 could not publish it: {type(error).__name__}: {error} [{kind}]")]
+                self.cause = self.cause or error
             finally:
                 self.abort()
         dist.broadcast_object_list(outcome, src=0)
@@ -279,10 +300,10 @@ class SaveTransaction:
                                       f"{outcome[0][1][len(_PUBLISHED_MARK):]}")
         if outcome[0] is not None:
             failures = [outcome[0]] + [None] * (len(failures) - 1)
-        raise_reported(
+        self._raise_reported(
             failures,
-            prefix=f"saving checkpoint {self.tag!r} to {self.save_dir} failed; the previous checkpoint and "
-            f"'latest' are unchanged. Fix the cause (disk space, permissions) and save again. Cause: ",
+            f"saving checkpoint {self.tag!r} to {self.save_dir} failed; the previous checkpoint and 'latest' are "
+            f"unchanged. Fix the cause named here and save again. Cause: ",
         )
 
     def abort(self) -> None:

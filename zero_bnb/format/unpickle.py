@@ -24,6 +24,7 @@ Local, no collectives; any process may call it.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import pickle
@@ -34,7 +35,7 @@ from typing import Any
 
 import torch
 
-from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
+from zero_bnb.errors import CheckpointCorruptError, CheckpointError, CheckpointFormatError, failure_kind
 from zero_bnb.format.paths import inside, resolved
 
 __all__ = ["DEEPSPEED_GLOBALS", "check_checkpoint_file", "safe_load"]
@@ -46,6 +47,9 @@ DEEPSPEED_GLOBALS = (
     "deepspeed.runtime.zero.config.ZeroStageEnum",
     "deepspeed.utils.tensor_fragment.fragment_address",
 )
+
+#: errnos that come from the machine reading a file (permissions, descriptor limits, storage), not its content.
+_MACHINE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFILE, errno.EIO, errno.ENOMEM})
 
 _GLOBAL_PATTERN = re.compile(r"GLOBAL ([\w.]+)")
 
@@ -119,6 +123,8 @@ def safe_load(path: str, what: str, *, mmap: bool = False, deepspeed_classes: bo
 
     Raises:
         CheckpointCorruptError: the file is missing or cannot be read as a torch file.
+        CheckpointError: the operating system refused to read it (permissions, too many open files, an I/O
+            error) or memory ran out; the message names which, since the file itself may be fine.
         CheckpointFormatError: the file lies outside ``root`` or is not a regular file, is a
             zip with compressed entries, holds an object of a class that is not allowed, or a
             tensor that claims more memory than it owns.
@@ -138,6 +144,15 @@ def safe_load(path: str, what: str, *, mmap: bool = False, deepspeed_classes: bo
             f"{what} {path} holds a pickled object of class {match.group(1)}, which zero_bnb does not unpickle "
             f"because unpickling it could run code from the file. If you wrote this file yourself and trust it, "
             f"allow the class before loading: torch.serialization.add_safe_globals([{match.group(1)}])"
+        ) from error
+    except (OSError, MemoryError) as error:
+        if not isinstance(error, MemoryError) and error.errno not in _MACHINE_ERRNOS:
+            raise CheckpointCorruptError(
+                f"{what} {path} cannot be read ({type(error).__name__}: {error}); the file is damaged"
+            ) from error
+        raise CheckpointError(  # the machine, not the file: say which (permissions, open files, memory)
+            f"{what} {path} cannot be read ({type(error).__name__}: {error}): {failure_kind(error)}. This says nothing "
+            f"about the file's content; fix the cause and load again"
         ) from error
     except Exception as error:  # torch raises many types for damaged archives
         raise CheckpointCorruptError(
