@@ -274,6 +274,105 @@ def _weights_only_loads(c, out):
                 not torch.equal(s["fp32"], s["fp32"].bfloat16().float()) for s in saved["params"].values())
 
 
+def fingerprint(engine) -> str:
+    """SHA-256 of everything a load sets on this rank: module weights, master partitions, optimizer state and
+    hyper-parameters, ``global_steps``. Local."""
+    digest = hashlib.sha256(repr(engine.global_steps).encode())
+
+    def add(value):
+        if isinstance(value, torch.Tensor):
+            digest.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        else:
+            digest.update(repr(value).encode())
+
+    for name, param in sorted(engine.module.state_dict().items()):
+        digest.update(name.encode())
+        add(param)
+    optimizer = engine.optimizer
+    for index in range(optimizer.num_groups):
+        master = optimizer.master_partition(index)
+        add(master)
+        for key, value in sorted(optimizer.optimizer.state.get(master, {}).items()):
+            digest.update(key.encode())
+            add(value)
+        add({k: v for k, v in optimizer.optimizer.param_groups[index].items() if k != "params"})
+    return digest.hexdigest()
+
+
+def _republish(source_tag_folder: str, save_dir: str, tag: str) -> None:
+    """Re-save ``save_dir/tag`` with the files of another checkpoint, through the real commit protocol (lock,
+    staging folder, publish by rename, old folder removed)."""
+    import shutil
+
+    from zero_bnb.checkpoint.commit import local_commit
+
+    with local_commit(save_dir, tag, replace=True) as staging:
+        for name in os.listdir(source_tag_folder):
+            source = os.path.join(source_tag_folder, name)
+            (shutil.copytree if os.path.isdir(source) else shutil.copyfile)(source, os.path.join(staging, name))
+
+
+def _load_during_resave(c, out):
+    """A load while the same tag is re-saved loads one whole checkpoint (old or new, the same on every rank) or
+    fails saying a concurrent save replaced it: never a mix, never a false "damaged"."""
+    import threading
+
+    from zero_bnb.format.reader import CheckpointReader
+
+    rank, workdir, engine = c["rank"], c["workdir"], c["engine"]
+    sources, race = os.path.join(workdir, "race_sources"), os.path.join(workdir, "race")
+    engine.save_checkpoint(os.path.join(sources, "old"), tag="T")
+    train_steps(engine, RUN, 5, 1)
+    engine.save_checkpoint(os.path.join(sources, "new"), tag="T")
+    references = {}
+    for version in ("old", "new"):
+        engine.load_checkpoint(os.path.join(sources, version), tag="T")
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, fingerprint(engine))
+        references[tuple(gathered)] = version
+    if rank == 0:
+        _republish(os.path.join(sources, "old", "T"), race, "T")
+    dist.barrier()
+
+    def outcome(error):
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, fingerprint(engine))
+        return error if error is not None else references.get(tuple(gathered), "mixed")
+
+    # Deterministic: rank 0 re-saves the tag right after its checksums, before anything is parsed.
+    verify = CheckpointReader.verify
+
+    def verify_then_resave(self, *args, **kwargs):
+        read = verify(self, *args, **kwargs)
+        if rank == 0:
+            _republish(os.path.join(sources, "new", "T"), race, "T")
+        return read
+
+    CheckpointReader.verify = verify_then_resave
+    try:
+        out["resave_after_verify"] = outcome(_error(lambda: engine.load_checkpoint(race, tag="T")))
+    finally:
+        CheckpointReader.verify = verify
+    # Racing: rank 0 re-saves in a loop (alternating old and new) while both ranks load; bounded by count.
+    stop = threading.Event()
+
+    def resave_loop():
+        turn = 0
+        while not stop.is_set():
+            _error(lambda: _republish(os.path.join(sources, ("old", "new")[turn % 2], "T"), race, "T"))
+            turn += 1
+
+    thread = threading.Thread(target=resave_loop)
+    if rank == 0:
+        thread.start()
+    try:
+        out["resave_race"] = [outcome(_error(lambda: engine.load_checkpoint(race, tag="T"))) for _ in range(12)]
+    finally:
+        stop.set()
+        if rank == 0:
+            thread.join()
+
+
 def _failed_initialize(c, out):
     world = c["world"]
     # A failed initialize leaves the user's optimizer and bitsandbytes' process-wide manager as they were:
@@ -297,7 +396,8 @@ def hostile(rank, world, workdir, foreign_pid):
     context = {"rank": rank, "world": world, "workdir": workdir, "foreign_pid": foreign_pid, "engine": engine,
                "save": save, "log": log}
     run_phases(out, context, _unsafe_tags, _symlinked_tag, _unwritable_folders, _split_folders_and_fifo_lock, _locks,
-               _planted_links, _full_disk, _late_mismatch, _code_payload, _hyperparameter_log, _weights_only_loads, _failed_initialize)
+               _planted_links, _full_disk, _late_mismatch, _code_payload, _hyperparameter_log, _weights_only_loads,
+               _load_during_resave, _failed_initialize)
     logging.getLogger("zero_bnb").removeHandler(handler)
     gathered = [None] * world
     dist.all_gather_object(gathered, out)

@@ -455,6 +455,18 @@ def test_weights_only_loads_in_bf16_take_the_exact_fp32_masters(ranks):
         assert ranks[0][label + ":masters"] and ranks[0][label + ":modules"], label
 
 
+def test_a_load_during_a_resave_of_its_tag_loads_one_whole_checkpoint_or_says_it_was_replaced(ranks):
+    _, ranks = ranks
+    allowed = ("old", "new")
+    replaced = "CheckpointReplacedError: "
+    # Pinned before the checksums: the re-save after them does not change what is loaded.
+    assert _same(ranks, "resave_after_verify") == "old"
+    outcomes = _same(ranks, "resave_race")
+    for outcome in outcomes:
+        assert outcome in allowed or (outcome.startswith(replaced) and "concurrent save" in outcome), outcome
+    assert any(outcome in allowed for outcome in outcomes), outcomes
+
+
 def test_a_failed_initialize_leaves_the_optimizer_and_bitsandbytes_manager_as_they_were(ranks):
     _, ranks = ranks
     message = _same(ranks, "failed_initialize")

@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointMismatchError",
+    "CheckpointReplacedError",
     "CheckpointSaveError",
     "CheckpointUsageError",
     "NonFiniteStateError",
@@ -42,6 +43,10 @@ class CheckpointMismatchError(CheckpointError):
     """The checkpoint was written for another model or optimizer than the running one."""
 
 
+class CheckpointReplacedError(CheckpointError):
+    """A save of the same tag replaced the checkpoint while it was being loaded; nothing was loaded from it."""
+
+
 class CheckpointSaveError(CheckpointError):
     """A save failed on some rank; the previous checkpoint and ``latest`` were left as they were."""
 
@@ -66,6 +71,7 @@ _CLASSES = {
         CheckpointFormatError,
         CheckpointCorruptError,
         CheckpointMismatchError,
+        CheckpointReplacedError,
         CheckpointSaveError,
         CheckpointUsageError,
         ReplicatedStateMismatch,

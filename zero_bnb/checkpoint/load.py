@@ -29,45 +29,72 @@ from zero_bnb.checkpoint.restore import (
     plan_restore,
 )
 from zero_bnb.checkpoint.stock_import import StockCheckpoint
-from zero_bnb.errors import CheckpointFormatError, CheckpointMismatchError
+from zero_bnb.errors import CheckpointFormatError, CheckpointMismatchError, CheckpointReplacedError
 from zero_bnb.format.reader import CheckpointReader
 from zero_bnb.format.unpickle import safe_load
 
-__all__ = ["LoadPlan", "open_for_load", "plan_load"]
+__all__ = ["LoadPlan", "Opened", "open_for_load", "plan_load"]
 
 logger = logging.getLogger(__name__)
 
 
-def _open_zero_bnb(engine, tag_folder: str, optimizer_states: bool) -> SavedState:
+def _pinned_everywhere(reader: CheckpointReader, tag_folder: str) -> None:
+    """Raise on every rank unless every rank pinned the same save of ``tag_folder``. Collective."""
+    identities: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(identities, reader.identity)
+    if len(set(identities)) > 1:
+        raise CheckpointReplacedError(
+            f"checkpoint {tag_folder} was replaced by a concurrent save while it was being loaded (the ranks opened "
+            f"{len(set(identities))} different versions of it); nothing was loaded. Load again once the save has "
+            f"finished"
+        )
+
+
+def _open_zero_bnb(engine, tag_folder: str, optimizer_states: bool) -> Opened:
     optimizer = engine.optimizer
     rank, world = dist.get_rank(), dist.get_world_size()
-
-    def verified() -> CheckpointReader:
-        reader = CheckpointReader(tag_folder)
+    reader = agree(lambda: CheckpointReader(tag_folder))  # pinned: every later read is of this save's files
+    try:
+        _pinned_everywhere(reader, tag_folder)
         if engine.zero_bnb_config.checkpoint_verify:
-            reader.verify(rank, world)
-        return reader
+            agree(lambda: reader.verify(rank, world))
 
-    reader = agree(verified)
+        def prepared() -> SavedState:
+            if optimizer_states:
+                check_family(optimizer, reader.manifest)  # before the files, whose layout depends on it, are opened
+            reader.preload()
+            return regroup.for_engine(engine, reader)  # the checkpoint's groups differ (bitsandbytes overrides)
 
-    def prepared() -> SavedState:
-        if optimizer_states:
-            check_family(optimizer, reader.manifest)  # before the files, whose layout depends on it, are opened
-        reader.preload()
-        return regroup.for_engine(engine, reader)  # the checkpoint's groups differ (bitsandbytes overrides)
-
-    saved = agree(prepared)  # plan_load checks the rest (check_compatible first) before anything changes
+        saved = agree(prepared)  # plan_load checks the rest (check_compatible first) before anything changes
+    except BaseException:
+        reader.close()
+        raise
     if reader.manifest.non_finite and rank == 0:
         logger.warning(
             "zero_bnb: checkpoint %s was saved with NaN/Inf in %s", tag_folder, reader.manifest.non_finite
         )
-    return saved
+    return Opened(saved, reader)
 
 
-def open_for_load(engine, load_dir: str, folder_tag: str, *, optimizer_states: bool) -> SavedState:
+@dataclass
+class Opened:
+    """A checkpoint opened by :func:`open_for_load`: its state, and the pinned reader of a zero_bnb one
+    (``None`` for a stock DeepSpeed checkpoint), which :func:`plan_load` reads the model file from."""
+
+    saved: SavedState
+    reader: CheckpointReader | None
+
+    def close(self) -> None:
+        """Release the pinned files (what was read stays valid)."""
+        if self.reader is not None:
+            self.reader.close()
+
+
+def open_for_load(engine, load_dir: str, folder_tag: str, *, optimizer_states: bool) -> Opened:
     """The checkpoint ``load_dir/folder_tag``, checked and ready for :func:`plan_load`.
 
-    Collective: every rank of the engine's world must call it. A zero_bnb checkpoint is
+    Collective: every rank of the engine's world must call it. A zero_bnb checkpoint is pinned
+    (every rank reads the files of one save, even if the tag is re-saved meanwhile) and
     verified (checksums unless ``zero_checkpoint_verify`` is false); a folder without
     zero_bnb files is read as a stock DeepSpeed ZeRO-1 checkpoint.
 
@@ -79,13 +106,14 @@ def open_for_load(engine, load_dir: str, folder_tag: str, *, optimizer_states: b
             names and shapes must match).
 
     Raises:
-        zero_bnb.errors.CheckpointError: on every rank, naming the file or difference found.
+        zero_bnb.errors.CheckpointError: on every rank, naming the file or difference found;
+            :class:`~zero_bnb.errors.CheckpointReplacedError` if a save replaced the folder meanwhile.
         deepspeed.runtime.zero.utils.ZeRORuntimeException: a stock checkpoint at another DP size.
     """
     tag_folder = os.path.join(load_dir, folder_tag)
     if CheckpointReader.exists(tag_folder):
         return _open_zero_bnb(engine, tag_folder, optimizer_states)
-    return agree(lambda: regroup.for_engine(engine, StockCheckpoint.open(engine, load_dir, folder_tag)))
+    return Opened(agree(lambda: regroup.for_engine(engine, StockCheckpoint.open(engine, load_dir, folder_tag))), None)
 
 
 @dataclass
@@ -118,7 +146,7 @@ def _check_module(module: torch.nn.Module, saved: Any, model_file: str, strict: 
         )
 
 
-def plan_load(engine, saved: SavedState, model_file: str, *, optimizer_states: bool, strict: bool) -> LoadPlan:
+def plan_load(engine, opened: Opened, model_file: str, *, optimizer_states: bool, strict: bool) -> LoadPlan:
     """Read and check every part of a load on this rank, changing nothing: the optimizer's
     partitions (:func:`~zero_bnb.checkpoint.restore.plan_restore`) and DeepSpeed's model file (module
     weights put back from the master weights, keys and shapes checked against the module).
@@ -126,8 +154,13 @@ def plan_load(engine, saved: SavedState, model_file: str, *, optimizer_states: b
     Local; the engine runs it under :func:`~zero_bnb.checkpoint.collective.agree` so that a failure on
     any rank stops the load on every rank before anything is modified.
     """
+    saved = opened.saved
     optimizer = plan_restore(engine.optimizer, saved, engine.param_names, load_optimizer_states=optimizer_states)
-    model_states = safe_load(model_file, "DeepSpeed model file", deepspeed_classes=True)
+    if opened.reader is None:
+        model_states = safe_load(model_file, "DeepSpeed model file", deepspeed_classes=True)
+    else:  # the bytes of the save that was verified, whatever now lies at model_file
+        model_states = opened.reader.load(os.path.basename(model_file), "DeepSpeed model file",
+                                          deepspeed_classes=True)
     if not isinstance(model_states, dict):
         raise CheckpointFormatError(f"{model_file} is not a DeepSpeed model file (it holds a "
                                     f"{type(model_states).__name__})")

@@ -322,9 +322,13 @@ class ZeroBnbEngine(DeepSpeedEngine):
         if folder_tag is None:
             return super().load_checkpoint(load_dir, tag=None)  # DeepSpeed warns that there is no 'latest'
         optimizer_states = load_optimizer_states and not load_module_only
-        saved = open_for_load(self, load_dir, folder_tag, optimizer_states=optimizer_states)
-        plan: LoadPlan = agree(lambda: plan_load(self, saved, self._get_ckpt_name(load_dir, folder_tag),
-                                                 optimizer_states=optimizer_states, strict=load_module_strict))
+        opened = open_for_load(self, load_dir, folder_tag, optimizer_states=optimizer_states)
+        try:
+            plan: LoadPlan = agree(lambda: plan_load(self, opened, self._get_ckpt_name(load_dir, folder_tag),
+                                                     optimizer_states=optimizer_states, strict=load_module_strict))
+        finally:
+            opened.close()  # everything is read (shards stay memory-mapped)
+        saved = opened.saved
         self._zero_bnb_plan = plan
         self.checkpoint_engine.planned = {plan.model_file: plan.model_states}
         warn_if_batch_changed(saved.manifest, self, os.path.join(load_dir, folder_tag), self.zero_bnb_front_door)
@@ -346,6 +350,12 @@ class ZeroBnbEngine(DeepSpeedEngine):
             # DeepSpeed rebuilt the fp32 masters from the module's (maybe bf16) weights; the exact ones are on disk.
             apply_masters(self.optimizer, plan.optimizer)
         return result
+
+    def _get_all_ckpt_names(self, checkpoints_path, tag):
+        plan: LoadPlan | None = getattr(self, "_zero_bnb_plan", None)
+        if plan is not None:  # the model file the plan read, not whatever a glob finds there now
+            return [plan.model_file]
+        return super()._get_all_ckpt_names(checkpoints_path, tag)
 
     def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
         plan: LoadPlan | None = getattr(self, "_zero_bnb_plan", None)

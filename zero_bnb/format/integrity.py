@@ -11,9 +11,10 @@ import os
 from tqdm import tqdm
 
 from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
-from zero_bnb.format.durable import FileRecord, digest_file
+from zero_bnb.format.durable import FileRecord
 from zero_bnb.format.manifest import REPLICATED_NAME, SUBDIR, Manifest
-from zero_bnb.format.paths import check_relative_path, inside, resolved
+from zero_bnb.format.paths import check_relative_path
+from zero_bnb.format.pinned import PinnedFolder
 
 __all__ = ["check_file_list", "checksum_shares", "verify_checksums"]
 
@@ -32,41 +33,33 @@ def checksum_shares(files: tuple[FileRecord, ...], world_size: int) -> list[list
     return shares
 
 
-def _names(folder: str) -> list[str]:
-    try:
-        return sorted(os.listdir(folder))
-    except OSError:
-        return []
-
-
-def check_file_list(tag_folder: str, manifest: Manifest) -> None:
-    """Every file the manifest lists is a regular file inside ``tag_folder`` with its recorded size.
+def check_file_list(folder: PinnedFolder, manifest: Manifest) -> None:
+    """Every file the manifest lists is a regular file inside the pinned ``folder`` with its recorded size.
 
     Every shard and the replicated file must be listed, and the shards must be large enough
     for the elements the manifest records (so no reader allocates more than the files hold).
+    The files are opened (and held, see :class:`~zero_bnb.format.pinned.PinnedFolder`) here.
 
     Raises:
         CheckpointCorruptError: lists every missing, truncated or grown file.
-        CheckpointFormatError: a listed path leaves the folder (a symlink pointing out, a
-            FIFO or device), or the recorded sizes cannot hold the recorded elements.
+        CheckpointFormatError: a listed path is a symbolic link or lies under one, or is a FIFO or
+            device, or the recorded sizes cannot hold the recorded elements.
+        CheckpointReplacedError: a save replaced the folder while it was being opened.
     """
+    tag_folder = folder.path
     listed = {record.path for record in manifest.files}
     if len(listed) != len(manifest.files):
         raise CheckpointFormatError(f"checkpoint {tag_folder}: its manifest lists a file twice; it was edited")
-    model_files = [name for name in _names(tag_folder) if name.endswith("model_states.pt")]
+    model_files = [name for name in folder.names() if name.endswith("model_states.pt")]
     required = [os.path.join(SUBDIR, name) for name in (*manifest.shards, REPLICATED_NAME)] + model_files
     problems = [f"{path} is not listed in the manifest" for path in required if path not in listed]
     for record in manifest.files:
-        path = os.path.join(tag_folder, check_relative_path(record.path, "manifest files[].path"))
-        if not inside(path, tag_folder):
-            raise CheckpointFormatError(f"{path} resolves to {resolved(path)}, outside the checkpoint folder "
-                                        f"{tag_folder}; checkpoint files must lie inside it")
-        if os.path.lexists(path) and not os.path.isfile(path):
-            raise CheckpointFormatError(f"{path} is not a regular file; checkpoint files must be regular files")
-        if not os.path.isfile(path):
+        check_relative_path(record.path, "manifest files[].path")
+        try:
+            size = folder.size(record.path)
+        except CheckpointCorruptError:
             problems.append(f"{record.path} is missing")
             continue
-        size = os.path.getsize(path)
         if size != record.size:
             problems.append(f"{record.path} has {size} bytes, the manifest records {record.size} (truncated or overwritten)")
     if problems:
@@ -86,9 +79,9 @@ def check_file_list(tag_folder: str, manifest: Manifest) -> None:
 
 
 def verify_checksums(
-    tag_folder: str, manifest: Manifest, rank: int = 0, world_size: int = 1, *, progress: bool = False
+    folder: PinnedFolder, manifest: Manifest, rank: int = 0, world_size: int = 1, *, progress: bool = False
 ) -> int:
-    """Compare the SHA-256 of this rank's share of the files (see :func:`checksum_shares`) with the manifest.
+    """Compare the SHA-256 of this rank's share of the pinned files (see :func:`checksum_shares`) with the manifest.
 
     Returns:
         The number of bytes read.
@@ -102,7 +95,7 @@ def verify_checksums(
     with tqdm(total=total, unit="B", unit_scale=True, desc="sha256", disable=not progress) as bar:
         for index in mine:
             record = manifest.files[index]
-            size, digest = digest_file(os.path.join(tag_folder, record.path))
+            size, digest = folder.digest(record.path)
             read += size
             bar.update(size)
             if (size, digest) != (record.size, record.sha256):
@@ -112,7 +105,7 @@ def verify_checksums(
                 )
     if problems:
         raise CheckpointCorruptError(
-            f"checkpoint {tag_folder} holds damaged files whose content differs from what was saved: "
+            f"checkpoint {folder.path} holds damaged files whose content differs from what was saved: "
             f"{'; '.join(problems)}. Restore them from a copy or load an earlier tag."
         )
     return read

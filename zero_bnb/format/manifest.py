@@ -49,6 +49,7 @@ __all__ = [
     "Manifest",
     "ParamEntry",
     "StateEntry",
+    "decode_manifest",
     "jsonable",
     "read_manifest",
     "shard_name",
@@ -444,13 +445,19 @@ def read_manifest(folder: str) -> Manifest:
         raise CheckpointFormatError(f"{path} does not exist: {folder} is not a complete zero_bnb checkpoint")
     with open(path, "rb") as handle:
         raw = handle.read(MAX_MANIFEST_BYTES + 1)
+    return decode_manifest(raw, path)
+
+
+def decode_manifest(raw: bytes, source: str) -> Manifest:
+    """Parse and check the bytes of a ``manifest.json`` read from ``source`` (see :func:`read_manifest`); reading
+    ``MAX_MANIFEST_BYTES + 1`` bytes at most is enough to refuse a larger one."""
     if len(raw) > MAX_MANIFEST_BYTES:
         raise CheckpointFormatError(
-            f"{path} is larger than the {MAX_MANIFEST_BYTES} bytes a manifest may have (about 500 000 parameters); it "
-            f"was not written by zero_bnb or was edited"
+            f"{source} is larger than the {MAX_MANIFEST_BYTES} bytes a manifest may have (about 500 000 parameters); "
+            f"it was not written by zero_bnb or was edited"
         )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise CheckpointCorruptError(f"{path} is not UTF-8 text ({error}); the manifest is damaged") from error
-    return Manifest.from_json(text, source=path)
+        raise CheckpointCorruptError(f"{source} is not UTF-8 text ({error}); the manifest is damaged") from error
+    return Manifest.from_json(text, source=source)

@@ -24,8 +24,9 @@ from zero_bnb.core.kinds import is_partitioned, saved_ranges
 from zero_bnb.core.state_spec import StateKind
 from zero_bnb.errors import CheckpointFormatError
 from zero_bnb.format.durable import FileRecord, save_torch
-from zero_bnb.format.manifest import FORMAT_VERSION, MASTER_KEY, REPLICATED_NAME, Manifest, shard_name
-from zero_bnb.format.unpickle import safe_load
+from zero_bnb.format.manifest import FORMAT_VERSION, MASTER_KEY, REPLICATED_NAME, SUBDIR, Manifest, shard_name
+from zero_bnb.format.pinned import PinnedFolder
+from zero_bnb.format.unpickle import load_pinned
 from zero_bnb.format.wrapper_state import check_plain, plain_wrapper
 
 __all__ = [
@@ -97,24 +98,27 @@ def write_replicated(payload: ReplicatedPayload, folder: str, *, root: str) -> F
     return save_torch(payload.to_dict(), os.path.join(folder, REPLICATED_NAME), root=root)
 
 
-def read_shard(folder: str, manifest: Manifest, rank: int) -> ShardPayload:
-    """Open shard ``rank`` lazily (memory-mapped, ``weights_only``) and check it against ``manifest``."""
-    path = os.path.join(folder, manifest.shards[rank])
-    data = safe_load(path, "shard file", mmap=True, root=folder)
+def read_shard(folder: PinnedFolder, manifest: Manifest, rank: int) -> ShardPayload:
+    """Open shard ``rank`` of the pinned tag folder lazily (memory-mapped, ``weights_only``) and check it
+    against ``manifest``."""
+    relative = f"{SUBDIR}/{manifest.shards[rank]}"
+    path = os.path.join(folder.path, relative)
+    data = load_pinned(folder, relative, "shard file", mmap=True)
     _check_shard(data, manifest, rank, path)
     return ShardPayload(rank, manifest.dp_world_size, tuple(
         ShardGroup(group[MASTER_KEY], dict(group["state"])) for group in data["groups"]))
 
 
-def read_replicated(folder: str, manifest: Manifest) -> ReplicatedPayload:
-    """Read ``replicated.pt`` (``weights_only``) and check it against ``manifest``.
+def read_replicated(folder: PinnedFolder, manifest: Manifest) -> ReplicatedPayload:
+    """Read ``replicated.pt`` of the pinned tag folder (``weights_only``) and check it against ``manifest``.
 
     Version 1 files hold DeepSpeed's pickled loss scaler, which is then allowed by name and
     turned into the plain record.
     """
-    path = os.path.join(folder, REPLICATED_NAME)
-    data = safe_load(path, "replicated-state file", deepspeed_classes=manifest.format_version < FORMAT_VERSION,
-                     root=folder)
+    relative = f"{SUBDIR}/{REPLICATED_NAME}"
+    path = os.path.join(folder.path, relative)
+    data = load_pinned(folder, relative, "replicated-state file",
+                       deepspeed_classes=manifest.format_version < FORMAT_VERSION)
     _check_replicated(data, manifest, path)
     wrapper = plain_wrapper(data.get("zero_wrapper", {}))
     check_plain(wrapper, path)

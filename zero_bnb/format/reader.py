@@ -6,44 +6,64 @@ splits :meth:`CheckpointReader.verify` across ranks itself.
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import torch
 
 from zero_bnb.errors import CheckpointFormatError
 from zero_bnb.format.integrity import check_file_list, verify_checksums
-from zero_bnb.format.manifest import SUBDIR, read_manifest
+from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR, decode_manifest
 from zero_bnb.format.payload import ReplicatedPayload, ShardPayload, read_replicated, read_shard
+from zero_bnb.format.pinned import PinnedFolder
 from zero_bnb.format.tags import resolve_tag
+from zero_bnb.format.unpickle import load_pinned
 
 __all__ = ["CheckpointReader", "verify_checkpoint"]
 
 
 class CheckpointReader:
-    """A zero_bnb checkpoint folder, with shards opened lazily and memory-mapped.
+    """A zero_bnb checkpoint folder, pinned: every file is read through one descriptor (see
+    :mod:`zero_bnb.format.pinned`), so checksums, shards and model file all come from the same save
+    even if the tag is re-saved meanwhile. Shards are memory-mapped.
 
     Opening reads and checks the manifest and the presence and size of every file; call
     :meth:`verify` before :attr:`replicated` or any shard is read. Files are read with
     ``weights_only=True`` and checked against the manifest (dtypes, shapes) as they are opened.
+
+    Raises:
+        CheckpointReplacedError: a save replaced the folder while it was being opened.
     """
 
     def __init__(self, tag_folder: str) -> None:
         self.tag_folder = tag_folder
-        self.folder = os.path.join(tag_folder, SUBDIR)
-        self.manifest = read_manifest(self.folder)
-        check_file_list(tag_folder, self.manifest)
+        self.files = PinnedFolder(tag_folder)
+        relative = f"{SUBDIR}/{MANIFEST_NAME}"
+        if not self.files.exists(relative):
+            raise CheckpointFormatError(f"{os.path.join(tag_folder, relative)} does not exist: {tag_folder} is not "
+                                        f"a complete zero_bnb checkpoint")
+        raw = self.files.read(relative)
+        self.manifest = decode_manifest(raw, os.path.join(tag_folder, relative))
+        self._manifest_digest = hashlib.sha256(raw).hexdigest()
+        check_file_list(self.files, self.manifest)
         self._replicated: ReplicatedPayload | None = None
         self._shards: dict[int, ShardPayload] = {}
 
+    @property
+    def identity(self) -> str:
+        """Which save this is: the SHA-256 of its manifest, which records every file's SHA-256 (comparable
+        across nodes, unlike inode numbers)."""
+        return self._manifest_digest
+
     def verify(self, rank: int = 0, world_size: int = 1, *, progress: bool = False) -> int:
         """Check this rank's share of the files' SHA-256; returns the bytes read."""
-        return verify_checksums(self.tag_folder, self.manifest, rank, world_size, progress=progress)
+        return verify_checksums(self.files, self.manifest, rank, world_size, progress=progress)
 
     @property
     def replicated(self) -> ReplicatedPayload:
         """The replicated-state file (hyper-parameters, counters, qmaps, loss scaler), read once."""
         if self._replicated is None:
-            self._replicated = read_replicated(self.folder, self.manifest)
+            self._replicated = read_replicated(self.files, self.manifest)
         return self._replicated
 
     def preload(self) -> None:
@@ -55,9 +75,18 @@ class CheckpointReader:
         for rank in range(len(self.manifest.shards)):
             self._shard(rank)
 
+    def load(self, name: str, what: str, *, deepspeed_classes: bool = False):
+        """Unpickle file ``name`` of the tag folder (``weights_only``) from the pinned bytes; for DeepSpeed's
+        model file. Call after :meth:`verify`."""
+        return load_pinned(self.files, name, what, deepspeed_classes=deepspeed_classes)
+
+    def close(self) -> None:
+        """Release the pinned folder's descriptors (memory-mapped shards stay readable)."""
+        self.files.close()
+
     def _shard(self, rank: int) -> ShardPayload:
         if rank not in self._shards:
-            self._shards[rank] = read_shard(self.folder, self.manifest, rank)
+            self._shards[rank] = read_shard(self.files, self.manifest, rank)
         return self._shards[rank]
 
     @staticmethod

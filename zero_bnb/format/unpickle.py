@@ -31,14 +31,15 @@ import pickle
 import re
 import stat
 import zipfile
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 from zero_bnb.errors import CheckpointCorruptError, CheckpointError, CheckpointFormatError, failure_kind
 from zero_bnb.format.paths import inside, resolved
+from zero_bnb.format.pinned import PinnedFolder
 
-__all__ = ["DEEPSPEED_GLOBALS", "check_checkpoint_file", "safe_load"]
+__all__ = ["DEEPSPEED_GLOBALS", "check_checkpoint_file", "load_pinned", "safe_load"]
 
 #: ``module.Class`` names DeepSpeed stores in its checkpoint files, allowed when unpickling.
 DEEPSPEED_GLOBALS = (
@@ -77,14 +78,21 @@ def check_checkpoint_file(path: str, what: str, root: str) -> None:
         raise CheckpointCorruptError(f"{what} {path} is missing; the checkpoint is incomplete") from None
     if not stat.S_ISREG(mode):
         raise CheckpointFormatError(f"{what} {path} is not a regular file; checkpoint files must be regular files")
-    if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as archive:
+    with open(path, "rb") as handle:
+        _check_archive(handle, os.path.getsize(path), what, path)
+
+
+def _check_archive(handle: BinaryIO, size: int, what: str, shown: str) -> None:
+    """Refuse a zip archive with compressed entries or entries larger than the file (``size`` bytes)."""
+    if zipfile.is_zipfile(handle):
+        handle.seek(0)
+        with zipfile.ZipFile(handle) as archive:
             entries = archive.infolist()
         compressed = [entry.filename for entry in entries if entry.compress_type != zipfile.ZIP_STORED]
         declared = sum(entry.file_size for entry in entries)
-        if compressed or declared > os.path.getsize(path):
+        if compressed or declared > size:
             raise CheckpointFormatError(
-                f"{what} {path} holds compressed entries ({compressed[:3]}) or entries larger than the file "
+                f"{what} {shown} holds compressed entries ({compressed[:3]}) or entries larger than the file "
                 f"({declared} bytes declared); torch.save writes neither, so the file was crafted or damaged"
             )
 
@@ -130,18 +138,39 @@ def safe_load(path: str, what: str, *, mmap: bool = False, deepspeed_classes: bo
             tensor that claims more memory than it owns.
     """
     check_checkpoint_file(path, what, os.path.dirname(path) or "." if root is None else root)
+    return _unpickle(path, what, path, mmap=mmap, deepspeed_classes=deepspeed_classes)
+
+
+def load_pinned(folder: PinnedFolder, relative: str, what: str, *, mmap: bool = False,
+                deepspeed_classes: bool = False) -> Any:
+    """:func:`safe_load` of file ``relative`` of a pinned folder, read through its held descriptor.
+
+    The bytes read are those of the file the folder held when it was first opened (see
+    :mod:`zero_bnb.format.pinned`), whatever was renamed since. Raises as :func:`safe_load` does.
+    """
+    shown = os.path.join(folder.path, relative)
+    with folder.stream(relative) as handle:
+        _check_archive(handle, folder.size(relative), what, shown)
+        if not mmap:
+            handle.seek(0)
+            return _unpickle(handle, what, shown, mmap=False, deepspeed_classes=deepspeed_classes)
+    with folder.path_of(relative) as path:
+        return _unpickle(path, what, shown, mmap=True, deepspeed_classes=deepspeed_classes)
+
+
+def _unpickle(source: str | BinaryIO, what: str, shown: str, *, mmap: bool, deepspeed_classes: bool) -> Any:
     allowed = _deepspeed_globals() if deepspeed_classes else []
     try:
         with torch.serialization.safe_globals(allowed):
-            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            loaded = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         match = _GLOBAL_PATTERN.search(str(error))
         if match is None:
             raise CheckpointCorruptError(
-                f"{what} {path} cannot be read (UnpicklingError: {str(error).splitlines()[0]}); the file is damaged"
+                f"{what} {shown} cannot be read (UnpicklingError: {str(error).splitlines()[0]}); the file is damaged"
             ) from error
         raise CheckpointFormatError(
-            f"{what} {path} holds a pickled object of class {match.group(1)}, which zero_bnb does not unpickle "
+            f"{what} {shown} holds a pickled object of class {match.group(1)}, which zero_bnb does not unpickle "
             f"because unpickling it could run code from the file. If you wrote this file yourself and trust it, "
             f"allow the class before loading: torch.serialization.add_safe_globals([{match.group(1)}])"
         ) from error
@@ -156,8 +185,8 @@ def safe_load(path: str, what: str, *, mmap: bool = False, deepspeed_classes: bo
         ) from error
     except Exception as error:  # torch raises many types for damaged archives
         raise CheckpointCorruptError(
-            f"{what} {path} cannot be read ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+            f"{what} {shown} cannot be read ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
             f"the file is damaged"
         ) from error
-    _check_tensors(loaded, path, what)
+    _check_tensors(loaded, shown, what)
     return loaded
