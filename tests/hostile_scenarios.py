@@ -274,6 +274,42 @@ def _weights_only_loads(c, out):
                 not torch.equal(s["fp32"], s["fp32"].bfloat16().float()) for s in saved["params"].values())
 
 
+SCHEDULER = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                                           "warmup_num_steps": 10}}}
+
+
+def _scheduler_and_counters(c, out):
+    """What DeepSpeed's loader applies besides the optimizer (LR scheduler, counters) is checked before anything
+    changes: a scheduler the checkpoint lacks (and the reverse) or a bad counter leaves the engine bit-identical."""
+    import shutil
+
+    rank, world, workdir, engine, save = c["rank"], c["world"], c["workdir"], c["engine"], c["save"]
+    scheduled = make_engine(world, **SCHEDULER)
+    train_steps(scheduled, RUN, 0, 2)
+    snapshot, schedule = _snapshot(scheduled), scheduled.lr_scheduler.state_dict()
+    out["scheduler_missing"] = _error(lambda: scheduled.load_checkpoint(save, tag="A"))
+    out["scheduler_missing_unchanged"] = bool(_same(scheduled, snapshot)) and \
+        scheduled.lr_scheduler.state_dict() == schedule
+    scheduled_dir = os.path.join(workdir, "scheduled")
+    scheduled.save_checkpoint(scheduled_dir, tag="S")
+    snapshot = _snapshot(engine)
+    out["scheduler_unexpected"] = _error(lambda: engine.load_checkpoint(scheduled_dir, tag="S"))
+    out["scheduler_unexpected_unchanged"] = _same(engine, snapshot)
+    out["scheduler_left_out"] = _error(lambda: scheduled.load_checkpoint(save, tag="A", load_lr_scheduler_states=False))
+    for name, value in (("global_steps", -1), ("global_steps", "x"), ("skipped_steps", None)):
+        doctored = os.path.join(workdir, f"counter_{name}_{value}")
+        if rank == 0:
+            shutil.copytree(scheduled_dir, doctored, ignore=shutil.ignore_patterns(LOCK_NAME))
+            model_file = os.path.join(doctored, "S", "mp_rank_00_model_states.pt")
+            states = torch.load(model_file, weights_only=False)
+            states[name] = value
+            replace_listed_file(os.path.join(doctored, "S"), "mp_rank_00_model_states.pt", states)
+        dist.barrier()
+        snapshot = _snapshot(scheduled)
+        out[f"counter:{name}={value}"] = _error(lambda doctored=doctored: scheduled.load_checkpoint(doctored, tag="S"))
+        out[f"counter:{name}={value}:unchanged"] = _same(scheduled, snapshot)
+
+
 def fingerprint(engine) -> str:
     """SHA-256 of everything a load sets on this rank: module weights, master partitions, optimizer state and
     hyper-parameters, ``global_steps``. Local."""
@@ -397,7 +433,7 @@ def hostile(rank, world, workdir, foreign_pid):
                "save": save, "log": log}
     run_phases(out, context, _unsafe_tags, _symlinked_tag, _unwritable_folders, _split_folders_and_fifo_lock, _locks,
                _planted_links, _full_disk, _late_mismatch, _code_payload, _hyperparameter_log, _weights_only_loads,
-               _load_during_resave, _failed_initialize)
+               _scheduler_and_counters, _load_during_resave, _failed_initialize)
     logging.getLogger("zero_bnb").removeHandler(handler)
     gathered = [None] * world
     dist.all_gather_object(gathered, out)

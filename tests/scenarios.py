@@ -118,10 +118,24 @@ def _threshold_mismatch(context, out):
     out["mismatch_wrote"] = os.path.exists(os.path.join(workdir, "bad", "b"))
 
 
+def _bf16_zero2_save(context, out):
+    """A bf16 ZeRO-2 checkpoint, for an fp32 ZeRO-1 engine at DP=3 to load (``_bf16_zero2_into_fp32``)."""
+    world, workdir = context["world"], context["workdir"]
+    bf16 = make_engine(world, bf16={"enabled": True}, zero_optimization={"stage": 2})
+    train_steps(bf16, RUN, 0, 2)
+    bf16.save_checkpoint(os.path.join(workdir, "bf16_zero2"), tag="b")
+    state = consolidated_state(bf16)
+    if dist.get_rank() == 0:
+        masters = {name: tensors["fp32"] for name, tensors in state["params"].items()}
+        out["bf16_zero2_masters"] = masters
+        out["bf16_zero2_rounding_differs"] = any(not torch.equal(m, m.bfloat16().float()) for m in masters.values())
+
+
 def misc_dp2(rank, world, workdir):
     """Stock DeepSpeed baseline, torch AdamW pass-through, replicated-key mismatch, stock rescue at DP=2."""
     out: dict = {}
-    run_phases(out, {"world": world, "workdir": workdir}, _stock_baseline, _adamw_pass_through, _threshold_mismatch)
+    run_phases(out, {"world": world, "workdir": workdir}, _stock_baseline, _adamw_pass_through, _threshold_mismatch,
+               _bf16_zero2_save)
     _save_result(os.path.join(workdir, "misc_dp2.pt"), out)
 
 
@@ -150,10 +164,25 @@ def _adamw_loads(context, out):
     out["wrong_optimizer"] = _error(lambda: wrong_model.load_checkpoint(os.path.join(workdir, "adamw")))
 
 
+def _bf16_zero2_into_fp32(context, out):
+    """The bf16 ZeRO-2 checkpoint loaded by an fp32 ZeRO-1 engine, whole and weights only: the module weights
+    the next step runs with must be the loaded fp32 masters (a step between loads makes each one count)."""
+    world, workdir = context["world"], context["workdir"]
+    engine = make_engine(world)
+    for kwargs in ({}, {"load_module_only": True}, {"load_optimizer_states": False}):
+        train_steps(engine, RUN, 0, 1)
+        label = "bf16_zero2_into_fp32:" + (",".join(kwargs) or "whole")
+        out[label] = _error(lambda kwargs=kwargs: engine.load_checkpoint(os.path.join(workdir, "bf16_zero2"), **kwargs))
+        state = consolidated_state(engine)
+        if dist.get_rank() == 0:
+            out[label + ":masters"] = {name: tensors["fp32"] for name, tensors in state["params"].items()}
+            out[label + ":module"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
 def misc_dp3(rank, world, workdir):
     """At DP=3: stock DeepSpeed refuses its own checkpoint; zero_bnb explains; AdamW checkpoint resumes."""
     out: dict = {}
-    run_phases(out, {"world": world, "workdir": workdir}, _stock_at_another_dp, _adamw_loads)
+    run_phases(out, {"world": world, "workdir": workdir}, _stock_at_another_dp, _adamw_loads, _bf16_zero2_into_fp32)
     _save_result(os.path.join(workdir, "misc_dp3.pt"), out)
 
 

@@ -148,6 +148,20 @@ def test_weights_only_loads(misc):
             assert list(dp3[variant]["params"][name]) == ["fp32"], "optimizer state must stay empty"
 
 
+def test_after_any_load_module_weights_are_the_masters_cast_to_the_engines_dtype(misc):
+    """A bf16 ZeRO-2 checkpoint (saved at DP=2) loaded by an fp32 ZeRO-1 engine at DP=3."""
+    dp2, dp3 = misc
+    assert dp2["bf16_zero2_rounding_differs"], "the test needs masters that bf16 cannot hold"
+    for variant in ("whole", "load_module_only", "load_optimizer_states"):
+        label = f"bf16_zero2_into_fp32:{variant}"
+        assert dp3[label] is None, dp3[label]
+        masters, module = dp3[label + ":masters"], dp3[label + ":module"]
+        for name, saved in dp2["bf16_zero2_masters"].items():
+            assert torch.equal(masters[name], saved), (variant, name)
+            assert module[name].dtype == torch.float32 and torch.equal(module[name], saved), (
+                variant, name, (module[name] - saved).abs().max().item())
+
+
 def test_replicated_threshold_mismatch_is_refused_before_writing(misc):
     dp2, _ = misc
     message = dp2["mismatch_error"]

@@ -455,6 +455,24 @@ def test_weights_only_loads_in_bf16_take_the_exact_fp32_masters(ranks):
         assert ranks[0][label + ":masters"] and ranks[0][label + ":modules"], label
 
 
+def test_an_lr_scheduler_mismatch_or_a_bad_counter_is_refused_before_anything_changes(ranks):
+    _, ranks = ranks
+    missing = _same(ranks, "scheduler_missing")
+    assert missing.startswith("CheckpointMismatchError:") and "the engine has an LR scheduler (WarmupLR)" in missing
+    assert "holds none" in missing and "load_lr_scheduler_states=False" in missing, missing
+    unexpected = _same(ranks, "scheduler_unexpected")
+    assert unexpected.startswith("CheckpointMismatchError:") and "the engine has no LR scheduler" in unexpected
+    assert "last_batch_iteration" in unexpected and "load_lr_scheduler_states=False" in unexpected, unexpected
+    assert ranks[0]["scheduler_missing_unchanged"] and ranks[0]["scheduler_unexpected_unchanged"]
+    assert all(out["scheduler_missing_unchanged"] and out["scheduler_unexpected_unchanged"] for out in ranks)
+    assert _same(ranks, "scheduler_left_out") is None
+    for name, value in (("global_steps", -1), ("global_steps", "x"), ("skipped_steps", None)):
+        message = _same(ranks, f"counter:{name}={value}")
+        assert message.startswith("CheckpointFormatError:") and f"{name}={value!r}" in message, message
+        assert "must be an integer >= 0" in message and "\n" not in message, message
+        assert all(out[f"counter:{name}={value}:unchanged"] for out in ranks)
+
+
 def test_a_load_during_a_resave_of_its_tag_loads_one_whole_checkpoint_or_says_it_was_replaced(ranks):
     _, ranks = ranks
     allowed = ("old", "new")

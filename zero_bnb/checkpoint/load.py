@@ -15,12 +15,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from zero_bnb.checkpoint import regroup
 from zero_bnb.checkpoint.collective import agree
 from zero_bnb.checkpoint.derived import DERIVED_PARAMS_KEY, restore_derived
+from zero_bnb.checkpoint.model_file import check_model_states, module_from_masters
 from zero_bnb.checkpoint.restore import (
     RestorePlan,
     SavedState,
@@ -29,7 +29,7 @@ from zero_bnb.checkpoint.restore import (
     plan_restore,
 )
 from zero_bnb.checkpoint.stock_import import StockCheckpoint
-from zero_bnb.errors import CheckpointFormatError, CheckpointMismatchError, CheckpointReplacedError
+from zero_bnb.errors import CheckpointReplacedError
 from zero_bnb.format.reader import CheckpointReader
 from zero_bnb.format.unpickle import safe_load
 
@@ -125,31 +125,13 @@ class LoadPlan:
     model_states: dict[str, Any]
 
 
-def _check_module(module: torch.nn.Module, saved: Any, model_file: str, strict: bool) -> None:
-    if not isinstance(saved, dict):
-        raise CheckpointFormatError(f"{model_file} holds no 'module' state dict; it is not a DeepSpeed model file")
-    current = module.state_dict()
-    shapes = sorted(f"{key}: saved {tuple(saved[key].shape)}, model {tuple(value.shape)}"
-                    for key, value in current.items()
-                    if key in saved and isinstance(saved[key], torch.Tensor) and saved[key].shape != value.shape)
-    missing = sorted(set(current) - set(saved)) if strict else []
-    unexpected = sorted(set(saved) - set(current)) if strict else []
-    if shapes or missing or unexpected:
-        detail = "; ".join(part for part in (
-            f"shape differs: {shapes}" if shapes else "",
-            f"missing in checkpoint: {missing[:10]}" if missing else "",
-            f"not in model: {unexpected[:10]}" if unexpected else "",
-        ) if part)
-        raise CheckpointMismatchError(
-            f"the module weights in {model_file} do not fit the running model ({detail}). Build the model that "
-            f"wrote the checkpoint{', or load with load_module_strict=False' if not shapes else ''}"
-        )
-
-
-def plan_load(engine, opened: Opened, model_file: str, *, optimizer_states: bool, strict: bool) -> LoadPlan:
+def plan_load(engine, opened: Opened, model_file: str, *, optimizer_states: bool, strict: bool,
+              module_only: bool = False, scheduler_states: bool = True) -> LoadPlan:
     """Read and check every part of a load on this rank, changing nothing: the optimizer's
-    partitions (:func:`~zero_bnb.checkpoint.restore.plan_restore`) and DeepSpeed's model file (module
-    weights put back from the master weights, keys and shapes checked against the module).
+    partitions (:func:`~zero_bnb.checkpoint.restore.plan_restore`) and every entry of DeepSpeed's model
+    file its loader applies (:func:`~zero_bnb.checkpoint.model_file.check_model_states`: module, counters,
+    LR scheduler). The module weights of trained parameters are planned as their master weights cast to
+    the module's dtype, whatever dtype the checkpoint's module was in.
 
     Local; the engine runs it under :func:`~zero_bnb.checkpoint.collective.agree` so that a failure on
     any rank stops the load on every rank before anything is modified.
@@ -161,10 +143,11 @@ def plan_load(engine, opened: Opened, model_file: str, *, optimizer_states: bool
     else:  # the bytes of the save that was verified, whatever now lies at model_file
         model_states = opened.reader.load(os.path.basename(model_file), "DeepSpeed model file",
                                           deepspeed_classes=True)
-    if not isinstance(model_states, dict):
-        raise CheckpointFormatError(f"{model_file} is not a DeepSpeed model file (it holds a "
-                                    f"{type(model_states).__name__})")
-    if DERIVED_PARAMS_KEY in model_states:
-        restore_derived(model_states, master_weights(saved))
-    _check_module(engine.module, model_states.get("module"), model_file, strict)
+    master = master_weights(saved)
+    if isinstance(model_states, dict) and DERIVED_PARAMS_KEY in model_states:
+        restore_derived(model_states, master)
+    check_model_states(engine, model_states, model_file, strict=strict, module_only=module_only,
+                       scheduler_states=scheduler_states)
+    trained = {param: engine.param_names[param] for param in engine.optimizer.trained_params()}
+    module_from_masters(engine.module, trained, model_states, master)
     return LoadPlan(optimizer, model_file, model_states)

@@ -324,8 +324,9 @@ class ZeroBnbEngine(DeepSpeedEngine):
         optimizer_states = load_optimizer_states and not load_module_only
         opened = open_for_load(self, load_dir, folder_tag, optimizer_states=optimizer_states)
         try:
-            plan: LoadPlan = agree(lambda: plan_load(self, opened, self._get_ckpt_name(load_dir, folder_tag),
-                                                     optimizer_states=optimizer_states, strict=load_module_strict))
+            plan: LoadPlan = agree(lambda: plan_load(
+                self, opened, self._get_ckpt_name(load_dir, folder_tag), optimizer_states=optimizer_states,
+                strict=load_module_strict, module_only=load_module_only, scheduler_states=load_lr_scheduler_states))
         finally:
             opened.close()  # everything is read (shards stay memory-mapped)
         saved = opened.saved

@@ -1,0 +1,129 @@
+"""DeepSpeed's model-states file, as a load will apply it: every entry DeepSpeed's loader touches, checked first.
+
+DeepSpeed's ``_load_checkpoint`` replaces the module weights, then reads the LR scheduler state,
+the step counters and the world sizes from this file; an entry it cannot use fails half-way,
+with the module already replaced. :func:`check_model_states` refuses such a file before anything
+is applied, and :func:`module_from_masters` makes the module weights the load applies exactly
+the master weights cast to the module's dtype (whatever dtype the checkpoint's module was in).
+
+Local functions, no collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zero_bnb.checkpoint.derived import derived_entries
+from zero_bnb.errors import CheckpointFormatError, CheckpointMismatchError
+
+__all__ = ["check_model_states", "module_from_masters"]
+
+#: Counters DeepSpeed sets from the model file on a full load: name -> smallest valid value.
+_COUNTERS = {"global_steps": 0, "skipped_steps": 0, "mp_world_size": 1}
+
+
+def _check_module(module: torch.nn.Module, saved: Any, model_file: str, strict: bool) -> None:
+    if not isinstance(saved, dict):
+        raise CheckpointFormatError(f"{model_file} holds no 'module' state dict; it is not a DeepSpeed model file")
+    current = module.state_dict()
+    wrong = sorted(f"{key}: saved {type(saved[key]).__name__ if not isinstance(saved[key], torch.Tensor) else saved[key].dtype}, "
+                   f"model {value.dtype}" for key, value in current.items() if key in saved and (
+                       not isinstance(saved[key], torch.Tensor)
+                       or saved[key].dtype.is_floating_point != value.dtype.is_floating_point
+                       or saved[key].dtype.is_complex))
+    if wrong:
+        raise CheckpointFormatError(f"{model_file}: module entries that cannot be loaded into the model's tensors "
+                                    f"({wrong[:5]}); the file was edited or not written by DeepSpeed")
+    shapes = sorted(f"{key}: saved {tuple(saved[key].shape)}, model {tuple(value.shape)}"
+                    for key, value in current.items() if key in saved and saved[key].shape != value.shape)
+    missing = sorted(set(current) - set(saved)) if strict else []
+    unexpected = sorted(set(saved) - set(current)) if strict else []
+    if shapes or missing or unexpected:
+        detail = "; ".join(part for part in (
+            f"shape differs: {shapes}" if shapes else "",
+            f"missing in checkpoint: {missing[:10]}" if missing else "",
+            f"not in model: {unexpected[:10]}" if unexpected else "",
+        ) if part)
+        raise CheckpointMismatchError(
+            f"the module weights in {model_file} do not fit the running model ({detail}). Build the model that "
+            f"wrote the checkpoint{', or load with load_module_strict=False' if not shapes else ''}"
+        )
+
+
+def _check_counters(model_states: dict, model_file: str, module_only: bool) -> None:
+    counters = {"dp_world_size": 1} if module_only else {"dp_world_size": 1, **_COUNTERS}
+    problems = [f"{name}={model_states.get(name, '<missing>')!r:.40} (must be an integer >= {least})"
+                for name, least in counters.items()
+                if not (isinstance(model_states.get(name), int) and not isinstance(model_states.get(name), bool)
+                        and model_states[name] >= least)]
+    samples = model_states.get("global_samples", 0)
+    if not module_only and not (isinstance(samples, int) and not isinstance(samples, bool) and samples >= 0):
+        problems.append(f"global_samples={samples!r:.40} (must be an integer >= 0)")
+    if problems:
+        raise CheckpointFormatError(f"{model_file} holds values DeepSpeed cannot resume from: {'; '.join(problems)}; "
+                                    f"the file was edited or not written by DeepSpeed")
+
+
+def _check_scheduler(scheduler: Any, saved: Any, model_file: str) -> None:
+    if scheduler is None and saved is None:
+        return
+    if scheduler is None:
+        keys = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+        raise CheckpointMismatchError(
+            f"{model_file} holds LR scheduler state ({keys!s:.120}) but the engine has no LR scheduler; pass the "
+            f"scheduler to initialize (lr_scheduler= or the config's 'scheduler') to resume it, or load with "
+            f"load_lr_scheduler_states=False to leave it out"
+        )
+    name = type(scheduler).__name__
+    if saved is None:
+        raise CheckpointMismatchError(
+            f"the engine has an LR scheduler ({name}) but {model_file} holds none (it was saved without one); load "
+            f"with load_lr_scheduler_states=False to keep the engine's scheduler as it is, or build the engine "
+            f"without one"
+        )
+    expected = set(scheduler.state_dict())
+    if not isinstance(saved, dict) or not expected <= set(saved):
+        have = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+        raise CheckpointMismatchError(
+            f"the LR scheduler state in {model_file} ({have!s:.160}) lacks what the engine's {name} needs "
+            f"({sorted(expected - set(saved)) if isinstance(saved, dict) else sorted(expected)!s:.160}); it was "
+            f"saved with another scheduler. Build the engine with that scheduler, or load with "
+            f"load_lr_scheduler_states=False"
+        )
+
+
+def check_model_states(engine: Any, model_states: Any, model_file: str, *, strict: bool, module_only: bool,
+                       scheduler_states: bool) -> None:
+    """Refuse a model file DeepSpeed's loader would fail on half-way, before anything is applied.
+
+    Checks the module entries (tensors of the model's kind and shape; every key with ``strict``),
+    the counters DeepSpeed sets (``global_steps``, ``skipped_steps``, world sizes: non-negative
+    integers), and with ``scheduler_states`` that the checkpoint has LR scheduler state exactly
+    when the engine has a scheduler, holding what that scheduler's ``load_state_dict`` reads.
+
+    Raises:
+        CheckpointFormatError: a malformed entry, naming it and its value.
+        CheckpointMismatchError: the module or scheduler does not fit the engine, naming the fix.
+    """
+    if not isinstance(model_states, dict):
+        raise CheckpointFormatError(f"{model_file} is not a DeepSpeed model file (it holds a "
+                                    f"{type(model_states).__name__})")
+    _check_module(engine.module, model_states.get("module"), model_file, strict)
+    _check_counters(model_states, model_file, module_only)
+    if scheduler_states and not module_only:
+        _check_scheduler(getattr(engine, "lr_scheduler", None), model_states.get("lr_scheduler"), model_file)
+
+
+def module_from_masters(module: torch.nn.Module, trained: dict[torch.nn.Parameter, str], model_states: dict,
+                        master: Callable[[str], torch.Tensor]) -> None:
+    """Set every trained parameter's entry of ``model_states["module"]`` to its master weight cast to the
+    module's dtype, in place: after the load, module weights and master weights agree exactly.
+
+    ``trained`` maps the parameters ZeRO trains to their checkpoint names; ``master`` gives a name's
+    fp32 master weight. Buffers and frozen parameters keep the file's values.
+    """
+    for key, (name, dtype) in derived_entries(module, trained).items():
+        model_states["module"][key] = master(name).to(getattr(torch, dtype))
