@@ -62,6 +62,70 @@ def replace_listed_file(tag_folder: str, relative: str, obj) -> None:
     resign(folder, data)
 
 
+def _edit_payload(relative: str, edit):
+    """A tamper: ``edit`` the object in file ``relative`` of a tag folder, then re-sign the manifest to match."""
+    def tamper(tag_folder: str) -> None:
+        data = torch.load(os.path.join(tag_folder, relative), weights_only=True)
+        edit(data)
+        replace_listed_file(tag_folder, relative, data)
+    return tamper
+
+
+def _declare(name: str, keys: list[str]):
+    """A tamper: the manifest's non_finite declares NaN/Inf in ``keys`` of parameter ``name`` (re-signed)."""
+    def tamper(tag_folder: str) -> None:
+        folder = os.path.join(tag_folder, SUBDIR)
+        with open(os.path.join(folder, MANIFEST_NAME), encoding="utf-8") as handle:
+            data = json.load(handle)
+        data["non_finite"] = {name: keys}
+        resign(folder, data)
+    return tamper
+
+
+_REPLICATED = os.path.join(SUBDIR, "replicated.pt")
+_SHARD_0 = os.path.join(SUBDIR, "shard_00000-of-00002.pt")
+
+
+def _set_counter(value):
+    return _edit_payload(_REPLICATED, lambda data: data["groups"][0]["counters"].update(step=value))
+
+
+def _set_qmap(make):
+    return _edit_payload(_REPLICATED, lambda data: data["groups"][0]["replicated"].update(
+        qmap1=make(data["groups"][0]["replicated"]["qmap1"])))
+
+
+def _set_in_shard(key, value=float("nan")):
+    def edit(data):
+        tensors = data["groups"][0]
+        (tensors["fp32"] if key == "fp32" else tensors["state"][key])[0] = value
+    return _edit_payload(_SHARD_0, edit)
+
+
+#: Values a re-signed checkpoint may carry, each refused by ``verify`` and by a load with one line naming the
+#: field: name -> (tamper, text the error must hold). The first parameter of group 0 is ``0.weight``.
+TAMPERED_VALUES = {
+    "step_negative": (_set_counter(-1), "group 0 counter step=-1 must be a number >= 0"),
+    "step_text": (_set_counter("x"), "group 0 counter step='x' must be a number >= 0"),
+    "qmap_300": (_set_qmap(lambda q: torch.linspace(-1, 1, 300)), "quantization map 'qmap1' is float32 (300,)"),
+    "qmap_1": (_set_qmap(lambda q: q[:1].clone()), "quantization map 'qmap1' is float32 (1,)"),
+    "qmap_unsorted": (_set_qmap(lambda q: q.flip(0).contiguous()), "quantization map 'qmap1' must be sorted"),
+    "qmap_nan": (_set_qmap(lambda q: torch.where(q == q.max(), float("nan"), q)),
+                 "quantization map 'qmap1' must hold finite values in [-1, 1]"),
+    "lr_nan": (_edit_payload(_REPLICATED, lambda data: data["groups"][0]["param_group"].update(lr=float("nan"))),
+               "hyper-parameter lr=nan must be finite"),
+    "lr_negative": (_edit_payload(_REPLICATED, lambda data: data["groups"][0]["param_group"].update(lr=-0.1)),
+                    "hyper-parameter lr=-0.1 must be >= 0"),
+    "beta_one": (_edit_payload(_REPLICATED, lambda data: data["groups"][0]["param_group"].update(betas=(0.9, 1.0))),
+                 "hyper-parameter betas=(0.9, 1.0) must hold numbers in [0, 1)"),
+    "absmax_nan": (_set_in_shard("absmax1"), "'absmax1' of parameter(s) ['0.weight'] holds NaN/Inf"),
+    "master_nan": (_set_in_shard("fp32"), "'fp32' of parameter(s) ['0.weight'] holds NaN/Inf"),
+    "master_inf_declared_for_another": (
+        lambda folder: (_set_in_shard("fp32", float("inf"))(folder), _declare("2.weight", ["fp32"])(folder)),
+        "'fp32' of parameter(s) ['0.weight'] holds NaN/Inf"),
+}
+
+
 def _listing(folder: str) -> tuple[list[str], str | None]:
     latest = os.path.join(folder, "latest")
     text = open(latest).read() if os.path.isfile(latest) else None
@@ -310,6 +374,23 @@ def _scheduler_and_counters(c, out):
         out[f"counter:{name}={value}:unchanged"] = _same(scheduled, snapshot)
 
 
+def _tampered_values(c, out):
+    """Values a re-signed checkpoint carries (counters, quantization maps, hyper-parameters, NaN the manifest does
+    not declare) are refused before a load applies anything."""
+    import shutil
+
+    rank, workdir, engine, save = c["rank"], c["workdir"], c["engine"], c["save"]
+    snapshot = _snapshot(engine)
+    for name, (tamper, _) in TAMPERED_VALUES.items():
+        folder = os.path.join(workdir, f"tampered_{name}")
+        if rank == 0:
+            shutil.copytree(save, folder, ignore=shutil.ignore_patterns(LOCK_NAME))
+            tamper(os.path.join(folder, "A"))
+        dist.barrier()
+        out[f"tampered:{name}"] = _error(lambda folder=folder: engine.load_checkpoint(folder, tag="A"))
+    out["tampered_unchanged"] = _same(engine, snapshot)
+
+
 def fingerprint(engine) -> str:
     """SHA-256 of everything a load sets on this rank: module weights, master partitions, optimizer state and
     hyper-parameters, ``global_steps``. Local."""
@@ -433,7 +514,7 @@ def hostile(rank, world, workdir, foreign_pid):
                "save": save, "log": log}
     run_phases(out, context, _unsafe_tags, _symlinked_tag, _unwritable_folders, _split_folders_and_fifo_lock, _locks,
                _planted_links, _full_disk, _late_mismatch, _code_payload, _hyperparameter_log, _weights_only_loads,
-               _scheduler_and_counters, _load_during_resave, _failed_initialize)
+               _scheduler_and_counters, _tampered_values, _load_during_resave, _failed_initialize)
     logging.getLogger("zero_bnb").removeHandler(handler)
     gathered = [None] * world
     dist.all_gather_object(gathered, out)

@@ -18,7 +18,17 @@ import threading
 
 import pytest
 import torch
-from hostile_scenarios import INTERNAL_TAGS, UNSAFE_TAGS, Payload, hostile, replace_listed_file, resign, saving_job
+from hostile_scenarios import (
+    INTERNAL_TAGS,
+    TAMPERED_VALUES,
+    UNSAFE_TAGS,
+    Payload,
+    _declare,
+    hostile,
+    replace_listed_file,
+    resign,
+    saving_job,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scenarios import _save_result, _stock_engine, cli, make_engine, result
@@ -455,6 +465,15 @@ def test_weights_only_loads_in_bf16_take_the_exact_fp32_masters(ranks):
         assert ranks[0][label + ":masters"] and ranks[0][label + ":modules"], label
 
 
+def test_values_a_re_signed_checkpoint_carries_are_refused_before_a_load_applies_anything(ranks):
+    _, ranks = ranks
+    for name, (_, expected) in TAMPERED_VALUES.items():
+        message = _same(ranks, f"tampered:{name}")
+        assert message is not None and message.startswith("CheckpointFormatError:"), (name, message)
+        assert expected in message and "\n" not in message, (name, message)
+    assert ranks[0]["tampered_unchanged"] and all(out["tampered_unchanged"] for out in ranks)
+
+
 def test_an_lr_scheduler_mismatch_or_a_bad_counter_is_refused_before_anything_changes(ranks):
     _, ranks = ranks
     missing = _same(ranks, "scheduler_missing")
@@ -634,6 +653,25 @@ def test_verify_runs_the_structural_checks_and_refuses_colliding_names(sources, 
     for command in (("verify", zb), ("export", zb, "--to", "fp32", tmp_path / "w.safetensors")):
         code, _, err = cli(*command)
         assert code == 1 and "every parameter name must appear once" in err, (command, err)
+
+
+@pytest.mark.parametrize("name", list(TAMPERED_VALUES))
+def test_verify_refuses_values_a_re_signed_checkpoint_carries_naming_the_field(sources, tmp_path, name):
+    tamper, expected = TAMPERED_VALUES[name]
+    zb = _fresh(sources, tmp_path)
+    tamper(str(zb / "A"))
+    code, _, err = cli("verify", zb)
+    last = err.strip().split("\n")[-1]  # after the checksums' progress bar
+    assert code == 1 and last.startswith("zero-bnb verify: CheckpointFormatError: ") and expected in last, err
+
+
+def test_verify_accepts_non_finite_values_the_manifest_declares(sources, tmp_path):
+    zb = _fresh(sources, tmp_path)
+    for tamper, _ in (TAMPERED_VALUES["master_nan"], TAMPERED_VALUES["absmax_nan"]):
+        tamper(str(zb / "A"))
+    _declare("0.weight", ["absmax1", "fp32"])(str(zb / "A"))
+    code, out, err = cli("verify", zb)
+    assert code == 0, err
 
 
 def test_hyperparameters_of_the_wrong_type_are_refused(sources, tmp_path):

@@ -24,9 +24,10 @@ from zero_bnb.core import quant
 from zero_bnb.core.kinds import is_partitioned, local_range, saved_length, saved_ranges, whole_length
 from zero_bnb.core.layout import plan_copy
 from zero_bnb.core.state_spec import StateKind
-from zero_bnb.errors import CheckpointMismatchError
+from zero_bnb.errors import CheckpointFormatError, CheckpointMismatchError
 from zero_bnb.format.manifest import MASTER_KEY, GroupEntry, Manifest
 from zero_bnb.format.payload import ReplicatedPayload
+from zero_bnb.format.values import undeclared_non_finite
 
 __all__ = [
     "GroupPlan",
@@ -302,11 +303,34 @@ class _GroupRestorer:
         state[triple.absmax].zero_()
         state[triple.absmax][..., : absmax.shape[-1]].copy_(absmax)
 
-    def plan(self, load_optimizer_states: bool) -> GroupPlan:
+    def plan(self, load_optimizer_states: bool, names: dict) -> GroupPlan:
         if not load_optimizer_states:
-            return GroupPlan(self.index, self.master(), None, None, [])
-        state, notes = self.planned_state()
-        return GroupPlan(self.index, self.master(), state, dict(self.record.param_group), notes)
+            plan = GroupPlan(self.index, self.master(), None, None, [])
+        else:
+            state, notes = self.planned_state()
+            plan = GroupPlan(self.index, self.master(), state, dict(self.record.param_group), notes)
+        self._check_finite(plan, names)
+        return plan
+
+    def _check_finite(self, plan: GroupPlan, names: dict) -> None:
+        """Refuse NaN/Inf in the planned masters or float state that the manifest's ``non_finite`` does not declare."""
+        tensors = [(MASTER_KEY, StateKind.ELEMENTWISE, plan.master)]
+        for key, value in (plan.state or {}).items():
+            entry = self.entry.state(key)
+            if entry is not None and is_partitioned(entry.kind) and isinstance(value, torch.Tensor):
+                tensors.append((key, entry.kind, value))
+        params = self.optimizer.param_entries(self.index, names)
+        same_as = self.optimizer.zero_bnb_spec.same_quantized_state()
+        for key, kind, value in tensors:
+            found = undeclared_non_finite(value[..., : self._length(kind)].float(), key, kind,
+                                          local_range(kind, self.geometry, self.optimizer.dp_rank), params,
+                                          self.block_size, self.saved.manifest.non_finite, same_as)
+            if found:
+                raise CheckpointFormatError(
+                    f"the checkpoint's {key!r} of parameter(s) {found[:5]} holds NaN/Inf, but its manifest's "
+                    f"non_finite declares none there ({ {name: self.saved.manifest.non_finite.get(name, []) for name in found[:5]} }); "
+                    f"it was edited or damaged after it was written. Load an earlier tag"
+                )
 
 
 @dataclass
@@ -341,7 +365,7 @@ def plan_restore(
         CheckpointMismatchError: the checkpoint does not fit the running model or optimizer.
     """
     check_compatible(optimizer, saved.manifest, names, optimizer_states=load_optimizer_states)
-    groups = [_GroupRestorer(optimizer, saved, index).plan(load_optimizer_states)
+    groups = [_GroupRestorer(optimizer, saved, index).plan(load_optimizer_states, names)
               for index in range(optimizer.num_groups)]
     wrapper = {}
     if load_optimizer_states:

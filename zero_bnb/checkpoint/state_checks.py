@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from zero_bnb.checkpoint.partitioned import PartitionedOptimizer
-from zero_bnb.core.kinds import is_partitioned, local_range, saved_length, to_axis
+from zero_bnb.core.kinds import is_partitioned, local_range, non_finite_params, saved_length
 from zero_bnb.core.state_spec import ClassifiedBy, StateKind, UnsupportedOptimizerError, classify_state
 from zero_bnb.errors import NonFiniteStateError, ReplicatedStateMismatch
 from zero_bnb.format.manifest import StateEntry
@@ -30,8 +30,6 @@ from zero_bnb.format.manifest import StateEntry
 __all__ = ["Classified", "classify_group_state", "find_non_finite", "verify_replicated_state"]
 
 logger = logging.getLogger(__name__)
-
-_SCAN_CHUNK = 1 << 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,10 +114,6 @@ def verify_replicated_state(optimizer: PartitionedOptimizer) -> None:
         )
 
 
-def _all_finite(tensor: torch.Tensor) -> bool:
-    return all(bool(torch.isfinite(chunk).all()) for chunk in tensor.split(_SCAN_CHUNK))
-
-
 def _local_non_finite(optimizer: PartitionedOptimizer, names: dict) -> dict[str, list[str]]:
     """Parameter name -> saved tensors holding NaN/Inf, for this rank's partitions only."""
     found: dict[str, set[str]] = {}
@@ -132,16 +126,10 @@ def _local_non_finite(optimizer: PartitionedOptimizer, names: dict) -> dict[str,
             value, kind = item.value, item.entry.kind
             if is_partitioned(kind) and isinstance(value, torch.Tensor) and value.is_floating_point():
                 tensors.append((item.entry.key, kind, value.detach()[..., : saved_length(kind, geometry, rank)]))
+        params = optimizer.param_entries(group_index, names)
         for key, kind, tensor in tensors:
-            if _all_finite(tensor):
-                continue
-            first, last = local_range(kind, geometry, rank)
-            for param in optimizer.param_entries(group_index, names):
-                start, end = to_axis(kind, param.offset, param.offset + param.numel, geometry.block_size)
-                lo, hi = max(start, first), min(end, last)
-                piece = tensor[..., lo - first : hi - first] if lo < hi else tensor[..., :0]
-                if not _all_finite(piece):
-                    found.setdefault(param.name, set()).add(key)
+            for name in non_finite_params(tensor, kind, local_range(kind, geometry, rank), params, geometry.block_size):
+                found.setdefault(name, set()).add(key)
     return {name: sorted(keys) for name, keys in found.items()}
 
 

@@ -9,11 +9,14 @@ split at all. Pure functions.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
+
+import torch
 
 from zero_bnb.core.layout import GroupGeometry, ceil_div
 from zero_bnb.core.state_spec import StateKind
 
-__all__ = ["PARTITIONED", "is_partitioned", "local_range", "saved_length", "saved_ranges", "to_axis", "whole_length"]
+__all__ = ["PARTITIONED", "all_finite", "is_partitioned", "non_finite_params", "local_range", "saved_length", "saved_ranges", "to_axis", "whole_length"]
 
 #: Kinds split along the partition axis (the last one); the others are saved once, whole.
 PARTITIONED = frozenset({StateKind.ELEMENTWISE, StateKind.BLOCKWISE})
@@ -60,3 +63,32 @@ def saved_ranges(kind: StateKind, element_ranges: Sequence[tuple[int, int]],
     """The saved ranges (one per shard) on ``kind``'s axis, from a manifest group's two lists."""
     _require(kind)
     return element_ranges if kind is StateKind.ELEMENTWISE else block_ranges
+
+
+_SCAN_CHUNK = 1 << 24
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds no NaN/Inf (scanned in chunks: no full-size temporary)."""
+    if not tensor.is_floating_point():
+        return True
+    return all(bool(torch.isfinite(chunk).all()) for chunk in tensor.reshape(-1).split(_SCAN_CHUNK))
+
+
+def non_finite_params(tensor: torch.Tensor, kind: StateKind, axis_range: tuple[int, int], params: Sequence[Any],
+                      block_size: int) -> list[str]:
+    """Names of the parameters whose entries of ``tensor`` hold NaN/Inf.
+
+    ``tensor`` holds the global range ``axis_range`` of ``kind``'s axis (its last one);
+    ``params`` have ``name``, ``offset`` and ``numel`` in the flat group. One pass when all is finite.
+    """
+    if all_finite(tensor):
+        return []
+    first, last = axis_range
+    found = []
+    for param in params:
+        start, end = to_axis(kind, param.offset, param.offset + param.numel, block_size)
+        lo, hi = max(start, first), min(end, last)
+        if lo < hi and not all_finite(tensor[..., lo - first : hi - first]):
+            found.append(param.name)
+    return found

@@ -114,6 +114,11 @@ class OptimizerSpec:
                 return triple
         return None
 
+    def same_quantized_state(self) -> dict[str, frozenset[str]]:
+        """Per codes or absmax key of an 8-bit triple, the other one: both hold one moment (a NaN scale makes NaN
+        values, whichever of them a check looks at)."""
+        return {key: frozenset((t.codes, t.absmax)) - {key} for t in self.quantized for key in (t.codes, t.absmax)}
+
 
 @dataclass(frozen=True, slots=True)
 class StateRule:

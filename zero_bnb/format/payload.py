@@ -27,6 +27,7 @@ from zero_bnb.format.durable import FileRecord, save_torch
 from zero_bnb.format.manifest import FORMAT_VERSION, MASTER_KEY, REPLICATED_NAME, SUBDIR, Manifest, shard_name
 from zero_bnb.format.pinned import PinnedFolder
 from zero_bnb.format.unpickle import load_pinned
+from zero_bnb.format.values import counter_problem, hyperparameter_problem, qmap_keys, qmap_problem
 from zero_bnb.format.wrapper_state import check_plain, plain_wrapper
 
 __all__ = [
@@ -166,46 +167,34 @@ def _check_shard(shard: Any, manifest: Manifest, rank: int, source: str) -> None
                                     f"was edited or not written by zero_bnb")
 
 
-_NUMBER = (int, float)
-_NUMERIC_HYPERPARAMETERS = ("lr", "eps", "weight_decay", "momentum", "alpha", "dampening", "min_8bit_size",
-                            "percentile_clipping", "max_unorm", "t_alpha", "t_beta3")
-
-
-def _hyperparameter_problem(key: Any, value: Any) -> str | None:
-    """Why a saved param-group entry cannot be what an optimizer holds (``None`` if it can)."""
-    if not isinstance(key, str):
-        return "has a non-string name"
-    if key in _NUMERIC_HYPERPARAMETERS and (isinstance(value, bool) or not isinstance(value, _NUMBER + (type(None),))):
-        return "must be a number"
-    if key == "betas" and not (isinstance(value, (tuple, list)) and all(
-            isinstance(b, _NUMBER + (type(None),)) and not isinstance(b, bool) for b in value)):
-        return "must be a tuple of numbers"
-    return None
-
-
 def _check_replicated(replicated: Any, manifest: Manifest, source: str) -> None:
     """The replicated-state file holds, per group, the counters and replicated tensors the manifest lists."""
     groups = replicated.get("groups") if isinstance(replicated, dict) else None
     if not isinstance(groups, list) or len(groups) != len(manifest.groups) or not isinstance(
             replicated.get("zero_wrapper", {}), dict):
         raise CheckpointFormatError(f"{source} does not hold the {len(manifest.groups)} groups its manifest lists")
-    problems = []
+    problems, qmaps = [], qmap_keys(manifest.optimizer_spec)
     for index, (entry, group) in enumerate(zip(manifest.groups, groups)):
         if not isinstance(group, dict) or not all(isinstance(group.get(k), dict)
                                                   for k in ("param_group", "counters", "replicated")):
             problems.append(f"group {index} is not {{'param_group': {{}}, 'counters': {{}}, 'replicated': {{}}}}")
             continue
         for key, value in group["param_group"].items():
-            problem = _hyperparameter_problem(key, value)
+            problem = hyperparameter_problem(key, value)
             if problem:
                 problems.append(f"group {index} hyper-parameter {key}={value!r:.80} {problem}")
         for state in entry.states:
-            if state.kind is StateKind.COUNTER and state.key not in group["counters"]:
-                problems.append(f"group {index} has no counter {state.key!r}")
+            if state.kind is StateKind.COUNTER:
+                if state.key not in group["counters"]:
+                    problems.append(f"group {index} has no counter {state.key!r}")
+                elif (problem := counter_problem(group["counters"][state.key])) is not None:
+                    problems.append(f"group {index} counter {state.key}={group['counters'][state.key]!r:.60} {problem}")
             elif state.kind is StateKind.REPLICATED:
                 value = group["replicated"].get(state.key)
                 if not isinstance(value, torch.Tensor) or str(value.dtype).removeprefix("torch.") != state.dtype:
                     problems.append(f"group {index} replicated {state.key!r} is not a {state.dtype} tensor")
+                elif state.key in qmaps and (problem := qmap_problem(value)) is not None:
+                    problems.append(f"group {index} quantization map {state.key!r} {problem}")
     if problems:
         raise CheckpointFormatError(f"{source} does not match its manifest: {'; '.join(problems[:6])}; the checkpoint "
                                     f"was edited or not written by zero_bnb")

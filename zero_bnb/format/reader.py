@@ -13,11 +13,14 @@ import torch
 
 from zero_bnb.errors import CheckpointFormatError
 from zero_bnb.format.integrity import check_file_list, verify_checksums
-from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR, decode_manifest
+from zero_bnb.core.kinds import is_partitioned, saved_ranges
+from zero_bnb.core.state_spec import StateKind
+from zero_bnb.format.manifest import MANIFEST_NAME, MASTER_KEY, SUBDIR, decode_manifest
 from zero_bnb.format.payload import ReplicatedPayload, ShardPayload, read_replicated, read_shard
 from zero_bnb.format.pinned import PinnedFolder
 from zero_bnb.format.tags import resolve_tag
 from zero_bnb.format.unpickle import load_pinned
+from zero_bnb.format.values import same_quantized_state, undeclared_non_finite
 
 __all__ = ["CheckpointReader", "verify_checkpoint"]
 
@@ -75,6 +78,32 @@ class CheckpointReader:
         for rank in range(len(self.manifest.shards)):
             self._shard(rank)
 
+    def check_values(self) -> None:
+        """Refuse NaN/Inf in any shard's master weights or float state that the manifest's ``non_finite`` does not
+        declare (a pass over every shard; the replicated file's values are checked when it is read). Call after
+        :meth:`preload`.
+
+        Raises:
+            CheckpointFormatError: names the shard, group, key and parameters.
+        """
+        manifest = self.manifest
+        same_as = same_quantized_state(manifest.optimizer_spec)
+        for rank, shard_file in enumerate(manifest.shards):
+            for index, group in enumerate(manifest.groups):
+                kinds = {MASTER_KEY: StateKind.ELEMENTWISE, **{s.key: s.kind for s in group.states
+                                                             if is_partitioned(s.kind)}}
+                for key, kind in kinds.items():
+                    tensor = self.piece(rank, index, key)
+                    axis_range = saved_ranges(kind, group.element_ranges, group.block_ranges)[rank]
+                    found = undeclared_non_finite(tensor, key, kind, axis_range, group.params, manifest.block_size,
+                                                  manifest.non_finite, same_as)
+                    if found:
+                        raise CheckpointFormatError(
+                            f"{os.path.join(self.tag_folder, SUBDIR, shard_file)}: group {index}: {key!r} of "
+                            f"parameter(s) {found[:5]} holds NaN/Inf, but the manifest's non_finite declares none "
+                            f"there; the checkpoint was edited or damaged after it was written. Load an earlier tag"
+                        )
+
     def load(self, name: str, what: str, *, deepspeed_classes: bool = False):
         """Unpickle file ``name`` of the tag folder (``weights_only``) from the pinned bytes; for DeepSpeed's
         model file. Call after :meth:`verify`."""
@@ -102,7 +131,9 @@ def verify_checkpoint(load_dir: str, tag: str | None = None, *, progress: bool =
     """Run every consistency and checksum check on one zero_bnb checkpoint, in this process.
 
     Local: no collectives. After the checksums, the shards (memory-mapped) and the replicated
-    file are read with ``weights_only=True`` and checked against the manifest (dtypes, shapes).
+    file are read with ``weights_only=True`` and checked against the manifest (dtypes, shapes)
+    and for values (:mod:`zero_bnb.format.values`: counters, hyper-parameters, quantization maps,
+    NaN/Inf the manifest does not declare).
 
     Args:
         load_dir: the folder passed to ``save_checkpoint``.
@@ -121,4 +152,5 @@ def verify_checkpoint(load_dir: str, tag: str | None = None, *, progress: bool =
     reader = CheckpointReader(os.path.join(load_dir, folder_tag))
     reader.verify(progress=progress)
     reader.preload()
+    reader.check_values()
     return reader
