@@ -483,7 +483,7 @@ def _load_during_resave(c, out):
     if rank == 0:
         thread.start()
     try:
-        out["resave_race"] = [outcome(_error(lambda: engine.load_checkpoint(race, tag="T"))) for _ in range(12)]
+        out["resave_race"] = [outcome(_error(lambda: engine.load_checkpoint(race, tag="T"))) for _ in range(8)]
     finally:
         stop.set()
         if rank == 0:

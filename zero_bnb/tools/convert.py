@@ -112,7 +112,7 @@ def to_universal(path: str, out: str, *, tag: str | None = None, force: bool = F
     weights = {name: value for group in groups for name, value in per_parameter(group, group.fp32).items()}
     model_files = {}
     for name, source in model_states_files(reader.tag_folder).items():
-        model_states = safe_load(source, "DeepSpeed model file", deepspeed_classes=True)
+        model_states = reader.load(name, "DeepSpeed model file", deepspeed_classes=True)  # the verified bytes
         with malformed(f"DeepSpeed model file {source}"):
             restore_derived(model_states, weights.__getitem__)  # DeepSpeed reads the module weights from this file
         model_states["dp_world_size"] = manifest.dp_world_size  # stock DeepSpeed's int (zero_bnb's file names it)
