@@ -118,6 +118,8 @@ TAMPERED_VALUES = {
                     "hyper-parameter lr=-0.1 must be >= 0"),
     "beta_one": (_edit_payload(_REPLICATED, lambda data: data["groups"][0]["param_group"].update(betas=(0.9, 1.0))),
                  "hyper-parameter betas=(0.9, 1.0) must hold numbers in [0, 1)"),
+    "loss_scale_nan": (_edit_payload(_REPLICATED, lambda data: data["zero_wrapper"]["loss_scaler"]["state"].update(
+        cur_scale=float("nan"))), "zero_wrapper.loss_scaler.state.cur_scale=nan must be a finite number > 0"),
     "absmax_nan": (_set_in_shard("absmax1"), "'absmax1' of parameter(s) ['0.weight'] holds NaN/Inf"),
     "master_nan": (_set_in_shard("fp32"), "'fp32' of parameter(s) ['0.weight'] holds NaN/Inf"),
     "master_inf_declared_for_another": (

@@ -11,6 +11,7 @@ Local functions, no collectives.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -27,6 +28,8 @@ LOSS_SCALER = "loss_scaler"
 SCALER_MODULE = "deepspeed.runtime.fp16.loss_scaler"
 SCALER_CLASSES = ("LossScaler", "DynamicLossScaler")
 _PLAIN = (bool, int, float, str, torch.dtype, type(None))
+#: Loss-scaler attributes that divide or multiply gradients: a zero or negative value breaks every step.
+_POSITIVE = frozenset({"cur_scale", "scale_factor", "scale_window"})
 
 
 def _plain_scaler(scaler: Any) -> dict[str, Any]:
@@ -60,6 +63,9 @@ def check_plain(wrapper: Any, source: str) -> None:
             f"{source}: zero_wrapper must map some of {list(WRAPPER_SCALARS)} to plain values, got "
             f"{sorted(wrapper) if isinstance(wrapper, dict) else type(wrapper).__name__}; the file is not a zero_bnb file"
         )
+    clip = wrapper.get("clip_grad")
+    if clip is not None and not (isinstance(clip, (int, float)) and math.isfinite(clip) and clip >= 0):
+        raise CheckpointFormatError(f"{source}: zero_wrapper.clip_grad={clip!r:.60} must be a finite number >= 0")
     scaler = wrapper.get(LOSS_SCALER)
     if scaler is None:
         return
@@ -70,3 +76,10 @@ def check_plain(wrapper: Any, source: str) -> None:
             f"{source}: zero_wrapper.loss_scaler must be {{'class': one of {list(SCALER_CLASSES)}, 'state': "
             f"{{name: plain value}}}}, got {scaler!r:.200}"
         )
+    for key, value in scaler["state"].items():
+        if isinstance(value, float) and not math.isfinite(value) or key in _POSITIVE and not (
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+            raise CheckpointFormatError(
+                f"{source}: zero_wrapper.loss_scaler.state.{key}={value!r:.60} must be "
+                f"{'a finite number > 0' if key in _POSITIVE else 'finite'}; the file was edited"
+            )
