@@ -54,11 +54,14 @@ def _check_module(module: torch.nn.Module, saved: Any, model_file: str, strict: 
 
 
 def _check_counters(model_states: dict, model_file: str, module_only: bool) -> None:
-    counters = {"dp_world_size": 1} if module_only else {"dp_world_size": 1, **_COUNTERS}
-    problems = [f"{name}={model_states.get(name, '<missing>')!r:.40} (must be an integer >= {least})"
-                for name, least in counters.items()
-                if not (isinstance(model_states.get(name), int) and not isinstance(model_states.get(name), bool)
-                        and model_states[name] >= least)]
+    # DeepSpeed reads dp_world_size on every load, but only its own ZeRO loader (which zero_bnb replaces) uses it;
+    # zero_bnb stores a sentence there for plain DeepSpeed engines (format.stock_files.stock_dp_world_size).
+    problems = [] if "dp_world_size" in model_states else ["dp_world_size=<missing>"]
+    counters = {} if module_only else _COUNTERS
+    problems += [f"{name}={model_states.get(name, '<missing>')!r:.40} (must be an integer >= {least})"
+                 for name, least in counters.items()
+                 if not (isinstance(model_states.get(name), int) and not isinstance(model_states.get(name), bool)
+                         and model_states[name] >= least)]
     samples = model_states.get("global_samples", 0)
     if not module_only and not (isinstance(samples, int) and not isinstance(samples, bool) and samples >= 0):
         problems.append(f"global_samples={samples!r:.40} (must be an integer >= 0)")
