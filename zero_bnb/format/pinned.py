@@ -168,9 +168,12 @@ class PinnedFolder:
                 offset += len(chunk)
                 yield chunk
 
-    def read(self, relative: str) -> bytes:
-        """The whole content of ``relative``, through its descriptor."""
-        return b"".join(self._chunks(relative))
+    def read(self, relative: str, limit: int | None = None) -> bytes:
+        """The content of ``relative`` (at most ``limit`` bytes), through its descriptor."""
+        if limit is None:
+            return b"".join(self._chunks(relative))
+        with self._descriptor(relative) as fd:
+            return os.pread(fd, limit, 0)
 
     def digest(self, relative: str) -> tuple[int, str]:
         """Size and SHA-256 (hex) of the content of ``relative``, read through its descriptor."""

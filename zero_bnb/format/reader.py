@@ -15,7 +15,7 @@ from zero_bnb.errors import CheckpointFormatError
 from zero_bnb.format.integrity import check_file_list, verify_checksums
 from zero_bnb.core.kinds import is_partitioned, saved_ranges
 from zero_bnb.core.state_spec import StateKind
-from zero_bnb.format.manifest import MANIFEST_NAME, MASTER_KEY, SUBDIR, decode_manifest
+from zero_bnb.format.manifest import MANIFEST_NAME, MASTER_KEY, MAX_MANIFEST_BYTES, SUBDIR, decode_manifest
 from zero_bnb.format.payload import ReplicatedPayload, ShardPayload, read_replicated, read_shard
 from zero_bnb.format.pinned import PinnedFolder
 from zero_bnb.format.tags import resolve_tag
@@ -45,7 +45,7 @@ class CheckpointReader:
         if not self.files.exists(relative):
             raise CheckpointFormatError(f"{os.path.join(tag_folder, relative)} does not exist: {tag_folder} is not "
                                         f"a complete zero_bnb checkpoint")
-        raw = self.files.read(relative)
+        raw = self.files.read(relative, MAX_MANIFEST_BYTES + 1)  # enough to refuse a larger one
         self.manifest = decode_manifest(raw, os.path.join(tag_folder, relative))
         self._manifest_digest = hashlib.sha256(raw).hexdigest()
         check_file_list(self.files, self.manifest)
