@@ -177,10 +177,10 @@ def _unpickle(source: str | BinaryIO, what: str, shown: str, *, mmap: bool, deep
     except (OSError, MemoryError) as error:
         if not isinstance(error, MemoryError) and error.errno not in _MACHINE_ERRNOS:
             raise CheckpointCorruptError(
-                f"{what} {path} cannot be read ({type(error).__name__}: {error}); the file is damaged"
+                f"{what} {shown} cannot be read ({type(error).__name__}: {error}); the file is damaged"
             ) from error
         raise CheckpointError(  # the machine, not the file: say which (permissions, open files, memory)
-            f"{what} {path} cannot be read ({type(error).__name__}: {error}): {failure_kind(error)}. This says nothing "
+            f"{what} {shown} cannot be read ({type(error).__name__}: {error}): {failure_kind(error)}. This says nothing "
             f"about the file's content; fix the cause and load again"
         ) from error
     except Exception as error:  # torch raises many types for damaged archives
