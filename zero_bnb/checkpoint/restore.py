@@ -317,12 +317,13 @@ class _GroupRestorer:
         tensors = [(MASTER_KEY, StateKind.ELEMENTWISE, plan.master)]
         for key, value in (plan.state or {}).items():
             entry = self.entry.state(key)
-            if entry is not None and is_partitioned(entry.kind) and isinstance(value, torch.Tensor):
+            if entry is not None and is_partitioned(entry.kind) and isinstance(value, torch.Tensor) \
+                    and value.is_floating_point():  # 8-bit codes cannot hold NaN
                 tensors.append((key, entry.kind, value))
         params = self.optimizer.param_entries(self.index, names)
         same_as = self.optimizer.zero_bnb_spec.same_quantized_state()
         for key, kind, value in tensors:
-            found = undeclared_non_finite(value[..., : self._length(kind)].float(), key, kind,
+            found = undeclared_non_finite(value[..., : self._length(kind)], key, kind,
                                           local_range(kind, self.geometry, self.optimizer.dp_rank), params,
                                           self.block_size, self.saved.manifest.non_finite, same_as)
             if found:

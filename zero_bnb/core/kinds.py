@@ -69,10 +69,16 @@ _SCAN_CHUNK = 1 << 24
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` holds no NaN/Inf (scanned in chunks: no full-size temporary)."""
+    """Whether ``tensor`` holds no NaN/Inf (scanned in chunks: no full-size temporary).
+
+    A sum is one cheap pass and NaN/Inf always reach it, so a finite sum settles a chunk; only a
+    chunk whose sum is not finite (NaN/Inf, or finite values overflowing) is checked element-wise.
+    """
     if not tensor.is_floating_point():
         return True
-    return all(bool(torch.isfinite(chunk).all()) for chunk in tensor.reshape(-1).split(_SCAN_CHUNK))
+    wide = torch.float32 if tensor.element_size() < 4 else None  # fp16/bf16 sums overflow in their own dtype
+    return all(bool(torch.isfinite(chunk.sum(dtype=wide))) or bool(torch.isfinite(chunk).all())
+               for chunk in tensor.reshape(-1).split(_SCAN_CHUNK))
 
 
 def non_finite_params(tensor: torch.Tensor, kind: StateKind, axis_range: tuple[int, int], params: Sequence[Any],
