@@ -4,18 +4,28 @@
 //
 // One unit of work is one 256-element block: its moments are dequantized, updated, their new absmax
 // taken and requantized in a few KiB of stack (L1), so nothing proportional to the partition is
-// allocated. Blocks are independent, so threads take contiguous ranges of blocks (OpenMP, static
-// schedule) and the result does not depend on the thread count. Build with -ffp-contract=off: every
-// product and sum is rounded on its own, as in the reference.
+// allocated. Whole blocks are read and written in place; only a partition's last, partial block is
+// copied into a padded buffer. Blocks are independent, so threads take contiguous ranges of blocks
+// (OpenMP, static schedule) and the result does not depend on the thread count. Build with
+// -ffp-contract=off: every product and sum is rounded on its own, as in the reference.
 //
 // Quantization. quantize_2D's 7-step binary search makes the code a non-decreasing step function of
 // x (ties at a midpoint go to the even code, the search's pivot). So the code of x is found exactly
-// from a 65 536-entry table indexed by the top 16 bits of x's order-preserving integer key: each
-// entry holds the code at the bucket's start and the last key of the bucket that still maps to it
-// (found by bisection with the binary search itself when the table is built). Buckets holding more
-// than one step, infinities or NaN are flagged, and their elements take the binary search. Unlike
-// bitsandbytes' CPU lookup table (which returns the bucket's code for every x in it), the result is the
-// binary search's, always.
+// from a table indexed by x's sign and the top 16 bits of its magnitude (exponent and 7 mantissa bits):
+// each entry holds the code (sign fix applied) at the bucket's first value, the code after the bucket's
+// one step and the last low 16 bits that keep the first code (found by bisection with the binary search
+// itself when the table is built). Exponents below the map's smallest step share one row, so for
+// bitsandbytes' dynamic maps the table has 2 x 4096 entries of which about 6 000 (24 KiB) are touched,
+// against 65 536 (256 KiB, beyond L1) for the whole float range. NaN, Inf, magnitudes >= 2 (x is at
+// most 1 otherwise) and buckets holding more than one step (none in bitsandbytes' maps) take the binary
+// search. Unlike bitsandbytes' CPU lookup table (which returns the bucket's code for every x in it), the
+// result is the binary search's, always.
+//
+// Measured on AMD Zen 4 (AVX-512): one 16-lane gather costs about as much as a division, so the
+// kernel is bound by its four table lookups (two dequantizations, two quantizations), the division
+// and square root of the update and the two divisions by absmax that the reference's rounding needs
+// (a multiplication by 1 / absmax plus an exactness check was slower). Holding the 256-entry map in
+// registers (permutes instead of a gather) was no faster either.
 #include <cfloat>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -30,7 +40,7 @@
 namespace {
 
 constexpr int kBlock = 256;
-constexpr int kBuckets = 1 << 16;
+constexpr uint32_t kTop = 0x3fffu;  // top 16 bits of the magnitude of 1.99..., the last bucket kept
 
 enum Family { ADAM = 0, ADEMAMIX = 1, MOMENTUM = 2, LION = 3, RMSPROP = 4, ADAGRAD = 5 };
 
@@ -54,14 +64,6 @@ inline float float_of(uint32_t u) {
     return x;
 }
 
-// Integer key with the order of the floats (-0 just below +0): negatives flipped, positives offset.
-inline uint32_t key_of(float x) {
-    const uint32_t u = bits_of(x);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-inline float float_of_key(uint32_t key) { return float_of((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key); }
-
 // quantize_2D (kernels.cu 221-266), scalar.
 template <bool SIGNED>
 int binary_search(const float* code, float x) {
@@ -84,47 +86,79 @@ int binary_search(const float* code, float x) {
     return x < (lower + val) * 0.5f ? lower_pivot : pivot;
 }
 
-// Table entry: bits 0-7 the code at the bucket's first key, bit 8 "one step inside", bit 9 "use the
-// search", bits 10 and 11 the sign bits of the map values of the first code and the next, bits 16-31
-// the low 16 bits of the last key that keeps the first code.
-constexpr uint32_t kStep = 1u << 8, kSlow = 1u << 9, kSign = 1u << 10, kNextSign = 1u << 11;
-
-inline uint32_t sign_bits(const float* code, int c) {
-    return (std::signbit(code[c]) ? kSign : 0u) | (c < 255 && std::signbit(code[c + 1]) ? kNextSign : 0u);
-}
-
+// The state-1 sign fix (kernels.cu 1120): a code whose map value's sign differs from the moment's
+// moves one step towards it (unsigned char arithmetic).
 template <bool SIGNED>
-std::vector<uint32_t> build_table(const float* code) {
-    std::vector<uint32_t> table(kBuckets);
-    for (uint32_t bucket = 0; bucket < kBuckets; ++bucket) {
-        const uint32_t first = bucket << 16, last = first | 0xffffu;
-        const float lo = float_of_key(first), hi = float_of_key(last);
-        if (!std::isfinite(lo) || !std::isfinite(hi)) {
-            table[bucket] = kSlow;
-            continue;
-        }
-        const int c_lo = binary_search<SIGNED>(code, lo), c_hi = binary_search<SIGNED>(code, hi);
-        if (c_hi == c_lo) {
-            table[bucket] = static_cast<uint32_t>(c_lo) | sign_bits(code, c_lo);
-        } else if (c_hi == c_lo + 1) {
-            uint32_t keep = first, change = last;  // code(keep) == c_lo, code(change) == c_hi
-            while (change - keep > 1) {
-                const uint32_t mid = keep + (change - keep) / 2;
-                (binary_search<SIGNED>(code, float_of_key(mid)) == c_lo ? keep : change) = mid;
-            }
-            table[bucket] = static_cast<uint32_t>(c_lo) | kStep | sign_bits(code, c_lo) | ((keep & 0xffffu) << 16);
-        } else {
-            table[bucket] = kSlow;
-        }
-    }
-    return table;
+inline uint8_t fixed(const float* code, int c, float moment) {
+    if (SIGNED && std::signbit(code[c]) != std::signbit(moment)) c += moment > 0.0f ? 1 : -1;
+    return static_cast<uint8_t>(c);
 }
+
+// The code a moment gets, x being it divided by its block's absmax (same sign): the reference, scalar.
+template <bool SIGNED>
+inline uint8_t code_of(const float* code, float x, float moment) {
+    return fixed<SIGNED>(code, binary_search<SIGNED>(code, x), moment);
+}
+
+// Table entry: bits 0-7 the code of the bucket's first value, 8-15 the code after its step, 16-31 the
+// last low 16 bits keeping the first code (0xffff: no step). A step with equal codes marks a bucket
+// that holds more than one step: its elements take the binary search.
+inline uint32_t entry_of(uint32_t first, uint32_t next, uint32_t keep) { return first | (next << 8) | (keep << 16); }
+constexpr uint32_t kMany = 0u;  // entry_of(0, 0, 0)
 
 struct Map {
     float code[256];
     bool is_signed;
+    uint32_t base;     // top 16 bits (of the magnitude) of row 0: every smaller exponent shares it
+    uint32_t half;     // entries per sign: a power of two above kTop - base + 1 (the last: magnitudes >= 2)
+    uint32_t sign_shift;  // 31 - log2(half): u >> sign_shift & half is the sign's offset
     std::vector<uint32_t> table;
 };
+
+template <bool SIGNED>
+uint32_t bucket_entry(const float* code, uint32_t sign, uint32_t top) {
+    const auto value = [&](uint32_t low) { return float_of(sign | (top << 16) | low); };
+    const int lo = binary_search<SIGNED>(code, value(0)), hi = binary_search<SIGNED>(code, value(0xffff));
+    const uint8_t first = fixed<SIGNED>(code, lo, value(0));
+    if (lo == hi) return entry_of(first, first, 0xffff);
+    if (hi - lo != 1 && lo - hi != 1) return kMany;
+    uint32_t keep = 0, change = 0xffff;  // raw code(keep) == lo, raw code(change) == hi
+    while (change - keep > 1) {
+        const uint32_t mid = keep + (change - keep) / 2;
+        (binary_search<SIGNED>(code, value(mid)) == lo ? keep : change) = mid;
+    }
+    const uint8_t next = fixed<SIGNED>(code, hi, value(0xffff));
+    return next == first ? entry_of(first, first, 0xffff) : entry_of(first, next, keep);
+}
+
+template <bool SIGNED>
+void build_table(Map& map) {
+    const float* code = map.code;
+    // Row 0 holds every exponent below the first one whose magnitudes do not all get the code of 0.
+    const auto constant_below = [&](uint32_t exponent) {
+        const float edge = std::nextafter(float_of(exponent << 23), 0.0f);
+        return code_of<SIGNED>(code, 0.0f, 0.0f) == code_of<SIGNED>(code, FLT_TRUE_MIN, FLT_TRUE_MIN) &&
+               code_of<SIGNED>(code, FLT_TRUE_MIN, FLT_TRUE_MIN) == code_of<SIGNED>(code, edge, edge) &&
+               code_of<SIGNED>(code, -0.0f, -0.0f) == code_of<SIGNED>(code, -edge, -edge);
+    };
+    uint32_t exponent = 127;
+    while (exponent > 1 && !constant_below(exponent)) --exponent;
+    const bool row0_constant = constant_below(exponent);
+    map.base = (exponent - 1) << 7;
+    map.half = 1;
+    while (map.half < kTop - map.base + 2) map.half *= 2;
+    map.sign_shift = 31 - __builtin_ctz(map.half);
+    map.table.assign(2 * map.half, kMany);
+    for (uint32_t negative = 0; negative < 2; ++negative) {
+        const uint32_t sign = negative << 31;
+        const float zero = negative ? -0.0f : 0.0f;
+        const uint8_t small = code_of<SIGNED>(code, zero, zero);
+        for (uint32_t pos = 0; pos <= kTop - map.base; ++pos) {
+            map.table[negative * map.half + pos] = pos < 128 ? (row0_constant ? entry_of(small, small, 0xffff) : kMany)
+                                                             : bucket_entry<SIGNED>(code, sign, map.base + pos);
+        }
+    }
+}
 
 // Tables for the maps seen so far (bitsandbytes uses two), built once per process.
 const Map& map_for(const float* code, bool is_signed) {
@@ -136,71 +170,60 @@ const Map& map_for(const float* code, bool is_signed) {
     auto map = std::make_unique<Map>();
     std::memcpy(map->code, code, sizeof map->code);
     map->is_signed = is_signed;
-    map->table = is_signed ? build_table<true>(code) : build_table<false>(code);
+    if (is_signed)
+        build_table<true>(*map);
+    else
+        build_table<false>(*map);
     maps.push_back(std::move(map));
     return *maps.back();
 }
 
+// The table's code for x (bits u); false where x is NaN, Inf, >= 2 in magnitude or in a bucket of many steps.
+inline bool lookup(const Map& map, uint32_t u, uint8_t* code) {
+    const uint32_t top = (u & 0x7fffffffu) >> 16;
+    const uint32_t row = top < map.base ? 0 : (top > kTop ? kTop + 1 : top) - map.base;
+    const uint32_t entry = map.table[row + ((u >> 31) ? map.half : 0)];
+    *code = static_cast<uint8_t>((u & 0xffffu) > (entry >> 16) ? entry >> 8 : entry);
+    return entry != kMany;
+}
+
+template <bool SIGNED>
+void quantize_slow(const Map& map, const float* s, float absmax, uint8_t* out, int j) {
+    const float x = s[j] / absmax;
+    if (!lookup(map, bits_of(x), out + j)) out[j] = code_of<SIGNED>(map.code, x, s[j]);
+}
+
+#if defined(__AVX512F__)
+// The table's codes for 16 values of x (stored to out); the mask of those that need the binary search.
+inline __mmask16 lookup16(const Map& map, __m512 x, uint8_t* out) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i top = _mm512_srli_epi32(_mm512_slli_epi32(u, 1), 17);  // magnitude >> 16
+    __m512i row = _mm512_min_epu32(_mm512_subs_epu16(top, _mm512_set1_epi32(static_cast<int>(map.base))),
+                                   _mm512_set1_epi32(static_cast<int>(kTop + 1 - map.base)));
+    row = _mm512_ternarylogic_epi32(row, _mm512_srl_epi32(u, _mm_cvtsi32_si128(static_cast<int>(map.sign_shift))),
+                                    _mm512_set1_epi32(static_cast<int>(map.half)), 0xF8);  // row | (u' & half)
+    const __m512i entry = _mm512_i32gather_epi32(row, map.table.data(), 4);
+    const __mmask16 stepped = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0xffff)),
+                                                      _mm512_srli_epi32(entry, 16));
+    const __m512i c = _mm512_mask_blend_epi32(stepped, entry, _mm512_srli_epi32(entry, 8));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c));  // the low bytes
+    return _mm512_cmpeq_epi32_mask(entry, _mm512_setzero_si512());
+}
+#endif
+
 // quantize_2D of s / absmax for one block, plus (signed maps) the state-1 sign fix (kernels.cu 1120).
 template <bool SIGNED>
-inline void quantize(const Map& map, const float* __restrict__ s, float absmax, uint8_t* __restrict__ out) {
-    const uint32_t* __restrict__ table = map.table.data();
-    const float* __restrict__ code = map.code;
-    int slow = 0;
+void quantize(const Map& map, const float* __restrict__ s, float absmax, uint8_t* __restrict__ out) {
 #if defined(__AVX512F__)
     const __m512 scale = _mm512_set1_ps(absmax);
-    const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u)), low = _mm512_set1_epi32(0xffff);
-    const __m512i one = _mm512_set1_epi32(1), byte = _mm512_set1_epi32(0xff);
-    __mmask16 any_slow = 0;
-    for (int j = 0; j < kBlock; j += 16) {
-        const __m512 moment = _mm512_loadu_ps(s + j);
-        const __m512i u = _mm512_castps_si512(_mm512_div_ps(moment, scale));
-        const __mmask16 negative = _mm512_test_epi32_mask(u, sign);
-        const __m512i key = _mm512_mask_blend_epi32(negative, _mm512_or_si512(u, sign),
-                                                    _mm512_xor_si512(u, _mm512_set1_epi32(-1)));
-        const __m512i entry = _mm512_i32gather_epi32(_mm512_srli_epi32(key, 16), table, 4);
-        const __mmask16 stepped = _mm512_test_epi32_mask(entry, _mm512_set1_epi32(kStep)) &
-                                  _mm512_cmpgt_epu32_mask(_mm512_and_si512(key, low), _mm512_srli_epi32(entry, 16));
-        __m512i c = _mm512_mask_add_epi32(_mm512_and_si512(entry, byte), stepped, _mm512_and_si512(entry, byte), one);
-        if (SIGNED) {  // the sign bit of code[c], from the entry
-            const __mmask16 code_negative =
-                (stepped & _mm512_test_epi32_mask(entry, _mm512_set1_epi32(kNextSign))) |
-                (static_cast<__mmask16>(~stepped) & _mm512_test_epi32_mask(entry, _mm512_set1_epi32(kSign)));
-            const __mmask16 flipped = code_negative ^ _mm512_test_epi32_mask(_mm512_castps_si512(moment), sign);
-            const __mmask16 positive = _mm512_cmp_ps_mask(moment, _mm512_setzero_ps(), _CMP_GT_OQ);
-            c = _mm512_mask_add_epi32(c, flipped & positive, c, one);
-            c = _mm512_mask_sub_epi32(c, flipped & static_cast<__mmask16>(~positive), c, one);
-        }
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm512_cvtepi32_epi8(c));
-        any_slow |= _mm512_test_epi32_mask(entry, _mm512_set1_epi32(kSlow));
-    }
-    slow = any_slow != 0;
+    uint32_t slow = 0;
+    for (int j = 0; j < kBlock; j += 16)
+        slow |= static_cast<uint32_t>(lookup16(map, _mm512_div_ps(_mm512_loadu_ps(s + j), scale), out + j) != 0) << (j / 16);
+    for (; slow; slow &= slow - 1)
+        for (int j = 16 * __builtin_ctz(slow), end = j + 16; j < end; ++j) quantize_slow<SIGNED>(map, s, absmax, out, j);
 #else
-#pragma omp simd reduction(| : slow)
-    for (int j = 0; j < kBlock; ++j) {
-        const float x = s[j] / absmax;
-        const uint32_t key = key_of(x);
-        const uint32_t entry = table[key >> 16];
-        const bool stepped = (entry & kStep) && (key & 0xffffu) > (entry >> 16);
-        int c = static_cast<int>((entry & 0xffu) + stepped);
-        if (SIGNED) {  // the sign bit of code[c], from the entry
-            const bool negative = (entry & (stepped ? kNextSign : kSign)) != 0;
-            const bool flipped = negative != std::signbit(s[j]);
-            c += flipped ? (s[j] > 0.0f ? 1 : -1) : 0;
-        }
-        out[j] = static_cast<uint8_t>(c);
-        slow |= static_cast<int>(entry & kSlow);
-    }
+    for (int j = 0; j < kBlock; ++j) quantize_slow<SIGNED>(map, s, absmax, out, j);
 #endif
-    if (slow) {  // infinities and NaN (an absmax of 0 or Inf): the binary search itself
-        for (int j = 0; j < kBlock; ++j) {
-            const float x = s[j] / absmax;
-            if (!(table[key_of(x) >> 16] & kSlow)) continue;
-            int c = binary_search<SIGNED>(code, x);
-            if (SIGNED && std::signbit(code[c]) != std::signbit(s[j])) c += s[j] > 0.0f ? 1 : -1;
-            out[j] = static_cast<uint8_t>(c);
-        }
-    }
 }
 
 // Dequantize 256 codes through a 256-entry map and scale by absmax (an explicit gather where AVX-512 exists:
@@ -230,138 +253,178 @@ inline float absmax_of(const float* __restrict__ s) {
     return m;
 }
 
-struct Block {
-    alignas(64) float g[kBlock];
-    alignas(64) float p[kBlock];
-    alignas(64) float s1[kBlock];
-    alignas(64) float s2[kBlock];
-    alignas(64) float s3[kBlock];
-    alignas(64) uint8_t c1[kBlock];
-    alignas(64) uint8_t c2[kBlock];
-    alignas(64) uint8_t c3[kBlock];
+// One block's data: in place for a whole block, a padded copy for the last partial one.
+struct View {
+    const float* g;
+    float* p;
+    uint8_t *c1, *c2, *c3;
 };
 
-// Copies one block in, padding the tail as the CUDA loads do (g = 0, p = 0, codes 128 / 0).
-inline void load(Block& b, const float* g, const float* p, const uint8_t* c1, const uint8_t* c2, const uint8_t* c3,
-                 int valid) {
-    std::memcpy(b.g, g, valid * sizeof(float));
-    std::memcpy(b.p, p, valid * sizeof(float));
-    std::memcpy(b.c1, c1, valid);
-    if (c2) std::memcpy(b.c2, c2, valid);
-    if (c3) std::memcpy(b.c3, c3, valid);
-    for (int j = valid; j < kBlock; ++j) {
-        b.g[j] = 0.0f;
-        b.p[j] = 0.0f;
-        b.c1[j] = 128;
-        b.c2[j] = 0;
-        b.c3[j] = 128;
-    }
+#if defined(__AVX512F__)
+inline __m512i codes16(const uint8_t* c) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
 }
 
-template <int FAMILY>
-void two_state(const Scalars& s, Block& b, const Map& map1, const Map& map2, float* a1, float* a2, float* a3) {
-    const float* __restrict__ q1 = map1.code;
-    const float* __restrict__ q2 = map2.code;
-    dequantize(q1, b.c1, *a1, b.s1);
-    dequantize(q2, b.c2, *a2, b.s2);
-    if (FAMILY == ADEMAMIX) dequantize(q1, b.c3, *a3, b.s3);
-#pragma omp simd
-    for (int j = 0; j < kBlock; ++j) {
-        const float g = b.g[j];
-        const bool finite = std::isfinite(g);
-        const float v = b.s2[j] * s.beta2 + (s.one_minus_beta2 * g) * g;
-        const float m = b.s1[j] * s.beta1 + s.one_minus_beta1 * g;
-        b.s1[j] = finite ? m : 0.0f;
-        b.s2[j] = finite ? v : 0.0f;
-        if (FAMILY == ADEMAMIX) {
-            const float slow = b.s3[j] * s.beta3 + s.one_minus_beta3 * g;
-            b.s3[j] = finite ? slow : 0.0f;
-        }
+// Adam in one pass per 16 elements (dequantize, update, absmax), then the two requantizations.
+void adam_block(const Scalars& s, const View& b, const Map& map1, const Map& map2, float* a1, float* a2) {
+    alignas(64) float s1[kBlock], s2[kBlock];
+    const __m512 scale1 = _mm512_set1_ps(*a1), scale2 = _mm512_set1_ps(*a2);
+    const __m512 beta1 = _mm512_set1_ps(s.beta1), beta2 = _mm512_set1_ps(s.beta2);
+    const __m512 one_minus_beta1 = _mm512_set1_ps(s.one_minus_beta1), one_minus_beta2 = _mm512_set1_ps(s.one_minus_beta2);
+    const __m512 step_size = _mm512_set1_ps(s.step_size), eps_hat = _mm512_set1_ps(s.eps_hat);
+    const __m512 decay = _mm512_set1_ps(s.decay);
+    const bool decayed = s.weight_decay > 0.0f;
+    const __m512 infinity = _mm512_set1_ps(INFINITY);
+    __m512 max1 = _mm512_set1_ps(-FLT_MAX), max2 = max1;
+    for (int j = 0; j < kBlock; j += 16) {
+        const __m512 old1 = _mm512_mul_ps(_mm512_i32gather_ps(codes16(b.c1 + j), map1.code, 4), scale1);
+        const __m512 old2 = _mm512_mul_ps(_mm512_i32gather_ps(codes16(b.c2 + j), map2.code, 4), scale2);
+        const __m512 g = _mm512_loadu_ps(b.g + j), p = _mm512_loadu_ps(b.p + j);
+        const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(g), infinity, _CMP_LT_OQ);
+        const __m512 v = _mm512_maskz_add_ps(finite, _mm512_mul_ps(old2, beta2),
+                                             _mm512_mul_ps(_mm512_mul_ps(one_minus_beta2, g), g));
+        const __m512 m = _mm512_maskz_add_ps(finite, _mm512_mul_ps(old1, beta1), _mm512_mul_ps(one_minus_beta1, g));
+        __m512 moved = _mm512_add_ps(p, _mm512_mul_ps(step_size, _mm512_div_ps(m, _mm512_add_ps(_mm512_sqrt_ps(v), eps_hat))));
+        if (decayed) moved = _mm512_mul_ps(moved, decay);
+        _mm512_storeu_ps(b.p + j, _mm512_mask_blend_ps(finite, p, moved));
+        _mm512_store_ps(s1 + j, m);
+        _mm512_store_ps(s2 + j, v);
+        max1 = _mm512_max_ps(_mm512_abs_ps(m), max1);  // the second operand when the first is NaN
+        max2 = _mm512_max_ps(_mm512_abs_ps(v), max2);
     }
-    const float n1 = absmax_of(b.s1), n2 = absmax_of(b.s2);
-    const float n3 = FAMILY == ADEMAMIX ? absmax_of(b.s3) : 0.0f;
+    const float n1 = _mm512_reduce_max_ps(max1), n2 = _mm512_reduce_max_ps(max2);
     *a1 = n1;
     *a2 = n2;
-    if (FAMILY == ADEMAMIX) *a3 = n3;
+    quantize<true>(map1, s1, n1, b.c1);
+    quantize<false>(map2, s2, n2, b.c2);
+}
+#endif
+
+template <int FAMILY>
+void two_state(const Scalars& s, const View& b, const Map& map1, const Map& map2, float* a1, float* a2, float* a3) {
+    alignas(64) float s1[kBlock], s2[kBlock], s3[kBlock];
+    dequantize(map1.code, b.c1, *a1, s1);
+    dequantize(map2.code, b.c2, *a2, s2);
+    if (FAMILY == ADEMAMIX) dequantize(map1.code, b.c3, *a3, s3);
+    const float* __restrict__ gs = b.g;
+    float* __restrict__ ps = b.p;
     const bool decay = s.weight_decay > 0.0f;
 #pragma omp simd
     for (int j = 0; j < kBlock; ++j) {
-        const float p = b.p[j];
+        const float g = gs[j], p = ps[j];
+        const bool finite = std::isfinite(g);
+        const float v = finite ? s2[j] * s.beta2 + (s.one_minus_beta2 * g) * g : 0.0f;
+        const float m = finite ? s1[j] * s.beta1 + s.one_minus_beta1 * g : 0.0f;
+        s1[j] = m;
+        s2[j] = v;
         float moved;
-        if (FAMILY == ADEMAMIX)
-            moved = p - s.lr * ((b.s1[j] / s.correction1 + s.alpha * b.s3[j]) /
-                                (std::sqrt(b.s2[j]) / s.correction2 + s.eps));
-        else
-            moved = p + s.step_size * (b.s1[j] / (std::sqrt(b.s2[j]) + s.eps_hat));
+        if (FAMILY == ADEMAMIX) {
+            const float slow = finite ? s3[j] * s.beta3 + s.one_minus_beta3 * g : 0.0f;
+            s3[j] = slow;
+            moved = p - s.lr * ((m / s.correction1 + s.alpha * slow) / (std::sqrt(v) / s.correction2 + s.eps));
+        } else {
+            moved = p + s.step_size * (m / (std::sqrt(v) + s.eps_hat));
+        }
         moved = decay ? moved * s.decay : moved;
-        b.p[j] = std::isfinite(b.g[j]) ? moved : p;
+        ps[j] = finite ? moved : p;
     }
-    quantize<true>(map1, b.s1, n1, b.c1);
-    quantize<false>(map2, b.s2, n2, b.c2);
-    if (FAMILY == ADEMAMIX) quantize<true>(map1, b.s3, n3, b.c3);
+    const float n1 = absmax_of(s1), n2 = absmax_of(s2);
+    *a1 = n1;
+    *a2 = n2;
+    quantize<true>(map1, s1, n1, b.c1);
+    quantize<false>(map2, s2, n2, b.c2);
+    if (FAMILY == ADEMAMIX) {
+        const float n3 = absmax_of(s3);
+        *a3 = n3;
+        quantize<true>(map1, s3, n3, b.c3);
+    }
 }
 
 template <int FAMILY>
-void one_state(const Scalars& s, Block& b, const Map& map1, float* a1) {
-    const float* __restrict__ q1 = map1.code;
-    const float m1 = *a1;
+void one_state(const Scalars& s, const View& b, const Map& map1, float* a1) {
+    alignas(64) float old[kBlock], s1[kBlock];
+    dequantize(map1.code, b.c1, *a1, old);
+    const float* __restrict__ gs = b.g;
+    float* __restrict__ ps = b.p;
     const bool decay = s.weight_decay > 0.0f;
     const bool skip_zeros = s.skip_zeros != 0;
     const bool first = s.step == 1;
 #pragma omp simd
     for (int j = 0; j < kBlock; ++j) {
-        const float raw = b.g[j];
+        const float raw = gs[j];
         const bool active = !skip_zeros || raw != 0.0f;
-        float param = b.p[j];
+        float param = ps[j];
         float g = raw;
         if (FAMILY == LION)
             param = (decay && active) ? param * s.decay : param;
         else
             g = decay ? g + param * s.weight_decay : g;
-        const float old = q1[b.c1[j]] * m1;
         float m, moved;
         if (FAMILY == MOMENTUM) {
-            m = first ? g : old * s.beta1 + g;
+            m = first ? g : old[j] * s.beta1 + g;
             moved = param - s.lr * m;
         } else if (FAMILY == LION) {
-            const float direction = old * s.beta1 + s.one_minus_beta1 * g;
+            const float direction = old[j] * s.beta1 + s.one_minus_beta1 * g;
             const float sign = static_cast<float>((direction > 0.0f) - (direction < 0.0f));
-            m = old * s.beta2 + s.one_minus_beta2 * g;
+            m = old[j] * s.beta2 + s.one_minus_beta2 * g;
             moved = param - s.lr * sign;
         } else {
-            m = FAMILY == RMSPROP ? old * s.beta1 + s.one_minus_beta1 * (g * g) : old + g * g;
+            m = FAMILY == RMSPROP ? old[j] * s.beta1 + s.one_minus_beta1 * (g * g) : old[j] + g * g;
             moved = param - s.lr * (raw / (std::sqrt(m) + s.eps));
         }
-        b.s1[j] = active ? m : old;
-        b.p[j] = active ? moved : param;
+        s1[j] = active ? m : old[j];
+        ps[j] = active ? moved : param;
     }
-    const float n1 = absmax_of(b.s1);
+    const float n1 = absmax_of(s1);
     *a1 = n1;
-    quantize<true>(map1, b.s1, n1, b.c1);
+    quantize<true>(map1, s1, n1, b.c1);
+}
+
+template <int FAMILY>
+void step_block(const Scalars& s, const View& b, const Map& map1, const Map* map2, float* a1, float* a2, float* a3) {
+#if defined(__AVX512F__)
+    if constexpr (FAMILY == ADAM) return adam_block(s, b, map1, *map2, a1, a2);
+#endif
+    if constexpr (FAMILY == ADAM || FAMILY == ADEMAMIX)
+        two_state<FAMILY>(s, b, map1, *map2, a1, a2, a3);
+    else
+        one_state<FAMILY>(s, b, map1, a1);
 }
 
 template <int FAMILY>
 void update(const Scalars& s, int64_t n, float* p, const float* g, uint8_t* state1, uint8_t* state2, float* absmax1,
             float* absmax2, const Map& map1, const Map* map2, int threads) {
     constexpr bool two = FAMILY == ADAM || FAMILY == ADEMAMIX;
-    const int64_t blocks = (n + kBlock - 1) / kBlock;
+    const int64_t blocks = (n + kBlock - 1) / kBlock, whole = n / kBlock;
+    float* slow_absmax = FAMILY == ADEMAMIX ? absmax1 + blocks : nullptr;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t k = 0; k < blocks; ++k) {
-        Block b;
+    for (int64_t k = 0; k < whole; ++k) {
         const int64_t start = k * kBlock;
-        const int valid = static_cast<int>(n - start < kBlock ? n - start : kBlock);
-        uint8_t* c3 = FAMILY == ADEMAMIX ? state1 + n + start : nullptr;
-        load(b, g + start, p + start, state1 + start, two ? state2 + start : nullptr, c3, valid);
-        if constexpr (two)
-            two_state<FAMILY>(s, b, map1, *map2, absmax1 + k, absmax2 + k,
-                              FAMILY == ADEMAMIX ? absmax1 + blocks + k : nullptr);
-        else
-            one_state<FAMILY>(s, b, map1, absmax1 + k);
-        std::memcpy(p + start, b.p, valid * sizeof(float));
-        std::memcpy(state1 + start, b.c1, valid);
-        if (two) std::memcpy(state2 + start, b.c2, valid);
-        if (c3) std::memcpy(c3, b.c3, valid);
+        const View b{g + start, p + start, state1 + start, two ? state2 + start : nullptr,
+                     FAMILY == ADEMAMIX ? state1 + n + start : nullptr};
+        step_block<FAMILY>(s, b, map1, map2, absmax1 + k, two ? absmax2 + k : nullptr,
+                           slow_absmax ? slow_absmax + k : nullptr);
     }
+    if (whole == blocks) return;
+    // The last, partial block, padded as the CUDA loads do (g = 0, p = 0, codes 128 / 0 / 128).
+    const int64_t start = whole * kBlock;
+    const int valid = static_cast<int>(n - start);
+    alignas(64) float gp[kBlock] = {0.0f}, pp[kBlock] = {0.0f};
+    alignas(64) uint8_t c1[kBlock], c2[kBlock], c3[kBlock];
+    std::memset(c1, 128, kBlock);
+    std::memset(c2, 0, kBlock);
+    std::memset(c3, 128, kBlock);
+    std::memcpy(gp, g + start, valid * sizeof(float));
+    std::memcpy(pp, p + start, valid * sizeof(float));
+    std::memcpy(c1, state1 + start, valid);
+    if (two) std::memcpy(c2, state2 + start, valid);
+    if (FAMILY == ADEMAMIX) std::memcpy(c3, state1 + n + start, valid);
+    step_block<FAMILY>(s, View{gp, pp, c1, c2, c3}, map1, map2, absmax1 + whole, two ? absmax2 + whole : nullptr,
+                       slow_absmax ? slow_absmax + whole : nullptr);
+    std::memcpy(p + start, pp, valid * sizeof(float));
+    std::memcpy(state1 + start, c1, valid);
+    if (two) std::memcpy(state2 + start, c2, valid);
+    if (FAMILY == ADEMAMIX) std::memcpy(state1 + n + start, c3, valid);
 }
 
 }  // namespace
