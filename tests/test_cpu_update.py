@@ -8,16 +8,16 @@ the fix (``"fused"``).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
-import subprocess
-import sys
 
 import bitsandbytes as bnb
 import pytest
 import torch
 
+from zero_bnb import cli
 from zero_bnb.core.config import ZeroBnbConfigError, split_config
 from zero_bnb.kernels import build, cpu_update
 from zero_bnb.kernels.build import KernelBuildError
@@ -129,11 +129,42 @@ def test_zero_cpu_update_is_validated_and_stripped_from_the_deepspeed_config():
         split_config({"zero_cpu_update": "fast"})
 
 
-def test_the_kernel_prebuilds_from_the_command_line(tmp_path):
-    env = dict(os.environ, **{build.CACHE_ENV: str(tmp_path)})
-    done = subprocess.run([sys.executable, "-m", "zero_bnb.kernels.build"], capture_output=True, text=True,
-                          env=env, timeout=300)
-    assert done.returncode == 0, done.stderr
-    path = done.stdout.strip()
+def test_build_kernels_compiles_into_the_cache_and_reuses_it(tmp_path, monkeypatch, capsys):
+    """``zero-bnb build-kernels`` (and ``python -m zero_bnb.kernels.build``): a real compile into an empty cache."""
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    assert cli.main(["build-kernels"]) == 0
+    path = capsys.readouterr().out.strip()
     assert os.path.dirname(path) == str(tmp_path) and os.path.isfile(path)
     assert os.listdir(tmp_path) == [os.path.basename(path)]  # no scratch file left behind
+    assert build.bind(path).zero_bnb_blockwise_update.restype is ctypes.c_int
+    built = os.stat(path).st_mtime_ns
+    assert build.main([]) == 0 and capsys.readouterr().out.strip() == path
+    assert os.stat(path).st_mtime_ns == built, "a cached build was compiled again"
+    assert cli.main(["build-kernels", "--force"]) == 0 and capsys.readouterr().out.strip() == path
+    assert os.stat(path).st_mtime_ns != built
+    monkeypatch.setenv("CXX", "c++ -O2")  # flags in CXX make another build, never the cached one
+    assert cli.main(["build-kernels"]) == 0
+    assert capsys.readouterr().out.strip() != path and len(os.listdir(tmp_path)) == 2
+
+
+@pytest.mark.parametrize("cxx", ["/nonexistent", "c++ 'unclosed"])
+def test_build_kernels_with_a_bad_compiler_names_it_and_the_fix(tmp_path, monkeypatch, capsys, cxx):
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", cxx)
+    assert cli.main(["build-kernels"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and cxx.split()[-1] in lines[0], lines
+    assert ("apt-get install g++" in lines[0] and "set CXX" in lines[0]) or "set CXX to a C++ compiler" in lines[0]
+    assert not os.path.exists(tmp_path / "cache") or os.listdir(tmp_path / "cache") == []
+
+
+def test_build_kernels_reports_a_failed_compilation_with_the_compiler_output(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("CXX", "c++ -fno-such-option-zero-bnb")
+    assert cli.main(["build-kernels"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("zero_bnb: compiling ") and "-fno-such-option-zero-bnb" in err.splitlines()[-1] + err
+    assert os.listdir(tmp_path) == []  # the scratch file is removed

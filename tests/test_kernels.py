@@ -10,12 +10,15 @@ neighbours and every bucket edge of the kernel's table.
 
 from __future__ import annotations
 
+import platform
+
 import bitsandbytes.functional as F
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from zero_bnb.kernels import build
 from zero_bnb.kernels.fused import fused_quantize, fused_update
 from zero_bnb.kernels.hyper import BLOCK, FAMILIES, TWO_STATE, UpdateHyper, step_scalars
 from zero_bnb.kernels.reference import quantize_codes, reference_update, sign_fix
@@ -85,6 +88,7 @@ def run(update, case, **extra) -> dict[str, torch.Tensor]:
 
 
 def assert_same_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Equal codes and floats (NaN sign bits and payloads aside, which CPUs and GPUs set differently)."""
     for key, value in want.items():
         if value.is_floating_point():
             torch.testing.assert_close(got[key], value, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{key}: {m}")
@@ -171,3 +175,70 @@ def test_a_midpoint_tie_keeps_the_searchs_even_pivot():
     codes = quantize_codes(exact, QMAP1, signed=True)
     assert bool((codes % 2 == 0).all()), codes
     assert fused_quantize(exact, QMAP1, signed=True).long().tolist() == codes.tolist()
+
+
+@pytest.fixture(scope="module")
+def portable_kernel(tmp_path_factory):
+    """The kernel built without AVX-512 (its portable loops, as on machines without it), in a private cache."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return build.load_library()  # no AVX-512 path to turn off: the default build is the portable one
+    folder = str(tmp_path_factory.mktemp("portable-kernel"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(build.CACHE_ENV, folder)
+        patch.setenv("CXX", "c++ -mno-avx512f")
+        path = build.build_library()
+    assert path.startswith(folder)
+    return build.bind(path)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases())
+def test_the_portable_build_gives_the_reference_bits(portable_kernel, case):
+    assert_same_bits(run(fused_update, case, library=portable_kernel), run(reference_update, case))
+
+
+ONE_STATE = sorted(set(FAMILIES) - set(TWO_STATE))
+
+
+@pytest.mark.parametrize("bad", ["nan", "-nan", "inf", "-inf"])
+@pytest.mark.parametrize("name", ONE_STATE)
+def test_a_nonfinite_gradient_in_a_one_state_family_does_what_the_cuda_kernel_does(name, bad):
+    """1-state kernels do not special-case NaN/Inf gradients (kernels.cu 1153-1322): kernel and reference agree
+    over three steps (bad gradient at step 2, weight decay on and off), and the documented effects hold: a NaN
+    stays in its element and its moment gets code 255 whatever its sign bit (the GPU's canonical NaN is
+    positive); an Inf makes its block's absmax Inf and poisons the block at the next step (moments NaN or
+    Inf; parameters too, except Lion's: sgn(NaN) is 0)."""
+    value = -float(bad[1:]) if bad.startswith("-") else float(bad)  # negation sets a NaN's sign bit too
+    assert bool(torch.tensor(value).signbit()) == bad.startswith("-")
+    n, where = 3 * BLOCK - 40, 5
+    for weight_decay in (0.0, 0.01):
+        hyper = UpdateHyper(name=name, lr=0.1, weight_decay=weight_decay)
+        results = []
+        for update in (fused_update, reference_update):
+            gen = torch.Generator().manual_seed(7)
+            p = torch.randn(n, generator=gen)
+            state1, absmax1 = torch.full((n,), 127, dtype=torch.uint8), torch.zeros(3)
+            snapshots = []
+            for step in (1, 2, 3):
+                g = torch.randn(n, generator=gen)
+                if step == 2:
+                    g[where] = value
+                update(hyper, step_scalars(hyper, step), p, g, state1, absmax1, QMAP1.clone())
+                snapshots.append(dict(p=p.clone(), state1=state1.clone(), absmax1=absmax1.clone()))
+            results.append(snapshots)
+        for got, want in zip(*results):
+            assert_same_bits(got, want)
+        after_bad, after_next = results[0][1], results[0][2]
+        others = after_bad["p"][BLOCK:]
+        assert bool(others.isfinite().all()), "a bad gradient reached another block"
+        if bad.endswith("nan"):
+            assert after_bad["absmax1"].isfinite().all(), after_bad["absmax1"]
+            assert after_bad["state1"][where].item() == 255
+            assert after_bad["p"][where].isnan().item() == (name != "lion")
+            assert int(after_next["p"][:BLOCK].isnan().sum()) == (name != "lion")
+        else:
+            assert after_bad["absmax1"][0].item() == float("inf") and after_bad["absmax1"][1:].isfinite().all()
+            # Inf again, or -FLT_MAX where every moment of the block became NaN (fmaxf's start value)
+            assert after_next["absmax1"][0].item() in (float("inf"), -torch.finfo(torch.float32).max)
+            if name != "lion":  # Lion moves by sgn(direction): 0 for NaN, so its parameters stay finite
+                assert not bool(after_next["p"][:BLOCK].isfinite().all()), "the Inf block kept finite parameters"

@@ -22,6 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps-after", type=int, default=12, help="optimizer steps after it")
     demo.add_argument("--save-dp", type=int, default=2, help="DP size of the first run")
     demo.add_argument("--resume-dp", type=int, default=3, help="DP size of the resumed run")
+    kernels = commands.add_parser(
+        "build-kernels", help="compile the fused CPU 8-bit optimizer update now and print its path",
+        description="Compiles zero_bnb's fused CPU 8-bit optimizer update (otherwise built on first use) into the "
+                    "kernel cache ($ZERO_BNB_KERNEL_DIR, default ~/.cache/zero_bnb/kernels) with the C++ compiler "
+                    "$CXX (default c++). Exit 0 and the library's path, or 1 and the reason.")
+    kernels.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
     tools.add_commands(commands)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -31,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         from zero_bnb.cli.demo import run_demo
 
         return run_demo(args.out, args.steps_before, args.steps_after, args.save_dp, args.resume_dp)
+    if args.command == "build-kernels":
+        from zero_bnb.kernels.build import prebuild
+
+        return prebuild(force=args.force)
     return tools.run(args)
 
 

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 
-__all__ = ["KernelBuildError", "build_library", "cache_dir", "load_library", "main"]
+__all__ = ["KernelBuildError", "bind", "build_library", "cache_dir", "load_library", "main", "prebuild"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,13 @@ def cache_dir() -> str:
 
 
 def _compiler() -> list[str]:
-    return shlex.split(os.environ.get("CXX") or "c++")
+    """The compiler command: ``$CXX`` (which may carry flags) or ``c++``."""
+    try:
+        return shlex.split(os.environ.get("CXX", "")) or ["c++"]
+    except ValueError as error:
+        raise KernelBuildError(
+            f"CXX={os.environ['CXX']!r} is not a valid command ({error}); set CXX to a C++ compiler, e.g. CXX=g++"
+        ) from error
 
 
 def _cpu_flags() -> str:
@@ -58,12 +64,17 @@ def _cpu_flags() -> str:
 
 
 def _key(compiler: list[str]) -> str:
+    """The cache key: source, flags, the compiler command (``CXX`` may carry flags) and its version, CPU flags."""
     try:
         version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as error:
-        raise KernelBuildError(f"no C++ compiler: running {compiler[0]!r} failed ({error}); install g++ or set CXX")
+        raise KernelBuildError(
+            f"no C++ compiler: running {compiler[0]!r} failed ({error}); install a C++ compiler with OpenMP (e.g. "
+            f"apt-get install g++) or set CXX to one"
+        ) from error
     digest = hashlib.sha256()
-    for part in (open(SOURCE, "rb").read(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
+    for part in (open(SOURCE, "rb").read(), " ".join(FLAGS).encode(), "\0".join(compiler).encode(), version.encode(),
+                 _cpu_flags().encode()):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]
@@ -109,7 +120,15 @@ def load_library() -> ctypes.CDLL:
     """
     import torch  # noqa: F401  (torch's OpenMP runtime is loaded first and shared with the kernel)
 
-    path = build_library()
+    return bind(build_library())
+
+
+def bind(path: str) -> ctypes.CDLL:
+    """Load the compiled kernel at ``path`` and declare its functions' signatures.
+
+    Raises:
+        KernelBuildError: it could not be loaded.
+    """
     try:
         library = ctypes.CDLL(path)
     except OSError as error:
@@ -123,10 +142,12 @@ def load_library() -> ctypes.CDLL:
     return library
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m zero_bnb.kernels.build [--force]``: compile (or find) the kernel and print its path."""
-    args = sys.argv[1:] if argv is None else argv
-    force = "--force" in args
+def prebuild(force: bool = False) -> int:
+    """Compile (or find) the kernel and print its path; the exit code (1 when it cannot be built).
+
+    ``zero-bnb build-kernels`` and ``python -m zero_bnb.kernels.build``. Local: run it once per machine
+    (or per shared cache folder) before training.
+    """
     try:
         path = build_library(force=force)
     except KernelBuildError as error:
@@ -134,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     sys.stdout.write(f"{path}\n")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m zero_bnb.kernels.build [--force]``: :func:`prebuild`."""
+    args = sys.argv[1:] if argv is None else argv
+    return prebuild(force="--force" in args)
 
 
 if __name__ == "__main__":

@@ -44,11 +44,13 @@ def fused_update(
     absmax2: torch.Tensor | None = None,
     qmap2: torch.Tensor | None = None,
     threads: int | None = None,
+    library: ctypes.CDLL | None = None,
 ) -> None:
     """The step :func:`~zero_bnb.kernels.reference.reference_update` specifies, in place, fused per block.
 
     Same arguments as the reference; ``threads`` defaults to ``torch.get_num_threads()``. The result does
-    not depend on it.
+    not depend on it. ``library``: a build other than :func:`~zero_bnb.kernels.build.load_library`'s
+    (from :func:`~zero_bnb.kernels.build.bind`).
 
     Raises:
         ValueError: a tensor has the wrong device, dtype, size or layout.
@@ -69,7 +71,7 @@ def fused_update(
                       skip_zeros=int(hyper.skip_zeros))
     if n == 0:
         return
-    status = load_library().zero_bnb_blockwise_update(
+    status = (library or load_library()).zero_bnb_blockwise_update(
         FAMILIES[hyper.name], ctypes.byref(packed), n, *pointers, threads or torch.get_num_threads()
     )
     if status != 0:

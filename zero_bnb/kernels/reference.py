@@ -16,20 +16,28 @@ line numbers below refer to it):
   AdEMAMix moves by ``lr * (m1 / c1 + alpha * m2) / (sqrt(v) / c2 + eps)`` (line 1096), its slow moment
   (``state1[1]``) quantized with ``qmap1``. Moments are divided by the new ``absmax`` and quantized; a
   signed code whose map value has the other sign than the moment is moved one step towards the moment
-  (the state-1 sign fix, lines 1120, 1131).
+  (the state-1 sign fix, lines 1120, 1131). A NaN moment ends the search at code 0 and, its sign bit being
+  clear (the GPU's canonical NaN), the sign fix moves it to code 255 (unsigned char arithmetic): next step
+  it dequantizes to ``+absmax``.
 - ``kOptimizerStatic8bit1StateBlockwise`` (lines 1153-1322: momentum, Lion, RMSprop, Adagrad): weight
   decay is added to the gradient (momentum, RMSprop, Adagrad) or multiplies the parameter first (Lion,
   line 1233); momentum takes the gradient itself at step 1 (line 1243); RMSprop and Adagrad move the
   parameter with the *raw* gradient (lines 1291, 1295: the decayed one only feeds the state); a NaN/Inf
-  gradient is not special-cased (it poisons its element, ``fmaxf`` keeps it out of ``absmax``).
+  gradient is not special-cased: a NaN poisons its element (parameter NaN except for Lion, whose ``sgn`` of
+  NaN is 0; ``fmaxf`` keeps it out of ``absmax``); an Inf makes its block's ``absmax`` Inf, so every other
+  moment of the block quantizes to a code next to 0 and dequantizes to NaN or -Inf (``qmap * inf``) at the
+  next step: the whole block is poisoned.
 - Padding: the last, partial block is loaded with gradient 0, parameter 0, state-1 code 128 and state-2
   code 0 (lines 998-1005, 1212-1216), which take part in the block's ``absmax``.
 
 Deliberate differences from the CUDA kernel, all below float32 rounding of its own arithmetic: divisions
 are IEEE (CUDA uses ``__fdividef``, within 2 ulp) and the per-step scalars come from
 :func:`~zero_bnb.kernels.hyper.step_scalars` (CUDA: ``__powf``); every product and sum is rounded on its
-own (no fused multiply-add, which nvcc may contract). With ``skip_zeros`` the 1-state CUDA kernel leaves
-the moment of a skipped element uninitialised (line 1227); here it keeps its dequantized value.
+own (no fused multiply-add, which nvcc may contract); NaN sign bits are ignored, as if every NaN were the
+GPU's canonical one (but the CUDA kernel copies the gradient's own bits into the momentum at step 1 without
+weight decay, so there a NaN gradient with its sign bit set keeps it: code 0, not 255). With ``skip_zeros``
+the 1-state CUDA kernel leaves the moment of a skipped element uninitialised (line 1227); here it keeps its
+dequantized value.
 AdEMAMix's CUDA kernel reads the slow moment's ``absmax`` at ``(n + i) / 256``, which is its own row only
 when ``n`` is a multiple of 256 (always so in zero_bnb's block-aligned partitions); here it is row 1.
 
@@ -72,8 +80,13 @@ def quantize_codes(x: torch.Tensor, qmap: torch.Tensor, signed: bool) -> torch.T
 
 
 def sign_fix(codes: torch.Tensor, moment: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
-    """The state-1 sign fix: a code whose map value's sign bit differs from the moment's moves one step toward it."""
-    flipped = torch.signbit(qmap[codes]) != torch.signbit(moment)
+    """The state-1 sign fix: a code whose map value's sign bit differs from the moment's moves one step toward it.
+
+    A NaN moment counts as positive: NVIDIA GPUs produce one canonical single-precision NaN, ``0x7fffffff``,
+    whose sign bit is clear, whereas x86 propagates NaN sign bits and makes ``0 * inf`` negative.
+    """
+    negative = torch.signbit(moment) & ~moment.isnan()
+    flipped = torch.signbit(qmap[codes]) != negative
     moved = codes + torch.where(moment > 0, 1, -1)
     return torch.where(flipped, moved, codes) % 256  # unsigned char arithmetic: 0 - 1 == 255
 

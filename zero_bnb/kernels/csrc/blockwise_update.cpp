@@ -87,10 +87,11 @@ int binary_search(const float* code, float x) {
 }
 
 // The state-1 sign fix (kernels.cu 1120): a code whose map value's sign differs from the moment's
-// moves one step towards it (unsigned char arithmetic).
+// moves one step towards it (unsigned char arithmetic). A NaN counts as positive (the GPU's canonical NaN).
 template <bool SIGNED>
 inline uint8_t fixed(const float* code, int c, float moment) {
-    if (SIGNED && std::signbit(code[c]) != std::signbit(moment)) c += moment > 0.0f ? 1 : -1;
+    const bool negative = std::signbit(moment) && !std::isnan(moment);
+    if (SIGNED && std::signbit(code[c]) != negative) c += moment > 0.0f ? 1 : -1;
     return static_cast<uint8_t>(c);
 }
 
