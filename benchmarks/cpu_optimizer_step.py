@@ -11,7 +11,8 @@ elements and its gradient (shared by all variants, as a ZeRO partition is): zero
 (``bnb.optim.AdamW8bit`` with ``zero_cpu_update`` "fused"), ``deepspeed.ops.adam.DeepSpeedCPUAdam``
 (fp32 moments), ``torch.optim.AdamW(fused=True)`` (fp32 moments) and ``bnb.optim.AdamW8bit`` on bitsandbytes'
 CPU path (only up to ``--bnb-max-size`` million: it is slow). Rounds alternate the variants' order, so drift
-and other load hit all alike; the median step is reported in ns/param and in GB/s of the bytes the step must
+and other load hit all alike; the median step is reported in ns/param (wall clock, and process CPU time over all threads:
+steadier on a shared machine) and in GB/s of the bytes the step must
 move (8-bit: 16 B/param, fp32 Adam: 28 B/param) against this machine's copy bandwidth (measured here at each
 thread count). Memory: the optimizer's steady bytes per parameter (fp32 master + state) and the peak resident
 growth during one step (Linux ``VmHWM`` reset through ``/proc/self/clear_refs``). Last, one step of
@@ -96,6 +97,14 @@ def _timed(function) -> float:
     return time.perf_counter() - start
 
 
+def _timed_both(function) -> tuple[float, float]:
+    """Wall-clock and process CPU seconds (all threads) of one call: CPU time is not inflated by waiting for a
+    core that other processes hold, so on a shared machine it is the steadier measure of the work done."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    function()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
 def bench_size(millions: int, threads: list[int], repeats: int, bnb_max: int) -> list[dict]:
     numel = millions * 2**20
     param = torch.nn.Parameter(torch.randn(numel) * 0.02)
@@ -108,17 +117,21 @@ def bench_size(millions: int, threads: list[int], repeats: int, bnb_max: int) ->
         for optimizer in variants.values():
             optimizer.step()  # state creation and warm-up
         times = {name: [] for name in names}
+        cpu_times = {name: [] for name in names}
         for round_index in range(repeats):
             order = names[round_index % len(names):] + names[:round_index % len(names)]
             for name in order:
-                times[name].append(_timed(variants[name].step))
+                wall, cpu = _timed_both(variants[name].step)
+                times[name].append(wall)
+                cpu_times[name].append(cpu)
         bandwidth = copy_bandwidth(count)
         for name in names:
             seconds = statistics.median(times[name])
             rows.append({"variant": name, "millions": millions, "threads": count, "ns_per_param": seconds / numel * 1e9,
+                         "cpu_ns_per_param": statistics.median(cpu_times[name]) / numel * 1e9,
                          "gb_per_s": BYTES[name] * numel / seconds / 1e9, "copy_gb_per_s": bandwidth,
                          "bandwidth_fraction": BYTES[name] * numel / seconds / 1e9 / bandwidth,
-                         "samples_s": times[name]})
+                         "samples_s": times[name], "cpu_samples_s": cpu_times[name]})
     for name, optimizer in variants.items():
         steady = (numel * 4 + state_bytes(optimizer)) / numel
         transient = transient_bytes(optimizer)
@@ -200,16 +213,19 @@ def markdown(result: dict) -> str:
              f"deepspeed {info['deepspeed']}, bitsandbytes {info['bitsandbytes']}, {info['date']} (load average at "
              f"start {', '.join(f'{x:.1f}' for x in info['load_average_at_start'])}).", "",
              "| params | threads | variant | ns/param | GB/s | of copy bandwidth | vs DeepSpeedCPUAdam | "
-             "memory B/param (steady / step peak) |", "|---|---|---|---|---|---|---|---|"]
+             "CPU ns/param (all threads) | CPU time vs DeepSpeedCPUAdam | memory B/param (steady / step peak) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         ds = next((r for r in result["rows"] if r["variant"] == "DeepSpeedCPUAdam" and r["millions"] == row["millions"]
                    and r["threads"] == row["threads"]), None)
         ratio = f"{row['ns_per_param'] / ds['ns_per_param']:.2f}x" if ds else "-"
+        cpu_ratio = f"{row['cpu_ns_per_param'] / ds['cpu_ns_per_param']:.2f}x" if ds else "-"
         peak = row.get("transient_bytes_per_param")
         memory = f"{row['steady_bytes_per_param']:.2f} / " + ("-" if peak is None else
                                                             f"{row['steady_bytes_per_param'] + peak:.2f}")
         lines.append(f"| {row['millions']}M | {row['threads']} | {row['variant']} | {row['ns_per_param']:.2f} | "
-                     f"{row['gb_per_s']:.1f} | {row['bandwidth_fraction']:.0%} | {ratio} | {memory} |")
+                     f"{row['gb_per_s']:.1f} | {row['bandwidth_fraction']:.0%} | {ratio} | "
+                     f"{row['cpu_ns_per_param']:.2f} | {cpu_ratio} | {memory} |")
     d = result["distance"]
     lines += ["", f"bitsandbytes' CPU path against the CUDA reference, one AdamW8bit step ({d['millions']}M params, "
               f"after {d['steps_before']} reference steps): {d['state1_codes_differ']:.1%} of state1 codes and "

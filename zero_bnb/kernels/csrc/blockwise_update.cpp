@@ -109,6 +109,7 @@ constexpr uint32_t kMany = 0u;  // entry_of(0, 0, 0)
 
 struct Map {
     float code[256];
+    alignas(64) uint8_t planes[4][256];  // byte k of each code's float bits: the map in 16 registers
     bool is_signed;
     uint32_t base;     // top 16 bits (of the magnitude) of row 0: every smaller exponent shares it
     uint32_t half;     // entries per sign: a power of two above kTop - base + 1 (the last: magnitudes >= 2)
@@ -170,6 +171,8 @@ const Map& map_for(const float* code, bool is_signed) {
         if (map->is_signed == is_signed && std::memcmp(map->code, code, sizeof map->code) == 0) return *map;
     auto map = std::make_unique<Map>();
     std::memcpy(map->code, code, sizeof map->code);
+    for (int c = 0; c < 256; ++c)
+        for (int k = 0; k < 4; ++k) map->planes[k][c] = static_cast<uint8_t>(bits_of(code[c]) >> (8 * k));
     map->is_signed = is_signed;
     if (is_signed)
         build_table<true>(*map);
@@ -227,17 +230,48 @@ void quantize(const Map& map, const float* __restrict__ s, float absmax, uint8_t
 #endif
 }
 
-// Dequantize 256 codes through a 256-entry map and scale by absmax (an explicit gather where AVX-512 exists:
-// compilers tuned for AMD Zen emulate gathers with scalar loads).
-inline void dequantize(const float* __restrict__ code, const uint8_t* __restrict__ c, float absmax,
-                       float* __restrict__ out) {
-#if defined(__AVX512F__)
+#if defined(__AVX512VBMI__)
+// Where 64 looked-up floats land after the byte interleave of dequantize (within 128-bit lanes): the codes
+// are permuted by it first, so the floats come out in order.
+alignas(64) constexpr uint8_t kInterleave[64] = {
+    0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4, 5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39, 52, 53,
+    54, 55, 8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45,
+    46, 47, 60, 61, 62, 63};
+#endif
+
+// Dequantize 256 codes through a 256-entry map and scale by absmax. With AVX512-VBMI the map sits in 16
+// registers as four 256-byte planes (byte k of every value's bits): 64 codes look up each plane with two
+// 128-byte permutes and a blend, and the bytes are interleaved back into floats, about three times
+// faster than a 16-lane gather per 16 codes. Else an explicit gather where AVX-512 exists (compilers
+// tuned for AMD Zen emulate gathers with scalar loads), else scalar.
+inline void dequantize(const Map& map, const uint8_t* __restrict__ c, float absmax, float* __restrict__ out) {
+#if defined(__AVX512VBMI__)
+    __m512i t[4][4];
+    for (int k = 0; k < 4; ++k)
+        for (int q = 0; q < 4; ++q) t[k][q] = _mm512_load_si512(map.planes[k] + 64 * q);
+    const __m512i order = _mm512_load_si512(kInterleave);
+    const __m512 scale = _mm512_set1_ps(absmax);
+    for (int j = 0; j < kBlock; j += 64) {
+        const __m512i index = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(c + j));
+        const __mmask64 high = _mm512_movepi8_mask(index);
+        __m512i b[4];
+        for (int k = 0; k < 4; ++k)
+            b[k] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(t[k][0], index, t[k][1]),
+                                          _mm512_permutex2var_epi8(t[k][2], index, t[k][3]));
+        const __m512i low01 = _mm512_unpacklo_epi8(b[0], b[1]), high01 = _mm512_unpackhi_epi8(b[0], b[1]);
+        const __m512i low23 = _mm512_unpacklo_epi8(b[2], b[3]), high23 = _mm512_unpackhi_epi8(b[2], b[3]);
+        const __m512i values[4] = {_mm512_unpacklo_epi16(low01, low23), _mm512_unpackhi_epi16(low01, low23),
+                                   _mm512_unpacklo_epi16(high01, high23), _mm512_unpackhi_epi16(high01, high23)};
+        for (int r = 0; r < 4; ++r) _mm512_storeu_ps(out + j + 16 * r, _mm512_mul_ps(_mm512_castsi512_ps(values[r]), scale));
+    }
+#elif defined(__AVX512F__)
     const __m512 scale = _mm512_set1_ps(absmax);
     for (int j = 0; j < kBlock; j += 16) {
         const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j)));
-        _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_i32gather_ps(index, code, 4), scale));
+        _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_i32gather_ps(index, map.code, 4), scale));
     }
 #else
+    const float* __restrict__ code = map.code;
 #pragma omp simd
     for (int j = 0; j < kBlock; ++j) out[j] = code[c[j]] * absmax;
 #endif
@@ -262,14 +296,11 @@ struct View {
 };
 
 #if defined(__AVX512F__)
-inline __m512i codes16(const uint8_t* c) {
-    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
-}
-
-// Adam in one pass per 16 elements (dequantize, update, absmax), then the two requantizations.
+// Adam: the two dequantizations, one pass per 16 elements (update, parameter, absmax), the two requantizations.
 void adam_block(const Scalars& s, const View& b, const Map& map1, const Map& map2, float* a1, float* a2) {
     alignas(64) float s1[kBlock], s2[kBlock];
-    const __m512 scale1 = _mm512_set1_ps(*a1), scale2 = _mm512_set1_ps(*a2);
+    dequantize(map1, b.c1, *a1, s1);
+    dequantize(map2, b.c2, *a2, s2);
     const __m512 beta1 = _mm512_set1_ps(s.beta1), beta2 = _mm512_set1_ps(s.beta2);
     const __m512 one_minus_beta1 = _mm512_set1_ps(s.one_minus_beta1), one_minus_beta2 = _mm512_set1_ps(s.one_minus_beta2);
     const __m512 step_size = _mm512_set1_ps(s.step_size), eps_hat = _mm512_set1_ps(s.eps_hat);
@@ -278,8 +309,7 @@ void adam_block(const Scalars& s, const View& b, const Map& map1, const Map& map
     const __m512 infinity = _mm512_set1_ps(INFINITY);
     __m512 max1 = _mm512_set1_ps(-FLT_MAX), max2 = max1;
     for (int j = 0; j < kBlock; j += 16) {
-        const __m512 old1 = _mm512_mul_ps(_mm512_i32gather_ps(codes16(b.c1 + j), map1.code, 4), scale1);
-        const __m512 old2 = _mm512_mul_ps(_mm512_i32gather_ps(codes16(b.c2 + j), map2.code, 4), scale2);
+        const __m512 old1 = _mm512_load_ps(s1 + j), old2 = _mm512_load_ps(s2 + j);
         const __m512 g = _mm512_loadu_ps(b.g + j), p = _mm512_loadu_ps(b.p + j);
         const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(g), infinity, _CMP_LT_OQ);
         const __m512 v = _mm512_maskz_add_ps(finite, _mm512_mul_ps(old2, beta2),
@@ -304,9 +334,9 @@ void adam_block(const Scalars& s, const View& b, const Map& map1, const Map& map
 template <int FAMILY>
 void two_state(const Scalars& s, const View& b, const Map& map1, const Map& map2, float* a1, float* a2, float* a3) {
     alignas(64) float s1[kBlock], s2[kBlock], s3[kBlock];
-    dequantize(map1.code, b.c1, *a1, s1);
-    dequantize(map2.code, b.c2, *a2, s2);
-    if (FAMILY == ADEMAMIX) dequantize(map1.code, b.c3, *a3, s3);
+    dequantize(map1, b.c1, *a1, s1);
+    dequantize(map2, b.c2, *a2, s2);
+    if (FAMILY == ADEMAMIX) dequantize(map1, b.c3, *a3, s3);
     const float* __restrict__ gs = b.g;
     float* __restrict__ ps = b.p;
     const bool decay = s.weight_decay > 0.0f;
@@ -344,7 +374,7 @@ void two_state(const Scalars& s, const View& b, const Map& map1, const Map& map2
 template <int FAMILY>
 void one_state(const Scalars& s, const View& b, const Map& map1, float* a1) {
     alignas(64) float old[kBlock], s1[kBlock];
-    dequantize(map1.code, b.c1, *a1, old);
+    dequantize(map1, b.c1, *a1, old);
     const float* __restrict__ gs = b.g;
     float* __restrict__ ps = b.p;
     const bool decay = s.weight_decay > 0.0f;
