@@ -110,7 +110,7 @@ def test_auto_mode_without_a_compiler_takes_bitsandbytes_path_with_one_warning(n
     assert torch.equal(plain.detach(), wired.detach())
     warnings = [record.getMessage() for record in caplog.records]
     assert len(warnings) == 1, warnings
-    assert "python -m zero_bnb.kernels.build" in warnings[0] and "no-such-compiler" in warnings[0]
+    assert "zero-bnb build-kernels" in warnings[0] and "no-such-compiler" in warnings[0]
 
 
 def test_fused_mode_without_a_compiler_fails_naming_the_setting_and_the_fix(no_compiler):

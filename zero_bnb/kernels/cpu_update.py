@@ -42,15 +42,15 @@ def _fused_available(mode: str) -> bool:
         if mode == "fused":
             raise KernelBuildError(
                 f"zero_cpu_update is \"fused\" but the fused CPU 8-bit update cannot be built: {error}. Install a C++ "
-                f"compiler with OpenMP (e.g. apt-get install g++) and run `python -m zero_bnb.kernels.build`, or set "
+                f"compiler with OpenMP (e.g. apt-get install g++) and run `zero-bnb build-kernels`, or set "
                 f"zero_cpu_update to \"auto\" or \"bitsandbytes\""
             ) from error
         if not _warned:
             _warned = True
             logger.warning(
                 "zero_bnb: the fused CPU 8-bit optimizer update could not be built (%s); using bitsandbytes' CPU path, "
-                "which was 3-9x slower in benchmarks/results/cpu_optimizer_step.md. Install a C++ compiler with "
-                "OpenMP (e.g. apt-get install g++) and run `python -m zero_bnb.kernels.build` to get the fast one", error,
+                "which was 8-22x slower in benchmarks/results/cpu_optimizer_step.md. Install a C++ compiler with "
+                "OpenMP (e.g. apt-get install g++) and run `zero-bnb build-kernels` to get the fast one", error,
             )
         return False
 
