@@ -69,8 +69,8 @@ def _key(compiler: list[str]) -> str:
         version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as error:
         raise KernelBuildError(
-            f"no C++ compiler: running {compiler[0]!r} failed ({error}); install a C++ compiler with OpenMP (e.g. "
-            f"apt-get install g++) or set CXX to one"
+            f"no C++ compiler: running {compiler[0]!r}{' (from CXX)' if os.environ.get('CXX', '').strip() else ''} "
+            f"failed ({error}); install a C++ compiler with OpenMP (e.g. apt-get install g++) or set CXX to one"
         ) from error
     digest = hashlib.sha256()
     for part in (open(SOURCE, "rb").read(), " ".join(FLAGS).encode(), "\0".join(compiler).encode(), version.encode(),
