@@ -21,11 +21,9 @@
 // search. Unlike bitsandbytes' CPU lookup table (which returns the bucket's code for every x in it), the
 // result is the binary search's, always.
 //
-// Measured on AMD Zen 4 (AVX-512): one 16-lane gather costs about as much as a division, so the
-// kernel is bound by its four table lookups (two dequantizations, two quantizations), the division
-// and square root of the update and the two divisions by absmax that the reference's rounding needs
-// (a multiplication by 1 / absmax plus an exactness check was slower). Holding the 256-entry map in
-// registers (permutes instead of a gather) was no faster either.
+// Measured on AMD Zen 4: a 16-lane gather costs about a division; dequantization avoids it (byte-plane
+// permutes), so the two quantizer gathers and divisions by absmax (exact; a reciprocal plus an exactness
+// check was slower) and the update's division and square root bound the kernel.
 #include <cfloat>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -52,17 +50,9 @@ struct Scalars {
     int32_t skip_zeros;
 };
 
-inline uint32_t bits_of(float x) {
-    uint32_t u;
-    std::memcpy(&u, &x, sizeof u);
-    return u;
-}
+inline uint32_t bits_of(float x) { uint32_t u; std::memcpy(&u, &x, sizeof u); return u; }
 
-inline float float_of(uint32_t u) {
-    float x;
-    std::memcpy(&x, &u, sizeof x);
-    return x;
-}
+inline float float_of(uint32_t u) { float x; std::memcpy(&x, &u, sizeof x); return x; }
 
 // quantize_2D (kernels.cu 221-266), scalar.
 template <bool SIGNED>
@@ -221,10 +211,13 @@ void quantize(const Map& map, const float* __restrict__ s, float absmax, uint8_t
 #if defined(__AVX512F__)
     const __m512 scale = _mm512_set1_ps(absmax);
     uint32_t slow = 0;
-    for (int j = 0; j < kBlock; j += 16)
-        slow |= static_cast<uint32_t>(lookup16(map, _mm512_div_ps(_mm512_loadu_ps(s + j), scale), out + j) != 0) << (j / 16);
+    for (int j = 0; j < kBlock; j += 16) {
+        const __mmask16 lanes = lookup16(map, _mm512_div_ps(_mm512_loadu_ps(s + j), scale), out + j);
+        slow |= static_cast<uint32_t>(lanes != 0) << (j / 16);
+    }
     for (; slow; slow &= slow - 1)
-        for (int j = 16 * __builtin_ctz(slow), end = j + 16; j < end; ++j) quantize_slow<SIGNED>(map, s, absmax, out, j);
+        for (int j = 16 * __builtin_ctz(slow), end = j + 16; j < end; ++j)
+            quantize_slow<SIGNED>(map, s, absmax, out, j);
 #else
     for (int j = 0; j < kBlock; ++j) quantize_slow<SIGNED>(map, s, absmax, out, j);
 #endif
@@ -262,7 +255,8 @@ inline void dequantize(const Map& map, const uint8_t* __restrict__ c, float absm
         const __m512i low23 = _mm512_unpacklo_epi8(b[2], b[3]), high23 = _mm512_unpackhi_epi8(b[2], b[3]);
         const __m512i values[4] = {_mm512_unpacklo_epi16(low01, low23), _mm512_unpackhi_epi16(low01, low23),
                                    _mm512_unpacklo_epi16(high01, high23), _mm512_unpackhi_epi16(high01, high23)};
-        for (int r = 0; r < 4; ++r) _mm512_storeu_ps(out + j + 16 * r, _mm512_mul_ps(_mm512_castsi512_ps(values[r]), scale));
+        for (int r = 0; r < 4; ++r)
+            _mm512_storeu_ps(out + j + 16 * r, _mm512_mul_ps(_mm512_castsi512_ps(values[r]), scale));
     }
 #elif defined(__AVX512F__)
     const __m512 scale = _mm512_set1_ps(absmax);
@@ -302,7 +296,8 @@ void adam_block(const Scalars& s, const View& b, const Map& map1, const Map& map
     dequantize(map1, b.c1, *a1, s1);
     dequantize(map2, b.c2, *a2, s2);
     const __m512 beta1 = _mm512_set1_ps(s.beta1), beta2 = _mm512_set1_ps(s.beta2);
-    const __m512 one_minus_beta1 = _mm512_set1_ps(s.one_minus_beta1), one_minus_beta2 = _mm512_set1_ps(s.one_minus_beta2);
+    const __m512 one_minus_beta1 = _mm512_set1_ps(s.one_minus_beta1);
+    const __m512 one_minus_beta2 = _mm512_set1_ps(s.one_minus_beta2);
     const __m512 step_size = _mm512_set1_ps(s.step_size), eps_hat = _mm512_set1_ps(s.eps_hat);
     const __m512 decay = _mm512_set1_ps(s.decay);
     const bool decayed = s.weight_decay > 0.0f;
@@ -315,7 +310,8 @@ void adam_block(const Scalars& s, const View& b, const Map& map1, const Map& map
         const __m512 v = _mm512_maskz_add_ps(finite, _mm512_mul_ps(old2, beta2),
                                              _mm512_mul_ps(_mm512_mul_ps(one_minus_beta2, g), g));
         const __m512 m = _mm512_maskz_add_ps(finite, _mm512_mul_ps(old1, beta1), _mm512_mul_ps(one_minus_beta1, g));
-        __m512 moved = _mm512_add_ps(p, _mm512_mul_ps(step_size, _mm512_div_ps(m, _mm512_add_ps(_mm512_sqrt_ps(v), eps_hat))));
+        const __m512 direction = _mm512_div_ps(m, _mm512_add_ps(_mm512_sqrt_ps(v), eps_hat));
+        __m512 moved = _mm512_add_ps(p, _mm512_mul_ps(step_size, direction));
         if (decayed) moved = _mm512_mul_ps(moved, decay);
         _mm512_storeu_ps(b.p + j, _mm512_mask_blend_ps(finite, p, moved));
         _mm512_store_ps(s1 + j, m);
