@@ -15,12 +15,14 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from zero_bnb.checkpoint import regroup
 from zero_bnb.checkpoint.collective import agree
 from zero_bnb.checkpoint.derived import DERIVED_PARAMS_KEY, restore_derived
-from zero_bnb.checkpoint.model_file import check_model_states, module_from_masters
+from zero_bnb.checkpoint.model_file import check_model_states, plan_trained_weights
+from zero_bnb.checkpoint.partitioned import PartitionedOptimizer
 from zero_bnb.checkpoint.restore import (
     RestorePlan,
     SavedState,
@@ -33,7 +35,7 @@ from zero_bnb.errors import CheckpointReplacedError
 from zero_bnb.format.reader import CheckpointReader
 from zero_bnb.format.unpickle import safe_load
 
-__all__ = ["LoadPlan", "Opened", "open_for_load", "plan_load"]
+__all__ = ["LoadPlan", "Opened", "apply_module_weights", "open_for_load", "plan_load"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,20 +120,28 @@ def open_for_load(engine, load_dir: str, folder_tag: str, *, optimizer_states: b
 
 @dataclass
 class LoadPlan:
-    """Everything a load will write, read and checked before anything changes (see :func:`plan_load`)."""
+    """Everything a load will write, read and checked before anything changes (see :func:`plan_load`);
+    the trained module weights are set from the checked masters by :func:`apply_module_weights`."""
 
     optimizer: RestorePlan
     model_file: str
     model_states: dict[str, Any]
+    saved: SavedState
+    trained: dict[torch.nn.Parameter, str]
 
 
 def plan_load(engine, opened: Opened, model_file: str, *, optimizer_states: bool, strict: bool,
-              module_only: bool = False, scheduler_states: bool = True) -> LoadPlan:
+              module_only: bool = False, scheduler_states: bool = True, custom_load_fn: bool = False) -> LoadPlan:
     """Read and check every part of a load on this rank, changing nothing: the optimizer's
     partitions (:func:`~zero_bnb.checkpoint.restore.plan_restore`) and every entry of DeepSpeed's model
     file its loader applies (:func:`~zero_bnb.checkpoint.model_file.check_model_states`: module, counters,
-    LR scheduler). The module weights of trained parameters are planned as their master weights cast to
-    the module's dtype, whatever dtype the checkpoint's module was in.
+    LR scheduler).
+
+    Each rank reads only the saved ranges of its own new partitions. The module weights of trained
+    parameters are not read here: the apply phase sets them to the master weights cast to the module's
+    dtype, whatever dtype the checkpoint's module was in (each rank casts its partition, the ranks
+    all-gather). With ``custom_load_fn`` (a user function DeepSpeed hands the module entries to), the
+    entries are planned as the master weights cast instead, which reads every rank's masters.
 
     Local; the engine runs it under :func:`~zero_bnb.checkpoint.collective.agree` so that a failure on
     any rank stops the load on every rank before anything is modified.
@@ -140,14 +150,42 @@ def plan_load(engine, opened: Opened, model_file: str, *, optimizer_states: bool
     optimizer = plan_restore(engine.optimizer, saved, engine.param_names, load_optimizer_states=optimizer_states)
     if opened.reader is None:
         model_states = safe_load(model_file, "DeepSpeed model file", deepspeed_classes=True)
-    else:  # the bytes of the save that was verified, whatever now lies at model_file
+    else:  # the bytes of the save that was verified, whatever now lies at model_file; mapped: the trained
+        # weights in it are never read (see plan_trained_weights)
         model_states = opened.reader.load(os.path.basename(model_file), "DeepSpeed model file",
-                                          deepspeed_classes=True)
-    master = master_weights(saved)
+                                          deepspeed_classes=True, mmap=True)
+    trained = {param: engine.param_names[param] for param in engine.optimizer.trained_params()}
+    master = master_weights(saved)  # reads a parameter's saved ranges only when asked for it
     if isinstance(model_states, dict) and DERIVED_PARAMS_KEY in model_states:
-        restore_derived(model_states, master)
+        live = {} if custom_load_fn else {name: param for param, name in trained.items()}
+        restore_derived(model_states, lambda name: live[name] if name in live else master(name))
     check_model_states(engine, model_states, model_file, strict=strict, module_only=module_only,
                        scheduler_states=scheduler_states)
-    trained = {param: engine.param_names[param] for param in engine.optimizer.trained_params()}
-    module_from_masters(engine.module, trained, model_states, master)
-    return LoadPlan(optimizer, model_file, model_states)
+    plan_trained_weights(engine.module, trained, model_states, master if custom_load_fn else None)
+    return LoadPlan(optimizer, model_file, model_states, saved, trained)
+
+
+def apply_module_weights(optimizer: PartitionedOptimizer, plan: LoadPlan) -> None:
+    """Set every trained module weight to its fp32 master weight cast to the module's dtype, bit for bit what
+    ``master.to(dtype)`` gives (:func:`plan_load` left them to this). Call once the optimizer's partitions
+    are applied.
+
+    On the CPU, each rank copies every trained parameter's masters straight from the checkpoint's
+    pieces (memory-mapped, checked by the plan) into the parameter: a memory copy, which beats a
+    collective there (gloo moves far fewer bytes per second than a page-cache copy). On an
+    accelerator, each rank casts its applied partition into the flat group the module's weights are
+    views of and the ranks all-gather it, as DeepSpeed's step does: no rank reads another's masters.
+
+    Collective: every rank of the engine's data-parallel group must call it.
+    """
+    params = list(plan.trained)
+    if params and all(param.device.type == "cpu" for param in params):
+        master = master_weights(plan.saved)
+        with torch.no_grad():
+            for param, name in plan.trained.items():
+                if param.is_contiguous():
+                    master(name, out=param.data.view(-1))
+                else:
+                    param.data.copy_(master(name))
+    else:
+        optimizer.cast_masters_into_module()

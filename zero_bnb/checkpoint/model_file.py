@@ -3,8 +3,9 @@
 DeepSpeed's ``_load_checkpoint`` replaces the module weights, then reads the LR scheduler state,
 the step counters and the world sizes from this file; an entry it cannot use fails half-way,
 with the module already replaced. :func:`check_model_states` refuses such a file before anything
-is applied, and :func:`module_from_masters` makes the module weights the load applies exactly
-the master weights cast to the module's dtype (whatever dtype the checkpoint's module was in).
+is applied, and :func:`plan_trained_weights` leaves the trained module weights to the load's
+apply phase, which sets them to the master weights cast to the module's dtype (whatever dtype
+the checkpoint's module was in).
 
 Local functions, no collectives.
 """
@@ -16,10 +17,9 @@ from typing import Any
 
 import torch
 
-from zero_bnb.checkpoint.derived import derived_entries
 from zero_bnb.errors import CheckpointFormatError, CheckpointMismatchError
 
-__all__ = ["check_model_states", "module_from_masters"]
+__all__ = ["check_model_states", "plan_trained_weights"]
 
 #: Counters DeepSpeed sets from the model file on a full load: name -> smallest valid value.
 _COUNTERS = {"global_steps": 0, "skipped_steps": 0, "mp_world_size": 1}
@@ -120,13 +120,20 @@ def check_model_states(engine: Any, model_states: Any, model_file: str, *, stric
         _check_scheduler(getattr(engine, "lr_scheduler", None), model_states.get("lr_scheduler"), model_file)
 
 
-def module_from_masters(module: torch.nn.Module, trained: dict[torch.nn.Parameter, str], model_states: dict,
-                        master: Callable[[str], torch.Tensor]) -> None:
-    """Set every trained parameter's entry of ``model_states["module"]`` to its master weight cast to the
-    module's dtype, in place: after the load, module weights and master weights agree exactly.
+def plan_trained_weights(module: torch.nn.Module, trained: dict[torch.nn.Parameter, str], model_states: dict,
+                         master: Callable[[str], torch.Tensor] | None = None) -> None:
+    """Set every trained parameter's entry of ``model_states["module"]``, in place, for DeepSpeed's module loader.
 
-    ``trained`` maps the parameters ZeRO trains to their checkpoint names; ``master`` gives a name's
-    fp32 master weight. Buffers and frozen parameters keep the file's values.
+    Without ``master`` (a load), the entry becomes the live parameter itself, so DeepSpeed's copy
+    of it is a no-op and no rank reads another rank's master weights: the load's apply phase then
+    sets the module weights to the masters cast to the module's dtype
+    (``PartitionedOptimizer.cast_masters_into_module``). With ``master`` (a name's whole fp32
+    master weight; for a ``custom_load_fn``, which is handed these entries), the entry becomes the
+    master weight cast to the module's dtype: the same values, bit for bit.
+
+    ``trained`` maps the parameters ZeRO trains to their checkpoint names. Buffers and frozen
+    parameters keep the file's values.
     """
-    for key, (name, dtype) in derived_entries(module, trained).items():
-        model_states["module"][key] = master(name).to(getattr(torch, dtype))
+    for key, value in module.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.nn.Parameter) and value in trained:
+            model_states["module"][key] = value if master is None else master(trained[value]).to(value.dtype)

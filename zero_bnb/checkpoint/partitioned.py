@@ -46,6 +46,10 @@ class PartitionedOptimizer(Protocol):
     def trained_params(self) -> list[torch.nn.Parameter]:
         """Every module parameter the optimizer trains."""
 
+    def cast_masters_into_module(self) -> None:
+        """Set every trained module weight to its master weight cast to the module's dtype (each rank casts its
+        partition, the ranks all-gather). Collective over the data-parallel group."""
+
     def state_precision(self, group_index: int) -> dict[str, Any] | None:
         """How bitsandbytes decides 8-bit vs fp32 state for the group (``None`` for other optimizers)."""
 

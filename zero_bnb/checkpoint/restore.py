@@ -143,19 +143,21 @@ def gather_range(saved: SavedState, group_index: int, key: str, ranges, target: 
         )
 
 
-def master_weights(saved: SavedState) -> Callable[[str], torch.Tensor]:
+def master_weights(saved: SavedState) -> Callable[..., torch.Tensor]:
     """A lookup: parameter name -> its whole fp32 master weight, in its shape, from any saved DP size.
 
-    The name index is built once; each call reads only that parameter's saved ranges.
+    The name index is built once; each call reads only that parameter's saved ranges, into a new
+    fp32 tensor, or with ``out=`` into that flat tensor of the parameter's size (any floating dtype:
+    ``copy_`` casts exactly as ``Tensor.to`` does).
     """
     where = {param.name: (index, group, param) for index, group in enumerate(saved.manifest.groups)
              for param in group.params}
 
-    def master_weight(name: str) -> torch.Tensor:
+    def master_weight(name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         if name not in where:
             raise CheckpointMismatchError(f"the checkpoint has no master weight for parameter {name!r}")
         index, group, param = where[name]
-        out = torch.empty(param.numel, dtype=torch.float32)
+        out = torch.empty(param.numel, dtype=torch.float32) if out is None else out
         gather_range(saved, index, MASTER_KEY, group.element_ranges, (param.offset, param.offset + param.numel), out)
         return out.view(param.shape)
 

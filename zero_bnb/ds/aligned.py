@@ -110,6 +110,18 @@ class BlockAligned:
         """Every module parameter this optimizer trains."""
         return [param for index in range(self.num_groups) for param in self.group_params(index)]
 
+    def cast_masters_into_module(self) -> None:
+        """Set every trained module weight to its fp32 master weight cast to the module's dtype.
+
+        Each rank casts its master partition into its slice of the flat 16-bit (or fp32) group that
+        the module's parameters are views of, then the ranks all-gather the slices: what DeepSpeed's
+        own step does after updating its partition (``update_lp_params``). The cast is a plain
+        ``copy_``, so the result is bit-identical to ``master.to(module dtype)`` per parameter.
+
+        Collective: every rank of the data-parallel group must call it.
+        """
+        self.update_lp_params()
+
     def state_precision(self, group_index: int) -> dict[str, Any] | None:
         """How bitsandbytes decides 8-bit vs fp32 state for group ``group_index`` (``None`` for other optimizers).
 

@@ -34,7 +34,7 @@ from zero_bnb.checkpoint.batch import warn_if_batch_changed, with_batch
 from zero_bnb.checkpoint.collective import agree
 from zero_bnb.checkpoint.commit import SaveTransaction
 from zero_bnb.checkpoint.derived import DERIVED_PARAMS_KEY, derived_entries
-from zero_bnb.checkpoint.load import LoadPlan, open_for_load, plan_load
+from zero_bnb.checkpoint.load import LoadPlan, apply_module_weights, open_for_load, plan_load
 from zero_bnb.checkpoint.recovery_script import write_recovery_script
 from zero_bnb.checkpoint.restore import apply_masters, apply_restore
 from zero_bnb.checkpoint.save import build_manifest, write_local_files
@@ -326,7 +326,8 @@ class ZeroBnbEngine(DeepSpeedEngine):
         try:
             plan: LoadPlan = agree(lambda: plan_load(
                 self, opened, self._get_ckpt_name(load_dir, folder_tag), optimizer_states=optimizer_states,
-                strict=load_module_strict, module_only=load_module_only, scheduler_states=load_lr_scheduler_states))
+                strict=load_module_strict, module_only=load_module_only, scheduler_states=load_lr_scheduler_states,
+                custom_load_fn=custom_load_fn is not None))
         finally:
             opened.close()  # everything is read (shards stay memory-mapped)
         saved = opened.saved
@@ -350,6 +351,7 @@ class ZeroBnbEngine(DeepSpeedEngine):
         if not optimizer_states:
             # DeepSpeed rebuilt the fp32 masters from the module's (maybe bf16) weights; the exact ones are on disk.
             apply_masters(self.optimizer, plan.optimizer)
+        apply_module_weights(self.optimizer, plan)  # the plan left the trained module weights to this
         return result
 
     def _get_all_ckpt_names(self, checkpoints_path, tag):

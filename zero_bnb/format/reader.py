@@ -104,10 +104,11 @@ class CheckpointReader:
                             f"there; the checkpoint was edited or damaged after it was written. Load an earlier tag"
                         )
 
-    def load(self, name: str, what: str, *, deepspeed_classes: bool = False):
+    def load(self, name: str, what: str, *, deepspeed_classes: bool = False, mmap: bool = False):
         """Unpickle file ``name`` of the tag folder (``weights_only``) from the pinned bytes; for DeepSpeed's
-        model file. Call after :meth:`verify`."""
-        return load_pinned(self.files, name, what, deepspeed_classes=deepspeed_classes)
+        model file. ``mmap``: memory-map it (a tensor's bytes are read only when it is used). Call after
+        :meth:`verify`."""
+        return load_pinned(self.files, name, what, deepspeed_classes=deepspeed_classes, mmap=mmap)
 
     def close(self) -> None:
         """Release the pinned folder's descriptors (memory-mapped shards stay readable)."""
