@@ -376,6 +376,45 @@ def _scheduler_and_counters(c, out):
         out[f"counter:{name}={value}:unchanged"] = _same(scheduled, snapshot)
 
 
+RANDOM_LTD = {"data_efficiency": {"enabled": True, "data_routing": {"enabled": True, "random_ltd": {
+    "enabled": True, "total_layer_num": 3, "random_ltd_layer_num": 1, "random_ltd_layer_id": [1],
+    "model_mask_name": "attention_mask", "model_type": "decoder", "hidden_state_order": "batch_seq_dim",
+    "random_ltd_schedule": {"min_value": 8, "max_value": 32, "schedule_type": "fixed_linear",
+                            "schedule_config": {"require_steps": 10, "seq_per_step": 8}}}}}}
+
+
+def _random_ltd_entry(c, out):
+    """DeepSpeed hands the model file's 'random_ltd' entry to an engine's random-LTD scheduler after replacing the
+    module: a checkpoint saved without random-LTD (None there) or with a bad value is refused first, engine unchanged;
+    one saved with it restores the scheduler."""
+    import shutil
+
+    rank, world, workdir, save = c["rank"], c["world"], c["workdir"], c["save"]
+    ltd = make_engine(world, **RANDOM_LTD)
+    train_steps(ltd, RUN, 0, 2)
+    snapshot, schedule = _snapshot(ltd), ltd.random_ltd_scheduler.state_dict()
+    out["random_ltd_missing"] = _error(lambda: ltd.load_checkpoint(save, tag="A"))
+    out["random_ltd_missing_unchanged"] = bool(_same(ltd, snapshot)) and ltd.random_ltd_scheduler.state_dict() == schedule
+    ltd.random_ltd_scheduler.update_seq(5)
+    schedule = ltd.random_ltd_scheduler.state_dict()
+    ltd_dir = os.path.join(workdir, "random_ltd")
+    ltd.save_checkpoint(ltd_dir, tag="L")
+    ltd.random_ltd_scheduler.reset_to_init()
+    out["random_ltd_load"] = _error(lambda: ltd.load_checkpoint(ltd_dir, tag="L"))
+    out["random_ltd_restored"] = ltd.random_ltd_scheduler.state_dict() == schedule
+    doctored = os.path.join(workdir, "random_ltd_doctored")
+    if rank == 0:
+        shutil.copytree(ltd_dir, doctored, ignore=shutil.ignore_patterns(LOCK_NAME))
+        model_file = os.path.join(doctored, "L", "mp_rank_00_model_states.pt")
+        states = torch.load(model_file, weights_only=False)
+        states["random_ltd"]["current_value"] = "x"
+        replace_listed_file(os.path.join(doctored, "L"), "mp_rank_00_model_states.pt", states)
+    dist.barrier()
+    snapshot = _snapshot(ltd)
+    out["random_ltd_bad_value"] = _error(lambda: ltd.load_checkpoint(doctored, tag="L"))
+    out["random_ltd_bad_value_unchanged"] = _same(ltd, snapshot)
+
+
 def _tampered_values(c, out):
     """Values a re-signed checkpoint carries (counters, quantization maps, hyper-parameters, NaN the manifest does
     not declare) are refused before a load applies anything."""
@@ -516,7 +555,7 @@ def hostile(rank, world, workdir, foreign_pid):
                "save": save, "log": log}
     run_phases(out, context, _unsafe_tags, _symlinked_tag, _unwritable_folders, _split_folders_and_fifo_lock, _locks,
                _planted_links, _full_disk, _late_mismatch, _code_payload, _hyperparameter_log, _weights_only_loads,
-               _scheduler_and_counters, _tampered_values, _load_during_resave, _failed_initialize)
+               _scheduler_and_counters, _random_ltd_entry, _tampered_values, _load_during_resave, _failed_initialize)
     logging.getLogger("zero_bnb").removeHandler(handler)
     gathered = [None] * world
     dist.all_gather_object(gathered, out)

@@ -179,10 +179,32 @@ def _bf16_zero2_into_fp32(context, out):
             out[label + ":module"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
 
+def _bf16_zero2_into_bf16(context, out):
+    """The bf16 ZeRO-2 checkpoint (saved at DP=2) loaded at DP=3 by bf16 engines, through DeepSpeed's ZeRO optimizer
+    and its BF16_Optimizer: the module weights are the masters cast to bf16, which every rank once read from all
+    shards. The load copies them from the checkpoint (CPU); ``cast_masters_into_module`` (each rank casts its
+    partition, the ranks all-gather: the accelerator path) must give the same bits."""
+    world, workdir = context["world"], context["workdir"]
+    for name, extra in (("zero1", {}), ("bf16_optimizer", {"data_types": {"grad_accum_dtype": "fp32"}})):
+        engine = make_engine(world, bf16={"enabled": True}, **extra)
+        train_steps(engine, RUN, 0, 1)
+        label = f"bf16_zero2_into_bf16:{name}"
+        out[label] = _error(lambda engine=engine: engine.load_checkpoint(os.path.join(workdir, "bf16_zero2")))
+        out[label + ":class"] = type(engine.optimizer).__name__
+        loaded = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        for param in engine.module.parameters():
+            param.data.zero_()  # the all-gather must write every element of every rank's weights
+        engine.optimizer.cast_masters_into_module()
+        if dist.get_rank() == 0:
+            out[label + ":module"] = loaded
+            out[label + ":gathered"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
 def misc_dp3(rank, world, workdir):
     """At DP=3: stock DeepSpeed refuses its own checkpoint; zero_bnb explains; AdamW checkpoint resumes."""
     out: dict = {}
-    run_phases(out, {"world": world, "workdir": workdir}, _stock_at_another_dp, _adamw_loads, _bf16_zero2_into_fp32)
+    run_phases(out, {"world": world, "workdir": workdir}, _stock_at_another_dp, _adamw_loads, _bf16_zero2_into_fp32,
+               _bf16_zero2_into_bf16)
     _save_result(os.path.join(workdir, "misc_dp3.pt"), out)
 
 

@@ -162,6 +162,25 @@ def test_after_any_load_module_weights_are_the_masters_cast_to_the_engines_dtype
                 variant, name, (module[name] - saved).abs().max().item())
 
 
+@pytest.mark.parametrize("optimizer", ["zero1", "bf16_optimizer"])
+def test_module_weights_after_a_load_are_the_masters_cast_bit_for_bit_on_either_path(misc, optimizer):
+    """bf16 engines at DP=3 loading a bf16 checkpoint saved at DP=2: module weights = ``master.to(bfloat16)`` (what
+    the plan once built from every shard) whether copied from the checkpoint or cast per partition and all-gathered."""
+    dp2, dp3 = misc
+    label = f"bf16_zero2_into_bf16:{optimizer}"
+    assert dp3[label] is None, dp3[label]
+    assert dp3[label + ":class"] == {"zero1": "BlockAlignedZeroOptimizer",
+                                     "bf16_optimizer": "BlockAlignedBF16Optimizer"}[optimizer]
+    masters = dp2["bf16_zero2_masters"]
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in masters.values()), "masters bf16 cannot hold"
+    for path in ("module", "gathered"):
+        module = dp3[f"{label}:{path}"]
+        assert set(module) == set(masters), path
+        for name, master in masters.items():
+            assert module[name].dtype == torch.bfloat16 and torch.equal(module[name], master.to(torch.bfloat16)), (
+                path, name, (module[name].float() - master).abs().max().item())
+
+
 def test_replicated_threshold_mismatch_is_refused_before_writing(misc):
     dp2, _ = misc
     message = dp2["mismatch_error"]

@@ -492,6 +492,20 @@ def test_an_lr_scheduler_mismatch_or_a_bad_counter_is_refused_before_anything_ch
         assert all(out[f"counter:{name}={value}:unchanged"] for out in ranks)
 
 
+def test_a_random_ltd_entry_the_engines_scheduler_cannot_load_is_refused_before_anything_changes(ranks):
+    """DeepSpeed's loader would call the random-LTD scheduler's load_state_dict(None) after replacing the module."""
+    _, ranks = ranks
+    missing = _same(ranks, "random_ltd_missing")
+    assert missing.startswith("CheckpointMismatchError:") and "random-LTD scheduler" in missing, missing
+    assert "holds None" in missing and "saved without data_efficiency.data_routing.random_ltd" in missing, missing
+    assert "load_module_only=True" in missing and "\n" not in missing, missing
+    assert all(out["random_ltd_missing_unchanged"] for out in ranks)
+    assert _same(ranks, "random_ltd_load") is None and all(out["random_ltd_restored"] for out in ranks)
+    bad = _same(ranks, "random_ltd_bad_value")
+    assert bad.startswith("CheckpointFormatError:") and "['current_value']" in bad and "'x'" in bad, bad
+    assert all(out["random_ltd_bad_value_unchanged"] for out in ranks)
+
+
 def test_a_load_during_a_resave_of_its_tag_loads_one_whole_checkpoint_or_says_it_was_replaced(ranks):
     _, ranks = ranks
     allowed = ("old", "new")

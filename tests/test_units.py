@@ -296,3 +296,48 @@ def test_safe_load_still_calls_a_truncated_file_damaged(tmp_path):
     path.write_bytes(path.read_bytes()[:200])
     with pytest.raises(CheckpointCorruptError, match="the file is damaged"):
         safe_load(str(path), "shard file")
+
+
+# -- pinned folders ------------------------------------------------------------------------------
+
+
+def test_a_pinned_folder_with_more_files_than_it_holds_open_still_reads_only_the_pinned_save(tmp_path):
+    """Beyond MAX_HELD files (a save at DP > 253), files are opened relative to the pinned folder at each read:
+    after a re-save replaced the folder they still read the old save, a planted link is refused, a file removed
+    with the old folder reads as replaced (never as another save's bytes), and no descriptor is leaked."""
+    import os
+
+    from zero_bnb.errors import CheckpointFormatError, CheckpointReplacedError
+    from zero_bnb.format.pinned import MAX_HELD, PinnedFolder
+
+    count = MAX_HELD + 44
+    tag = tmp_path / "tag"
+    (tag / "sub").mkdir(parents=True)
+    names = [f"sub/shard_{index}.pt" for index in range(count)]
+    for index, name in enumerate(names):
+        (tag / name).write_bytes(b"old %d" % index)
+    descriptors = len(os.listdir("/proc/self/fd"))
+    folder = PinnedFolder(str(tag))
+    assert all(folder.exists(name) for name in names)
+    assert len(os.listdir("/proc/self/fd")) - descriptors == MAX_HELD + 2  # the files held, the tag and sub folders
+    os.rename(tag, tmp_path / "old")  # a re-save publishes a new folder under the same name
+    (tag / "sub").mkdir(parents=True)
+    for index, name in enumerate(names):
+        (tag / name).write_bytes(b"new save %d" % index)
+    for index, name in enumerate(names):
+        assert folder.read(name) == b"old %d" % index, name
+        assert folder.size(name) == len(b"old %d" % index)
+        with folder.path_of(name) as path, open(path, "rb") as handle:
+            assert handle.read() == b"old %d" % index, name
+    late = names[-1]  # not held open
+    os.remove(tmp_path / "old" / late)
+    os.symlink(tag / late, tmp_path / "old" / late)
+    with pytest.raises(CheckpointFormatError, match="symbolic link"):
+        folder.read(late)
+    os.remove(tmp_path / "old" / late)
+    with pytest.raises(CheckpointReplacedError, match="replaced by a concurrent save"):
+        folder.read(late)
+    assert folder.read(names[0]) == b"old 0"  # held open: readable although the old folder is going away
+    assert len(os.listdir("/proc/self/fd")) - descriptors == MAX_HELD + 2
+    folder.close()
+    assert len(os.listdir("/proc/self/fd")) == descriptors

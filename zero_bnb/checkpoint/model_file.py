@@ -12,9 +12,11 @@ Local functions, no collectives.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy
 import torch
 
 from zero_bnb.errors import CheckpointFormatError, CheckpointMismatchError
@@ -98,14 +100,61 @@ def _check_scheduler(scheduler: Any, saved: Any, model_file: str) -> None:
         )
 
 
+def _data_efficiency_loaders(engine: Any, model_states: dict) -> list[tuple[str, str, Any, str]]:
+    """The data-efficiency entries DeepSpeed's loader would apply: (key, what, object it loads them into, config)."""
+    found = []
+    scheduler = getattr(engine, "random_ltd_scheduler", None)
+    if "random_ltd" in model_states and scheduler is not None and engine.random_ltd_enabled():
+        found.append(("random_ltd", "random-LTD scheduler", scheduler, "data_efficiency.data_routing.random_ltd"))
+    loader = getattr(engine, "training_dataloader", None)
+    if "data_sampler" in model_states and loader is not None and engine.curriculum_learning_enabled():
+        found.append(("data_sampler", "curriculum data sampler", loader.data_sampler,
+                      "data_efficiency.data_sampling.curriculum_learning"))
+    return found
+
+
+def _check_data_efficiency(engine: Any, model_states: dict, model_file: str) -> None:
+    for key, what, target, config in _data_efficiency_loaders(engine, model_states):
+        saved, current = model_states[key], target.state_dict()
+        if not isinstance(saved, dict) or not set(current) <= set(saved):
+            have = sorted(saved) if isinstance(saved, dict) else saved
+            raise CheckpointMismatchError(
+                f"the engine's {what} would load {model_file}'s {key!r} entry, which holds {have!s:.120} instead of "
+                f"its state ({sorted(current)!s:.160}); the checkpoint was saved without {config}. Disable {config} "
+                f"in the config to resume from it, or load with load_module_only=True"
+            )
+        wrong = [name for name, value in current.items() if not _same_kind(value, saved[name])]
+        if wrong:
+            raise CheckpointFormatError(
+                f"{model_file}: the {what} state {key!r} holds values of the wrong kind for {wrong[:5]} "
+                f"({ {name: saved[name] for name in wrong[:5]}!s:.200}); the file was edited or not written by DeepSpeed"
+            )
+
+
+def _same_kind(current: Any, saved: Any) -> bool:
+    """Whether ``saved`` can replace ``current`` in a data-efficiency state: numbers for numbers, lists for lists,
+    a valid NumPy random state for one."""
+    if isinstance(current, (int, float)) and not isinstance(current, bool):
+        return isinstance(saved, (int, float)) and not isinstance(saved, bool) and math.isfinite(saved)
+    if isinstance(current, tuple) and current and current[0] == "MT19937":  # np.random.get_state()
+        try:
+            numpy.random.RandomState().set_state(saved)  # a throwaway generator: the global one is untouched
+        except (TypeError, ValueError):
+            return False
+        return True
+    return isinstance(saved, type(current)) if isinstance(current, (list, dict)) else True
+
+
 def check_model_states(engine: Any, model_states: Any, model_file: str, *, strict: bool, module_only: bool,
                        scheduler_states: bool) -> None:
     """Refuse a model file DeepSpeed's loader would fail on half-way, before anything is applied.
 
     Checks the module entries (tensors of the model's kind and shape; every key with ``strict``),
     the counters DeepSpeed sets (``global_steps``, ``skipped_steps``, world sizes: non-negative
-    integers), and with ``scheduler_states`` that the checkpoint has LR scheduler state exactly
-    when the engine has a scheduler, holding what that scheduler's ``load_state_dict`` reads.
+    integers), with ``scheduler_states`` that the checkpoint has LR scheduler state exactly
+    when the engine has a scheduler, holding what that scheduler's ``load_state_dict`` reads, and
+    the ``random_ltd`` and ``data_sampler`` entries DeepSpeed hands to the engine's random-LTD
+    scheduler and curriculum data sampler when it has them (a save without them stores ``None``).
 
     Raises:
         CheckpointFormatError: a malformed entry, naming it and its value.
@@ -118,6 +167,8 @@ def check_model_states(engine: Any, model_states: Any, model_file: str, *, stric
     _check_counters(model_states, model_file, module_only)
     if scheduler_states and not module_only:
         _check_scheduler(getattr(engine, "lr_scheduler", None), model_states.get("lr_scheduler"), model_file)
+    if not module_only:
+        _check_data_efficiency(engine, model_states, model_file)
 
 
 def plan_trained_weights(module: torch.nn.Module, trained: dict[torch.nn.Parameter, str], model_states: dict,
