@@ -15,7 +15,7 @@ import socket
 
 import torch
 import torch.distributed as dist
-from scenarios import _error, make_engine, run_phases
+from scenarios import OPTIMIZERS, _error, make_engine, run_phases
 
 from zero_bnb.format import durable
 from zero_bnb.format.lock import LOCK_NAME
@@ -338,6 +338,22 @@ def _weights_only_loads(c, out):
                                           for n, p in bf16.module.named_parameters())
             out[label + ":bf16_rounding_would_differ"] = any(
                 not torch.equal(s["fp32"], s["fp32"].bfloat16().float()) for s in saved["params"].values())
+    # A custom_load_fn is handed the trained entries as the masters cast (not the live weights the plan otherwise
+    # leaves there for the apply phase to set).
+    handed = {}
+
+    def custom_load_fn(src, dst):
+        handed.update({key: value.detach().clone() for key, value in src.items()})
+        dst.load_state_dict(src)
+
+    train_steps(bf16, RUN, 2, 1)
+    out["custom_load_fn"] = _error(lambda: bf16.load_checkpoint(os.path.join(workdir, "bf16"), tag="W",
+                                                                 custom_load_fn=custom_load_fn))
+    if rank == 0:
+        out["custom_load_fn:handed"] = all(torch.equal(handed[n], s["fp32"].bfloat16())
+                                           for n, s in saved["params"].items())
+        out["custom_load_fn:modules"] = all(torch.equal(p.detach(), saved["params"][n]["fp32"].bfloat16())
+                                            for n, p in bf16.module.named_parameters())
 
 
 SCHEDULER = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
@@ -383,10 +399,10 @@ RANDOM_LTD = {"data_efficiency": {"enabled": True, "data_routing": {"enabled": T
                             "schedule_config": {"require_steps": 10, "seq_per_step": 8}}}}}}
 
 
-def _random_ltd_entry(c, out):
-    """DeepSpeed hands the model file's 'random_ltd' entry to an engine's random-LTD scheduler after replacing the
-    module: a checkpoint saved without random-LTD (None there) or with a bad value is refused first, engine unchanged;
-    one saved with it restores the scheduler."""
+def _data_efficiency_entries(c, out):
+    """DeepSpeed hands the model file's 'random_ltd' entry to an engine's random-LTD scheduler (and 'data_sampler' to
+    its curriculum data sampler) after replacing the module: a checkpoint saved without them (None there) or with a
+    bad value is refused first, engine unchanged; one saved with random-LTD restores the scheduler."""
     import shutil
 
     rank, world, workdir, save = c["rank"], c["world"], c["workdir"], c["save"]
@@ -413,6 +429,22 @@ def _random_ltd_entry(c, out):
     snapshot = _snapshot(ltd)
     out["random_ltd_bad_value"] = _error(lambda: ltd.load_checkpoint(doctored, tag="L"))
     out["random_ltd_bad_value_unchanged"] = _same(ltd, snapshot)
+    # The same for the curriculum data sampler ('data_sampler'), which needs training data to exist.
+    import zero_bnb
+    from zero_bnb.testing.toy import LEARNING_RATE, build_model, param_groups
+
+    model = build_model()
+    curriculum = {"data_efficiency": {"enabled": True, "seed": 1, "data_sampling": {
+        "enabled": True, "num_epochs": 1, "curriculum_learning": {
+            "enabled": True, "data_cluster_path": os.path.join(workdir, "clusters"), "curriculum_metrics": {}}}}}
+    sampled, *_ = zero_bnb.initialize(model=model, optimizer=OPTIMIZERS["Adam8bit"](param_groups(model), lr=LEARNING_RATE),
+                                      training_data=torch.utils.data.TensorDataset(torch.randn(64, 4)),
+                                      config=RUN.ds_config(world, **curriculum))
+    sampler = sampled.training_dataloader.data_sampler
+    snapshot, sampler_state = _snapshot(sampled), repr(sampler.state_dict())
+    out["data_sampler_missing"] = _error(lambda: sampled.load_checkpoint(save, tag="A"))
+    out["data_sampler_missing_unchanged"] = bool(_same(sampled, snapshot)) and repr(sampler.state_dict()) == sampler_state
+    out["data_sampler_class"] = type(sampler).__name__
 
 
 def _tampered_values(c, out):
@@ -555,7 +587,7 @@ def hostile(rank, world, workdir, foreign_pid):
                "save": save, "log": log}
     run_phases(out, context, _unsafe_tags, _symlinked_tag, _unwritable_folders, _split_folders_and_fifo_lock, _locks,
                _planted_links, _full_disk, _late_mismatch, _code_payload, _hyperparameter_log, _weights_only_loads,
-               _scheduler_and_counters, _random_ltd_entry, _tampered_values, _load_during_resave, _failed_initialize)
+               _scheduler_and_counters, _data_efficiency_entries, _tampered_values, _load_during_resave, _failed_initialize)
     logging.getLogger("zero_bnb").removeHandler(handler)
     gathered = [None] * world
     dist.all_gather_object(gathered, out)

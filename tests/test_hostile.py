@@ -463,6 +463,8 @@ def test_weights_only_loads_in_bf16_take_the_exact_fp32_masters(ranks):
         assert _same(ranks, label) is None
         assert ranks[0][label + ":bf16_rounding_would_differ"], "the test needs masters that bf16 cannot hold"
         assert ranks[0][label + ":masters"] and ranks[0][label + ":modules"], label
+    assert _same(ranks, "custom_load_fn") is None
+    assert ranks[0]["custom_load_fn:handed"] and ranks[0]["custom_load_fn:modules"]
 
 
 def test_values_a_re_signed_checkpoint_carries_are_refused_before_a_load_applies_anything(ranks):
@@ -492,8 +494,9 @@ def test_an_lr_scheduler_mismatch_or_a_bad_counter_is_refused_before_anything_ch
         assert all(out[f"counter:{name}={value}:unchanged"] for out in ranks)
 
 
-def test_a_random_ltd_entry_the_engines_scheduler_cannot_load_is_refused_before_anything_changes(ranks):
-    """DeepSpeed's loader would call the random-LTD scheduler's load_state_dict(None) after replacing the module."""
+def test_random_ltd_and_data_sampler_entries_the_engine_cannot_load_are_refused_before_anything_changes(ranks):
+    """DeepSpeed's loader would call load_state_dict(None) of the random-LTD scheduler or the curriculum data sampler
+    after replacing the module (TypeError)."""
     _, ranks = ranks
     missing = _same(ranks, "random_ltd_missing")
     assert missing.startswith("CheckpointMismatchError:") and "random-LTD scheduler" in missing, missing
@@ -504,6 +507,11 @@ def test_a_random_ltd_entry_the_engines_scheduler_cannot_load_is_refused_before_
     bad = _same(ranks, "random_ltd_bad_value")
     assert bad.startswith("CheckpointFormatError:") and "['current_value']" in bad and "'x'" in bad, bad
     assert all(out["random_ltd_bad_value_unchanged"] for out in ranks)
+    assert ranks[0]["data_sampler_class"] == "DeepSpeedDataSampler"
+    sampler = _same(ranks, "data_sampler_missing")
+    assert sampler.startswith("CheckpointMismatchError:") and "curriculum data sampler" in sampler, sampler
+    assert "holds None" in sampler and "np_rng_state" in sampler and "load_module_only=True" in sampler, sampler
+    assert all(out["data_sampler_missing_unchanged"] for out in ranks)
 
 
 def test_a_load_during_a_resave_of_its_tag_loads_one_whole_checkpoint_or_says_it_was_replaced(ranks):
