@@ -3,7 +3,7 @@
 Reproduce (CPU, from the repository root, after `bash scripts/setup.sh`):
 
     python benchmarks/checkpoint_verify.py --params 100e6 --dp 1 2 --repeats 5
-    python benchmarks/checkpoint_verify.py --params 100e6 --dp 1 2 --repeats 5 --compare-ref eeba390 --rounds 3
+    python benchmarks/checkpoint_verify.py --params 16e6 --dp 1 2 --repeats 5 --compare-ref 44ad11d --rounds 3
 
 The second form compares the loader of this working tree with the one of git revision
 ``--compare-ref`` (extracted with ``git archive`` into a temporary folder): each round runs
