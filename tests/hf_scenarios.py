@@ -69,6 +69,12 @@ def offload_config(stage: int = 1, **extra) -> dict:
     return ds_config(zero_optimization={"stage": stage, **OFFLOAD}, **extra)
 
 
+#: Trainer's remaining bitsandbytes names: the optimizer Trainer builds for each (its class and arguments, from
+#: Trainer.get_optimizer_cls_and_kwargs) under zero_bnb on the toy model, saved at DP=2 and loaded at DP=3.
+MORE_OPTIMS = ("adamw_8bit", "lion_32bit", "paged_adamw_32bit", "paged_lion_8bit", "rmsprop_bnb", "rmsprop_bnb_32bit",
+               "paged_ademamix_8bit", "paged_ademamix_32bit", "ademamix")
+
+
 def _trainer(workdir, world, *, name="out", optim="adamw_bnb_8bit", max_steps=8, save_steps=4, config=None,
              accumulation=None):
     from transformers import Trainer, TrainingArguments
@@ -339,6 +345,41 @@ def readme_accelerate(workdir, world, *, resume: bool) -> dict:
             "process_indices_without_advice": [index for (index,) in without_advice]}
 
 
+def _trainer_named_optimizer(workdir, world, name: str, *, load: bool) -> dict:
+    """The optimizer Trainer's ``optim=name`` builds, under zero_bnb on the toy model: 2 steps and a save at DP=2,
+    or the load at DP=3; the consolidated state either way."""
+    import functools
+
+    from transformers import Trainer, TrainingArguments
+
+    from zero_bnb.testing.consolidate import consolidated_state
+    from zero_bnb.testing.toy import DEFAULT_RUN, build_engine, train_steps
+
+    args = TrainingArguments(output_dir=os.path.join(workdir, "names"), optim=name, report_to=[])
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    engine = build_engine(world, functools.partial(cls, **{k: v for k, v in kwargs.items() if k != "lr"}))
+    folder = os.path.join(workdir, "names", name)
+    if load:
+        engine.load_checkpoint(folder)
+    else:
+        train_steps(engine, DEFAULT_RUN, 0, 2)
+        engine.save_checkpoint(folder, tag="t")
+    return {"class": f"{cls.__name__}({kwargs.get('optim_bits')}-bit)", "state": consolidated_state(engine)}
+
+
+def _more_optims(workdir, world, *, load: bool) -> dict:
+    return {name: _error_or(lambda name=name: _trainer_named_optimizer(workdir, world, name, load=load))
+            for name in MORE_OPTIMS}
+
+
+def _error_or(fn):
+    """``fn()``, or the ``"Class: message"`` of what it raised."""
+    try:
+        return fn()
+    except Exception as error:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(error).__name__}: {error}"
+
+
 def hf_dp2(rank, world, workdir):
     """One launch at DP=2: Trainer (zero_bnb and stock), Accelerate, refusals, plain-assignment enabling."""
     out = {}
@@ -371,6 +412,7 @@ def hf_dp2(rank, world, workdir):
         _error(lambda stock=stock: readme_trainer(workdir, world, "# first run", use_cpu=False, stock=stock))
         for stock in (False, True)]
     out["readme_accelerate"] = readme_accelerate(workdir, world, resume=False)
+    out["more_optims"] = _more_optims(workdir, world, load=False)
     if rank == 0:
         torch.save(out, os.path.join(workdir, "hf_dp2.pt"))
 
@@ -431,5 +473,6 @@ def hf_dp3(rank, world, workdir):
     out["readme_accelerate"] = readme_accelerate(workdir, world, resume=True)
     out["stock_module_only"] = _stock_module_only(workdir)
     out["batch_warning"] = _changed_global_batch(workdir, world)
+    out["more_optims"] = _more_optims(workdir, world, load=True)
     if rank == 0:
         torch.save(out, os.path.join(workdir, "hf_dp3.pt"))

@@ -137,12 +137,12 @@ def _bad_checkpoints(c, out):
     out["amsgrad_mismatch"] = _error(lambda: amsgrad.load_checkpoint(os.path.join(workdir, "adamw")))
     after = consolidated_state(engine)
     if rank == 0:
-        out["state_unchanged"] = not state_differences(before, after)[1]
-    out["weights_unchanged"] = all(torch.equal(p, weights[n]) for n, p in engine.module.named_parameters())
+        out["state_changes"] = state_differences(before, after)[1]
+    out["weights_changed"] = [n for n, p in engine.module.named_parameters() if not torch.equal(p, weights[n])]
     # ... and trains on exactly like a twin that never saw them (no lock, hook or half-swapped state left behind).
     twin = make_engine(world)
     train_steps(twin, RUN, 0, 3)
-    out["trains_after_failed_loads"] = train_steps(engine, RUN, 3, 1) == train_steps(twin, RUN, 3, 1)
+    out["losses_after_failed_loads"] = (train_steps(engine, RUN, 3, 1), train_steps(twin, RUN, 3, 1))
 
 
 def _failing_saves(c, out):
@@ -167,7 +167,8 @@ def _replicated_by_name(c, out):
     by_name = make_engine(world, zero_unsharded_state_keys=["qmap1", "qmap2", "absmax1"])
     train_steps(by_name, RUN, 0, 1)
     out["replicated_by_name"] = _error(lambda: by_name.save_checkpoint(os.path.join(workdir, "by_name"), tag="x"))
-    out["replicated_by_name_wrote"] = os.path.exists(os.path.join(workdir, "by_name", "x"))
+    folder = os.path.join(workdir, "by_name")
+    out["replicated_by_name_listing"] = sorted(os.listdir(folder)) if os.path.isdir(folder) else None
 
 
 def _nan_state(c, out):

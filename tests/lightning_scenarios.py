@@ -116,8 +116,8 @@ def _optimizer_facts(trainer) -> dict:
 
 def lightning_dp2(rank, world, workdir):
     """The README's example for 2 epochs (the uninterrupted run); a fresh run of 1 epoch with the optimizer offloaded
-    to the CPU, saved with trainer.save_checkpoint (resumed by the README's example, without offload, at DP=3); a
-    run stopped after 1 optimizer step (mid-epoch: 3 micro-batches per process), saved."""
+    to the CPU, saved with trainer.save_checkpoint (resumed by the README's example, without offload, at DP=3); 1 epoch
+    with the stage-2 strategy; a run stopped after 1 optimizer step (mid-epoch: 3 micro-batches per process), saved."""
     out = {}
     trainer, out["uninterrupted"] = _readme_fit(world, 2, "# first run", os.path.join(workdir, "readme_run.ckpt"))
     out["strategy"] = type(trainer.strategy).__name__
@@ -126,6 +126,9 @@ def lightning_dp2(rank, world, workdir):
     trainer, _, out["first_epoch"] = _fit(world, 1, strategy="deepspeed_zero_bnb_stage_1_offload")
     out["offloaded_optimizer"] = _optimizer_facts(trainer)
     trainer.save_checkpoint(os.path.join(workdir, "lightning.ckpt"))
+    trainer, _, out["stage2_first_epoch"] = _fit(world, 1, strategy="deepspeed_zero_bnb_stage_2")
+    out["stage2"] = (type(trainer.strategy.model).__name__, trainer.strategy.model.zero_optimization_stage(),
+                     type(trainer.strategy.model.optimizer).__name__)
     trainer, _, _ = _fit(world, 1, max_steps=1)
     trainer.save_checkpoint(os.path.join(workdir, "mid_epoch.ckpt"))
     if rank == 0:

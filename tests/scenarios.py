@@ -115,7 +115,8 @@ def _threshold_mismatch(context, out):
     bad = make_engine(world, zero_unsharded_state_max_numel=256)
     train_steps(bad, RUN, 0, 1)
     out["mismatch_error"] = _error(lambda: bad.save_checkpoint(os.path.join(workdir, "bad"), tag="b"))
-    out["mismatch_wrote"] = os.path.exists(os.path.join(workdir, "bad", "b"))
+    folder = os.path.join(workdir, "bad")
+    out["mismatch_listing"] = sorted(os.listdir(folder)) if os.path.isdir(folder) else None
 
 
 def _bf16_zero2_save(context, out):
@@ -250,3 +251,14 @@ def result(ranks: list[dict], key: str):
     values = [out[key] for out in ranks]
     assert all(value == values[0] for value in values), (key, values)
     return values[0]
+
+
+def within(label: str, measured: float, bound: float) -> None:
+    """Assert ``measured <= bound`` and print both (``pytest -rP`` lists every figure the README cites)."""
+    print(f"[bound] {label}: measured {measured:.3g}, bound {bound:.3g}")
+    assert measured <= bound, f"{label}: {measured:.3g} exceeds the bound {bound:.3g}"
+
+
+def worst_relative(reference, values) -> float:
+    """Largest ``|value - reference| / |reference|`` over paired lists (of equal length)."""
+    return max(abs(v - r) / abs(r) for r, v in zip(reference, values, strict=True))

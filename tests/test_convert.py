@@ -6,6 +6,7 @@ loaded by stock DeepSpeed (universal, ``torch.optim.AdamW``) and by zero_bnb at 
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import json
@@ -15,9 +16,13 @@ import pytest
 import torch
 from convert_scenarios import ONE_STATE, STEPS, resume_converted, write_sources
 from safetensors.torch import load_file
-from scenarios import Recorded, cli
+from scenarios import Recorded, cli, within, worst_relative
 
 from zero_bnb.cli import main
+
+#: Requantized once (stock partitions off the block grid): measured <= 6.2e-5 (test_elastic) and 3.1e-5 (Lion8bit
+#: here) relative loss over the following steps; the same path, one bound with about 3x margin.
+REQUANTIZED_LOSS_BOUND = 2e-4
 from zero_bnb.testing.launch import run_distributed
 
 
@@ -42,6 +47,17 @@ def work(tmp_path_factory):
         run_distributed(resume_converted, dp, str(workdir))
     load = lambda name: Recorded(torch.load(workdir / name, weights_only=False))  # noqa: E731
     return workdir, runs, load("sources.pt"), {dp: load(f"resumed_dp{dp}.pt") for dp in (1, 3)}
+
+
+def _report(text: str) -> dict:
+    """The ``key: value`` lines convert prints, values parsed (numbers, dicts of numbers, strings)."""
+    parsed = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(": ")
+        with contextlib.suppress(ValueError, SyntaxError):
+            parsed[key] = ast.literal_eval(value)
+        parsed.setdefault(key, value)
+    return parsed
 
 
 def _ok(runs, name):
@@ -132,15 +148,28 @@ def test_stock_deepspeed_loads_the_universal_output_into_adamw_and_trains(work, 
         assert torch.equal(loaded["universal"][name]["exp_avg_sq"], saved["state2"]), name
     assert loaded["universal_steps"] == [float(3)]
     # fp32 AdamW from the same moments: the same trajectory up to 8-bit quantization noise.
-    assert loaded["universal_after"] == pytest.approx(sources["zero_bnb_after"], rel=1e-4)
+    # Measured 1.06e-7 (fp32 AdamW on the exactly dequantized moments vs 8-bit Adam for the next steps); 10x.
+    within("universal into fp32 AdamW vs zero_bnb (rel.)",
+           worst_relative(sources["zero_bnb_after"], loaded["universal_after"]), 1e-6)
 
 
 @pytest.mark.parametrize("dp", [1, 3])
 def test_universal_back_to_zero_bnb_round_trips(work, dp):
     _, runs, sources, resumed = work
-    report = _ok(runs, "from_universal")
-    assert "quantized_elements: 67200" in report and "relative_rms_error" in report
+    report = _report(_ok(runs, "from_universal"))
+    assert report["quantized_elements"] == 2 * (24960 + 8640)  # both moments of the two 8-bit groups
     back = resumed[dp]["back"]
+    # The printed errors are the ones the loaded state shows, per state key worst over the quantized groups.
+    for key, moment in (("state1", "exp_avg"), ("state2", "exp_avg_sq")):
+        worst_abs, worst_rms = 0.0, 0.0
+        for names in (["0.weight", "2.weight"], ["4.weight"]):
+            original = torch.cat([sources["zero_bnb_saved"]["params"][n][key].flatten() for n in names])
+            restored = torch.cat([back["params"][n][key].flatten() for n in names])
+            difference = (restored - original).abs()
+            worst_abs = max(worst_abs, float(difference.max()))
+            worst_rms = max(worst_rms, float(difference.norm()) / float(original.norm()))
+        assert report["max_abs_error"][moment] == pytest.approx(worst_abs, rel=1e-6), (key, report, worst_abs)
+        assert report["relative_rms_error"][moment] == pytest.approx(worst_rms, rel=1e-5), (key, report, worst_rms)
     for name, saved in sources["zero_bnb_saved"]["params"].items():
         assert torch.equal(back["params"][name]["fp32"], saved["fp32"]), name  # weights: exact
         for key in ("state1", "state2"):  # moments: requantized once, within 8-bit precision
@@ -149,31 +178,37 @@ def test_universal_back_to_zero_bnb_round_trips(work, dp):
             error = (back["params"][name][key] - saved[key]).norm() / saved[key].norm().clamp_min(1e-30)
             assert error < 1e-2, (name, key, float(error))
     assert [c["step"] for c in back["counters"]] == [3, 3, 3]
-    assert resumed[dp]["back_after"] == pytest.approx(sources["zero_bnb_after"], rel=1e-4)
+    within("universal back to zero_bnb vs zero_bnb (rel.)", worst_relative(sources["zero_bnb_after"], resumed[dp]["back_after"]), 1e-4)
 
 
 @pytest.mark.parametrize("dp", [1, 3])
 def test_rescued_stock_checkpoint_resumes_at_another_dp_size(work, dp):
     _, runs, sources, resumed = work
-    report = _ok(runs, "rescue")
-    assert "saved_dp_size: 2" in report and "max_abs_error" in report
+    report = _report(_ok(runs, "rescue"))
+    assert report["saved_dp_size"] == 2
+    # The stock partitions (12480 and 4320 elements of the two 8-bit groups) are not block-aligned: the moments were
+    # requantized once, an error within 8-bit precision, and not zero.
+    assert report["requantized_elements"] == 2 * (24960 + 8640)  # both moments of the two 8-bit groups
+    assert all(0 < report["relative_rms_error"][moment] < 1e-2 for moment in ("exp_avg", "exp_avg_sq")), report
     rescued = resumed[dp]["rescued"]
     for name, weight in sources["stock_weights"].items():
         assert torch.equal(rescued["params"][name]["fp32"], weight), name
     assert [c["step"] for c in rescued["counters"]] == [3, 3, 3]
-    assert resumed[dp]["rescued_after"] == pytest.approx(sources["stock_after"], rel=2e-4)
+    within("rescued stock (requantized once) vs stock (rel.)",
+           worst_relative(sources["stock_after"], resumed[dp]["rescued_after"]), REQUANTIZED_LOSS_BOUND)
 
 
 @pytest.mark.parametrize("dp", [1, 3])
 @pytest.mark.parametrize("family", ONE_STATE)
 def test_stock_checkpoints_of_every_declared_family_are_rescued_from_the_declaration(work, dp, family):
     _, runs, sources, resumed = work
-    assert "saved_dp_size: 2" in _ok(runs, f"rescue_{family}")
+    assert _report(_ok(runs, f"rescue_{family}"))["saved_dp_size"] == 2
     rescued = resumed[dp][f"rescued_{family}"]
     for name, weight in sources[f"stock_{family}_weights"].items():
         assert torch.equal(rescued["params"][name]["fp32"], weight), name
     assert [c["step"] for c in rescued["counters"]] == [STEPS] * len(rescued["counters"])
-    assert resumed[dp][f"rescued_{family}_after"] == pytest.approx(sources[f"stock_{family}_after"], rel=2e-4)
+    within(f"rescued stock {family} vs stock (rel.)",
+           worst_relative(sources[f"stock_{family}_after"], resumed[dp][f"rescued_{family}_after"]), REQUANTIZED_LOSS_BOUND)
 
 
 def test_a_one_state_stock_checkpoint_needs_its_optimizer_named(work):

@@ -6,12 +6,27 @@ import os
 
 import pytest
 import scenarios
+from scenarios import within, worst_relative
 import torch
 
 from zero_bnb.testing.consolidate import state_differences
 from zero_bnb.testing.launch import run_distributed
 
 STEPS_BEFORE, STEPS_AFTER = 3, 3
+# Bounds: measured figures (2026-11, this suite's 2-core CPU box) and the margin each leaves.
+#: first resumed loss: measured <= 9.6e-8 (fp32 reduction order, ~1.5 ulps); 4 ulps.
+FIRST_LOSS_BOUND = 2.5e-7
+#: the 3 resumed losses: measured <= 1.21e-5 (noise moving an 8-bit code); 4x.
+LOSS_BOUND = 5e-5
+#: fp32 weights after 3 more steps: measured <= 3.1e-5 (max abs), 7.7e-4 for the group whose state changed from 8-bit
+#: to fp32 at DP>2, 1.43e-3 where fp32 state was quantized once (AdamW8bit test); about 3x, 2x and 1.4x.
+DRIFT, SWITCHED_DRIFT, QUANTIZED_DRIFT = 1e-4, 1.5e-3, 2e-3
+#: at DP>=3 the switched group steps fp32 state where the reference steps 8-bit state, and the other layers feel it
+#: through the loss: with the fused kernel (bitsandbytes' CUDA arithmetic) 2.weight drifted 3.0e-4 at DP=3 and DP=4
+#: (measured on main, 9e3af4f); about 1.7x.
+COUPLED_DRIFT = 5e-4
+#: the same requantize-once path as test_convert's rescue: measured 6.2e-5 here, 3.1e-5 there; about 3x.
+REQUANTIZED_LOSS_BOUND = 2e-4
 EIGHT_BIT_CODES = ("state1", "state2")
 
 
@@ -41,11 +56,11 @@ def _assert_state_equal(saved, loaded, *, exact_codes: bool):
 def _assert_training_continues(reference, resumed, *, atol):
     ref_after = reference["losses"][STEPS_BEFORE:]
     # Same weights and state: the first resumed loss differs only by reduction order.
-    assert resumed["losses"][0] == pytest.approx(ref_after[0], rel=1e-6)
-    assert resumed["losses"] == pytest.approx(ref_after, rel=2e-3)
+    within("elastic first resumed loss (rel.)", worst_relative(ref_after[:1], resumed["losses"][:1]), FIRST_LOSS_BOUND)
+    within("elastic resumed losses (rel.)", worst_relative(ref_after, resumed["losses"]), LOSS_BOUND)
     for name, tensors in reference["final"]["params"].items():
         diff = (tensors["fp32"] - resumed["final"]["params"][name]["fp32"]).abs().max().item()
-        assert diff <= atol[name] if isinstance(atol, dict) else diff <= atol, f"{name} drifted by {diff}"
+        within(f"elastic weight drift of {name}", diff, atol[name])
 
 
 def test_reload_into_the_same_engine_returns_to_the_saved_state(adam8bit_dp2):
@@ -68,11 +83,8 @@ def test_resume_at_another_dp_size_is_exact(adam8bit_dp2, dp):
     expected_codes = torch.uint8 if dp <= 2 else torch.float32
     assert resumed["loaded"]["raw"][2]["state1"].dtype == expected_codes
     switched = "4.weight"
-    # At DP>=3 the switched group steps fp32 state where the reference steps 8-bit state, and the other layers feel
-    # it through the loss: with the fused kernel (bitsandbytes' CUDA arithmetic) 2.weight drifted 3.0e-4 at DP=3 and
-    # DP=4 (2e-4 held with bitsandbytes' CPU path); DP=1 keeps 8-bit state everywhere.
-    coupled = 5e-4 if dp > 2 else 2e-4
-    atol = {name: (2e-3 if name == switched and dp > 2 else coupled) for name in reference["saved"]["params"]}
+    coupled = COUPLED_DRIFT if dp > 2 else DRIFT
+    atol = {name: (SWITCHED_DRIFT if name == switched and dp > 2 else coupled) for name in reference["saved"]["params"]}
     _assert_training_continues(reference, resumed, atol=atol)
 
 
@@ -94,7 +106,7 @@ def test_adamw8bit_fp32_state_is_quantized_when_partitions_grow(tmp_path):
             else:
                 assert torch.equal(got, value), f"{name}.{key}"
     assert saved["counters"] == loaded["counters"]
-    _assert_training_continues(reference, resumed, atol={n: 2e-3 for n in saved["params"]})
+    _assert_training_continues(reference, resumed, atol={n: QUANTIZED_DRIFT for n in saved["params"]})
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +139,8 @@ def test_stock_checkpoint_loads_at_its_own_dp_size(misc):
     assert all(counters["step"] == 3 for counters in loaded["counters"])
     # Stock partitions are not block-aligned: the 8-bit moments were requantized once, so training
     # continues close to (not bit-identical with) stock DeepSpeed's own resume.
-    assert dp2["stock_losses_after"] == pytest.approx(dp2["stock_reference_after"], rel=1e-3)
+    within("stock checkpoint requantized once: losses vs stock (rel.)",
+           worst_relative(dp2["stock_reference_after"], dp2["stock_losses_after"]), REQUANTIZED_LOSS_BOUND)
 
 
 def test_torch_adamw_passes_through_exactly_like_stock(misc):
@@ -187,7 +200,7 @@ def test_replicated_threshold_mismatch_is_refused_before_writing(misc):
     assert message.startswith("ReplicatedStateMismatch")
     for part in ("'absmax1'", "shape (49,)", "zero_unsharded_state_max_numel=256", "rank(s) [1]", "Nothing was saved"):
         assert part in message
-    assert dp2["mismatch_wrote"] is False
+    assert dp2["mismatch_listing"] in (None, []), dp2["mismatch_listing"]  # nothing was written
 
 
 def test_wrong_optimizer_is_named(misc):

@@ -15,7 +15,8 @@ import sys
 
 import pytest
 import torch
-from hf_scenarios import OTHER_OPTIMS, hf_dp2, hf_dp3, tiny_gpt2
+from hf_scenarios import MORE_OPTIMS, OTHER_OPTIMS, hf_dp2, hf_dp3, tiny_gpt2
+from scenarios import within, worst_relative
 from safetensors.torch import load_file
 from test_convert import cli
 
@@ -26,6 +27,17 @@ from zero_bnb.testing.launch import run_distributed
 from zero_bnb.tools.views import export_fp32
 
 RESUMED_STEPS = (5, 6, 7, 8)
+#: Resumed losses vs the uninterrupted run (relative): measured <= 1.15e-7 (Trainer, the other Trainer optimizers) and
+#: 7.6e-8 (Accelerate): fp32 reduction order at DP=3, about 2 ulps; bound 4 ulps, the README's figure.
+RESUMED_BOUND = 4e-7
+#: Stock checkpoints resumed by zero_bnb: the first step measured exactly 0; then <= 3.9e-6 (the embeddings now get
+#: the fp32 moments Trainer's override asked for, stock DeepSpeed gave them 8-bit ones); 5x.
+STOCK_FIRST_BOUND, STOCK_AFTER_BOUND = 2.5e-7, 2e-5
+#: The class and optim_bits Trainer 5.23 builds for each name (Trainer.get_optimizer_cls_and_kwargs).
+EXPECTED_CLASSES = {"adamw_8bit": "AdamW(8-bit)", "lion_32bit": "Lion(32-bit)", "paged_adamw_32bit": "AdamW(32-bit)",
+                    "paged_lion_8bit": "Lion(8-bit)", "rmsprop_bnb": "RMSprop(32-bit)",
+                    "rmsprop_bnb_32bit": "RMSprop(32-bit)", "paged_ademamix_8bit": "AdEMAMix(8-bit)",
+                    "paged_ademamix_32bit": "AdEMAMix(32-bit)", "ademamix": "AdEMAMix(32-bit)"}
 
 
 @pytest.fixture(scope="module")
@@ -40,15 +52,15 @@ def hf(tmp_path_factory):
     return workdir, load("hf_dp2.pt"), load("hf_dp3.pt"), migrated
 
 
-def _assert_continues(reference: dict, resumed: dict, steps, rel: float) -> None:
-    for step in steps:
-        assert resumed[step] == pytest.approx(reference[step], rel=rel), (step, reference, resumed)
+def _assert_continues(reference: dict, resumed: dict, steps, rel: float, label: str = "") -> None:
+    within(f"{label} resumed loss vs reference (rel.), steps {steps}",
+           worst_relative([reference[step] for step in steps], [resumed[step] for step in steps]), rel)
 
 
 def test_trainer_saves_at_2_and_resumes_at_3_processes(hf):
     _, dp2, dp3, _ = hf
     assert dp2["trainer"]["engine"] == dp3["trainer"]["engine"] == "ZeroBnbEngine"
-    _assert_continues(dp2["trainer"]["losses"], dp3["trainer"]["losses"], RESUMED_STEPS, rel=1e-5)
+    _assert_continues(dp2["trainer"]["losses"], dp3["trainer"]["losses"], RESUMED_STEPS, rel=RESUMED_BOUND, label="Trainer")
     # Same global batch: no warning about data skipping.
     assert not [m for m in dp3["trainer_log"] if "global batch" in m]
 
@@ -74,13 +86,14 @@ def test_accelerate_save_state_load_state_at_another_dp_size(hf):
         assert run["user_wrapper_calls"] == 1, "a wrapper installed before enabled() is called through, once"
         assert run["enabled_after_block"] is False
     assert dp3["accelerate"]["global_steps"] == 4
-    assert dp3["accelerate"]["losses"] == pytest.approx(dp2["accelerate"]["losses"][4:], rel=1e-5)
+    within("Accelerate resumed loss vs uninterrupted (rel.)",
+           worst_relative(dp2["accelerate"]["losses"][4:], dp3["accelerate"]["losses"]), RESUMED_BOUND)
 
 
 def test_stock_trainer_checkpoint_is_migrated_and_resumes_at_3(hf):
     _, dp2, dp3, (code, out, err) = hf
     assert code == 0, (out, err)
-    assert "saved_dp_size" in out
+    assert "saved_dp_size: 2" in out.splitlines(), out
     migrated, stock = dp3["migrated"], dp2["stock_trainer"]
     assert migrated["engine"] == "ZeroBnbEngine"
     assert len(migrated["groups"]) == 4 and len(stock["groups"]) == 2
@@ -88,16 +101,16 @@ def test_stock_trainer_checkpoint_is_migrated_and_resumes_at_3(hf):
     assert isolated[("transformer.wte.weight",)] == "torch.float32"
     # Same weights: the first step after resume matches the stock run; then the embeddings' moments are fp32
     # (the override stock DeepSpeed lost) instead of 8-bit, a small difference.
-    _assert_continues(stock["losses"], migrated["losses"], (5,), rel=1e-5)
-    _assert_continues(stock["losses"], migrated["losses"], RESUMED_STEPS, rel=2e-3)
+    _assert_continues(stock["losses"], migrated["losses"], (5,), rel=STOCK_FIRST_BOUND, label="migrated first")
+    _assert_continues(stock["losses"], migrated["losses"], RESUMED_STEPS, rel=STOCK_AFTER_BOUND, label="migrated")
 
 
 def test_stock_trainer_checkpoint_loads_directly_at_its_own_dp_size(hf):
     _, dp2, _, _ = hf
     resumed, stock = dp2["stock_same_dp"], dp2["stock_trainer"]
     assert resumed["engine"] == "ZeroBnbEngine" and len(resumed["groups"]) == 4
-    _assert_continues(stock["losses"], resumed["losses"], (5,), rel=1e-5)
-    _assert_continues(stock["losses"], resumed["losses"], RESUMED_STEPS, rel=2e-3)
+    _assert_continues(stock["losses"], resumed["losses"], (5,), rel=STOCK_FIRST_BOUND, label="stock same-DP first")
+    _assert_continues(stock["losses"], resumed["losses"], RESUMED_STEPS, rel=STOCK_AFTER_BOUND, label="stock same-DP")
 
 
 def test_optimizer_section_is_refused_with_the_fix(hf):
@@ -120,7 +133,9 @@ def test_untested_optimizer_warning_only_for_undeclared_optimizers(hf):
 
 def test_plain_assignment_of_zero_bnb_initialize_does_not_recurse(hf):
     _, dp2, _, _ = hf
-    assert dp2["assigned"]["engine"] == "ZeroBnbEngine" and len(dp2["assigned"]["losses"]) == 1
+    assert dp2["assigned"]["engine"] == "ZeroBnbEngine"
+    # The toy model's first loss at DP=2, before any update (the demo's step 0 prints it too: 0.437404).
+    assert dp2["assigned"]["losses"] == [pytest.approx(0.437404, abs=5e-7)], dp2["assigned"]["losses"]
 
 
 @pytest.mark.parametrize(("key", "fix", "foreign"), [
@@ -276,7 +291,7 @@ def test_other_trainer_bnb_optimizers_offloaded_resume_at_3(hf, optim):
     for run in (dp2[optim], dp3[optim]):
         assert run["cpu_offload"] and run["optimizer"] == OPTIM_CLASSES[optim], run
         assert run["state1_dtypes"][0] == ("torch.float32" if optim.endswith("32bit") else "torch.uint8")
-    _assert_continues(dp2[optim]["losses"], dp3[optim]["losses"], (3, 4), rel=1e-5)
+    _assert_continues(dp2[optim]["losses"], dp3[optim]["losses"], (3, 4), rel=RESUMED_BOUND, label=optim)
 
 
 def test_trainer_adamw_bnb_8bit_offloaded_at_zero2_keeps_the_8bit_optimizer_and_resumes_without_offload(hf):
@@ -285,4 +300,17 @@ def test_trainer_adamw_bnb_8bit_offloaded_at_zero2_keeps_the_8bit_optimizer_and_
     assert saved["cpu_offload"] and not resumed["cpu_offload"]
     assert saved["optimizer"] == resumed["optimizer"] == "bitsandbytes.optim.adamw.AdamW"  # optim_bits=8
     assert saved["state1_dtypes"][0] == resumed["state1_dtypes"][0] == "torch.uint8"
-    _assert_continues(saved["losses"], resumed["losses"], (3, 4), rel=1e-5)
+    _assert_continues(saved["losses"], resumed["losses"], (3, 4), rel=RESUMED_BOUND, label="offloaded ZeRO-2")
+
+
+@pytest.mark.parametrize("optim", MORE_OPTIMS)
+def test_the_optimizer_every_other_trainer_bnb_name_builds_saves_at_2_and_loads_at_3_exactly(hf, optim):
+    from zero_bnb.testing.consolidate import state_differences
+
+    _, dp2, dp3, _ = hf
+    saved, loaded = dp2["more_optims"][optim], dp3["more_optims"][optim]
+    assert isinstance(saved, dict) and isinstance(loaded, dict), (saved, loaded)  # else the error it raised
+    assert saved["class"] == EXPECTED_CLASSES[optim]
+    checked, different = state_differences(saved["state"], loaded["state"])
+    assert checked >= 12 and not different, different
+    assert [int(counters["step"]) for counters in saved["state"]["counters"]] == [2, 2, 2]

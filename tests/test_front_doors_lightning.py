@@ -12,8 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning_scenarios import lightning_dp2, lightning_dp3
+from scenarios import within, worst_relative
 
 from zero_bnb.testing.launch import run_distributed
+
+
+#: Resumed Lightning losses vs the uninterrupted run (relative): measured 1.05e-7 (2026-11; fp32 reduction order at
+#: DP=3, about 2 fp32 ulps), bound 4e-7 (4 ulps), the README's figure.
+LIGHTNING_BOUND = 4e-7
+LIGHTNING_STAGE2_BOUND = 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +48,17 @@ def test_resume_at_3_with_other_accumulation_continues_the_curve(lightning_runs)
     make the update depend on the accumulation setting, so changing it on resume would drift)."""
     dp2, dp3, _ = lightning_runs
     assert dp3["global_step"] == 8
-    assert dp3["resumed"] == pytest.approx(dp2["uninterrupted"][4:], rel=1e-5)
+    within("Lightning resumed loss vs uninterrupted (rel.)", worst_relative(dp2["uninterrupted"][4:], dp3["resumed"]),
+           LIGHTNING_BOUND)
+
+
+def test_stage_2_strategy_trains_like_stage_1(lightning_runs):
+    dp2, _, _ = lightning_runs
+    assert dp2["stage2"] == ("ZeroBnbEngine", 2, "BlockAlignedZeroOptimizer")
+    assert len(dp2["stage2_first_epoch"]) == 4
+    # ZeRO-2 reduces gradients as they are produced instead of after the backward pass: the same sums at DP=2.
+    within("Lightning stage 2 vs stage 1 losses (rel.)", worst_relative(dp2["first_epoch"], dp2["stage2_first_epoch"]),
+           LIGHTNING_STAGE2_BOUND)
 
 
 def test_changed_global_batch_warns_in_lightnings_words(lightning_runs):

@@ -246,6 +246,19 @@ def _set(data, path, value):
     data[path[-1]] = value
 
 
+#: Mutations the hypothesis test drew and applied (an earlier mutation can remove a later one's place, and a value
+#: equal to the one in place changes nothing); checked against a floor once the test's examples have run.
+_MUTATIONS = {"drawn": 0, "applied": 0, "examples": 0}
+
+
+@pytest.fixture(scope="module")
+def mutation_tally():
+    yield _MUTATIONS
+    if _MUTATIONS["examples"]:  # the property test ran in this session: it must have tested real mutations
+        print(f"manifest mutations: {_MUTATIONS}")
+        assert _MUTATIONS["applied"] >= 0.75 * _MUTATIONS["drawn"], _MUTATIONS
+
+
 @pytest.fixture(scope="module")
 def mutation_ground(sources, tmp_path_factory):
     root = tmp_path_factory.mktemp("mutations")
@@ -259,16 +272,23 @@ def mutation_ground(sources, tmp_path_factory):
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(mutations=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(_HOSTILE)), min_size=1, max_size=3))
-def test_no_re_signed_manifest_mutation_runs_code_escapes_or_crashes(sources, mutation_ground, mutations):
+def test_no_re_signed_manifest_mutation_runs_code_escapes_or_crashes(sources, mutation_ground, mutation_tally,
+                                                                    mutations):
     root, original, locations = mutation_ground
     case = root / "case"
     shutil.rmtree(case, ignore_errors=True)
     shutil.copytree(sources / "zb", case / "zb")
     data = json.loads(json.dumps(original))
+    applied = 0
     for index, value in mutations:
         path = locations[index % len(locations)]
         with contextlib.suppress(KeyError, IndexError, TypeError):  # an earlier mutation removed the place
+            before = json.dumps(data, sort_keys=True)
             _set(data, path, value)
+            applied += json.dumps(data, sort_keys=True) != before
+    mutation_tally["drawn"] += len(mutations)
+    mutation_tally["applied"] += applied
+    mutation_tally["examples"] += 1
     resign(str(case / "zb" / "A" / SUBDIR), data)
     secret_before = (root / "secret" / "data.bin").read_bytes()
     _AUDIT.update(on=True, roots=(str(root / "secret"), "/etc"), hits=[])
@@ -729,6 +749,24 @@ def test_sigterm_during_convert_leaves_no_staging_folder_or_lock(sources, tmp_pa
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 130 and "terminated; nothing was published" in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_ctrl_c_during_convert_exits_130_and_leaves_no_staging_folder_or_lock(sources, tmp_path):
+    """Python's SIGINT handler raises KeyboardInterrupt where the main thread is: here, in the middle of a write."""
+    from zero_bnb.format import durable
+
+    def interrupt(event, path):
+        if event == "write" and path.endswith("exp_avg.pt"):
+            raise KeyboardInterrupt
+
+    durable.set_io_hook(interrupt)
+    try:
+        code, out, err = cli("convert", sources / "zb", "--to", "universal", tmp_path / "out" / "U")
+    finally:
+        durable.set_io_hook(None)
+    assert code == 130 and err == ("zero-bnb convert: interrupted; nothing was published and temporary files were "
+                                   "removed\n"), (code, out, err)
     assert os.listdir(tmp_path / "out") == []
 
 

@@ -1,11 +1,13 @@
-"""Read a ZeRO-1 checkpoint written by stock DeepSpeed as a :class:`~zero_bnb.checkpoint.restore.SavedState`.
+"""Read a ZeRO-1/2 checkpoint written by stock DeepSpeed as a :class:`~zero_bnb.checkpoint.restore.SavedState`.
 
 Stock DeepSpeed pads flat groups to ``2 * dp`` only, so its partitions usually do not start
 on quantization blocks. Where they do (partition size a multiple of the block size), the
 8-bit codes and ``absmax`` are taken as they are: exact. Where they do not, each rank's
 8-bit state is dequantized with its own ``absmax`` and map and presented as fp32; the
-loader then quantizes it on zero_bnb's aligned grid (a one-time requantization, logged).
-Loading is refused at another DP size than the one the checkpoint was written at.
+loader (or ``zero-bnb convert --to zero_bnb``'s offline writer) then quantizes it on zero_bnb's
+aligned grid (a one-time requantization, logged). ``load_checkpoint`` refuses it at another DP
+size than the one it was written at and names the conversion; the offline rescue reads it at
+any size.
 """
 
 from __future__ import annotations

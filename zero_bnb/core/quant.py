@@ -1,8 +1,11 @@
 """Block-wise 8-bit <-> fp32 conversion of optimizer state, on any device any rank holds.
 
-Used only when a new partition size crosses bitsandbytes' ``min_8bit_size`` (or to rescue
-unaligned stock checkpoints): dequantization is exact (``qmap[code] * absmax[block]``, the
-same arithmetic as bitsandbytes' kernels), quantization goes through bitsandbytes itself.
+Used where 8-bit state must be seen as values: a new partition size crossing bitsandbytes'
+``min_8bit_size``, rescuing unaligned stock checkpoints, regrouping state by parameter name,
+exporting moments and universal checkpoints, quantizing a universal checkpoint, and the
+consolidated view in :mod:`zero_bnb.testing`. Dequantization is exact (``qmap[code] *
+absmax[block]``, the same arithmetic as bitsandbytes' kernels) and needs torch only;
+:func:`quantize` calls bitsandbytes' own ``quantize_blockwise``, imported on first use.
 """
 
 from __future__ import annotations

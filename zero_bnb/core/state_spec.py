@@ -211,6 +211,23 @@ def _check_bnb(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
+def _check_ademamix(optimizer: torch.optim.Optimizer) -> None:
+    """bitsandbytes 0.50's ``AdEMAMix32bit``/``PagedAdEMAMix32bit`` derive from ``Optimizer2State``, not
+    ``AdEMAMix``, so they allocate one moment where the update needs two (a ``(2, n)`` ``state1``): refused."""
+    from bitsandbytes.optim import optimizer as bnb_optimizer
+
+    _check_bnb(optimizer)
+    if type(optimizer).init_state is bnb_optimizer.Optimizer2State.init_state:
+        name = type(optimizer).__name__
+        raise UnsupportedOptimizerError(
+            f"bitsandbytes' {name} allocates one moment where AdEMAMix's update needs two (it does not use "
+            f"AdEMAMix.init_state), so its step fails (on CPU: 'output with shape [] doesn't match the broadcast "
+            f"shape') or reads past its state. Build bitsandbytes.optim.AdEMAMix(params, optim_bits=32"
+            f"{', is_paged=True' if 'Paged' in name else ''}) instead: the same optimizer with its state laid out "
+            f"right (Trainer's optim=\"ademamix\" does)"
+        )
+
+
 def _init_bnb_state(optimizer: torch.optim.Optimizer, group_index: int, param: torch.Tensor) -> None:
     optimizer.init_state(optimizer.param_groups[group_index], param, group_index, 0)
 
@@ -263,8 +280,9 @@ def _bnb_one_state(optimizer_name: str, classes: str, moment: str, class_names: 
     )
 
 
-BNB_ADEMAMIX = _bnb_spec(
-    name="bitsandbytes AdEMAMix (AdEMAMix8bit, AdEMAMix32bit)",
+BNB_ADEMAMIX = OptimizerSpec(
+    block_size=BNB_BLOCK_SIZE, check=_check_ademamix, init_state=_init_bnb_state, bitsandbytes=True,
+    name="bitsandbytes AdEMAMix (AdEMAMix8bit, AdEMAMix with optim_bits=32)",
     matches=_bnb_family("Optimizer2State", "ademamix"),
     kinds=_BNB_2STATE_KINDS,  # state1 is (2, partition): the fast and slow moments, split on the last axis
     quantized=BNB_ADAM.quantized,

@@ -3,13 +3,17 @@
 The engine subclass (the :mod:`zero_bnb.ds` package is the only code that touches DeepSpeed
 internals). The engine is a real ``DeepSpeedEngine``; it differs only in
 
-* the ZeRO optimizer it builds (:mod:`zero_bnb.ds.zero_optimizer`: DeepSpeed's, block-aligned),
-* the optimizer files it writes (:mod:`zero_bnb.checkpoint.save`) and reads (:mod:`zero_bnb.checkpoint.restore`),
-  so that ``load_checkpoint`` works at any DP size,
+* the optimizer wrapper it builds (:mod:`zero_bnb.ds.zero_optimizer`: DeepSpeed's ZeRO-1/2 optimizer, or its
+  ``BF16_Optimizer`` for bf16 with fp32 gradient accumulation at stage 1, both block-aligned),
+* the optimizer files it writes (:mod:`zero_bnb.checkpoint.save`) and reads (:mod:`zero_bnb.checkpoint.restore`,
+  and stock DeepSpeed's through :mod:`zero_bnb.checkpoint.stock_import`), so that ``load_checkpoint`` works at
+  any DP size,
 * how a checkpoint is committed (:mod:`zero_bnb.checkpoint.commit`: staged, fsynced, checksummed,
-  published by rename, ``latest`` last) and checked before loading (:mod:`zero_bnb.checkpoint.load`).
+  published by rename, ``latest`` last) and planned, checked and applied all-or-nothing on load
+  (:mod:`zero_bnb.checkpoint.load`).
 
-Model weights, LR scheduler and client state stay in DeepSpeed's own file format.
+Module weights, LR scheduler and client state stay in DeepSpeed's own model file (the module weights are left
+out with ``zero_derived_module_weights: true`` and rebuilt from the master weights on load).
 """
 
 from __future__ import annotations

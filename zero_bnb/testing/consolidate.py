@@ -1,7 +1,9 @@
-"""Gather a ZeRO-1 engine's partitioned optimizer state into whole, per-parameter tensors.
+"""Gather a zero_bnb engine's partitioned optimizer state (ZeRO-1/2, BF16_Optimizer) into whole, per-parameter tensors.
 
 For inspection and verification (the demo and the tests compare a resumed engine against
-the one that saved). It reads the live partitions only, not checkpoint files. It gathers
+the one that saved). It reads the live partitions only, not checkpoint files, and uses zero_bnb's own
+geometry, state classification and dequantization: the tests also compare through an independent path,
+bitsandbytes' ``dequantize_blockwise`` of each rank's partition (``tests/optimizer_scenarios.py``). It gathers
 everything on one rank, so it is meant for models that fit in that rank's memory.
 """
 

@@ -90,10 +90,10 @@ def train_steps(engine, run: ToyRun, first_step: int, count: int) -> list[float]
         for micro in range(accum):
             start = (micro * dp + rank) * run.micro_batch
             rows = slice(start, start + run.micro_batch)
-            loss = torch.nn.functional.mse_loss(engine(inputs[rows]), targets[rows])
+            loss = torch.nn.functional.mse_loss(engine(inputs[rows].to(engine.device)), targets[rows].to(engine.device))
             engine.backward(loss)
             engine.step()
-            total += loss.detach().float()
+            total += loss.detach().float().cpu()  # the sum crosses ranks on the CPU (gloo)
         dist.all_reduce(total)
         losses.append(total.item() / (accum * dp))
     return losses
