@@ -20,7 +20,9 @@ from zero_bnb.testing.launch import run_distributed
 #: Resumed Lightning losses vs the uninterrupted run (relative): measured 1.05e-7 (2026-11; fp32 reduction order at
 #: DP=3, about 2 fp32 ulps), bound 4e-7 (4 ulps), the README's figure.
 LIGHTNING_BOUND = 4e-7
-LIGHTNING_STAGE2_BOUND = 1e-6
+#: Stage 2 against stage 1, same run: measured 6.6e-8 (about 1 fp32 ulp: ZeRO-2 sums gradients as they are produced,
+#: stage 1 after the backward pass); bound 4 ulps.
+LIGHTNING_STAGE2_BOUND = 2.5e-7
 
 
 @pytest.fixture(scope="module")
