@@ -78,9 +78,9 @@ OFFLOAD_REFUSALS = {
     "forced": {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
                "zero_force_ds_cpu_optimizer": True},
 }
-#: zero_bnb-side config of the stock reference, so both sides run bitsandbytes' own update. When zero_bnb gets its
-#: own CPU update kernel, this must select bitsandbytes' path (``{"zero_cpu_update": "bitsandbytes"}``).
-ZERO_BNB_REFERENCE_CONFIG: dict = {}
+#: zero_bnb-side config of the stock reference, so both sides run bitsandbytes' own update (zero_bnb's fused CPU
+#: kernel has its own reference in tests/test_kernels.py).
+ZERO_BNB_REFERENCE_CONFIG: dict = {"zero_cpu_update": "bitsandbytes"}
 #: bitsandbytes' quantization block (0.44 and later); the independent view dequantizes with it.
 BNB_BLOCK = 256
 
