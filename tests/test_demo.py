@@ -9,6 +9,8 @@ import torch
 from zero_bnb.cli import main
 from zero_bnb.cli.demo import LOSS_BOUND, relative_differences, report
 
+FIRST_STEP_BOUND = 2.5e-7
+
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
@@ -27,8 +29,9 @@ def test_demo_resumes_bit_identically_within_the_readme_bound_and_writes_table_a
     resumed = torch.load(out / "resumed.pt", weights_only=False)["losses"]
     assert len(reference) == 5 and len(resumed) == 3
     relative = relative_differences(reference, resumed)
-    # The first resumed step runs on bit-identical weights and state: exactly the uninterrupted loss.
-    assert relative[0] == 0.0, relative
+    # The first resumed step runs on bit-identical weights and state: the uninterrupted loss up to the order in which
+    # 3 ranks instead of 2 sum the same per-sample losses (full demo: 6.2e-8, under one fp32 ulp); 4 ulps.
+    assert relative[0] <= FIRST_STEP_BOUND, relative
     assert max(relative) <= LOSS_BOUND, relative
     for step, (ref, res, rel) in enumerate(zip(reference[2:], resumed, relative), start=2):  # the printed table
         assert f"{step:>4}  {ref:>20.6f}  {res:>16.6f}  {rel:>9.2e}" in printed
