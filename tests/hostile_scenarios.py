@@ -7,6 +7,7 @@ A check that raises unexpectedly records its own error instead of failing the ot
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -502,6 +503,81 @@ def _republish(source_tag_folder: str, save_dir: str, tag: str) -> None:
             (shutil.copytree if os.path.isdir(source) else shutil.copyfile)(source, os.path.join(staging, name))
 
 
+@contextlib.contextmanager
+def _then(owner, name: str, action, *, between_ranks: bool = False):
+    """While active, ``owner.name`` runs as before and then rank 0 runs ``action()`` (a step of a concurrent save)
+    before any rank goes on; ``between_ranks``: after rank 0's call and before the other ranks'. Every rank must
+    call ``owner.name`` (the load's steps do, inside ``agree``)."""
+    real = owner.__dict__[name]
+    function = real.__func__ if isinstance(real, staticmethod) else real
+
+    def patched(*args, **kwargs):
+        rank = dist.get_rank()
+        if between_ranks and rank != 0:
+            dist.barrier()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            if not between_ranks:
+                dist.barrier()
+            if rank == 0:
+                action()
+            if not between_ranks or rank == 0:
+                dist.barrier()
+
+    setattr(owner, name, staticmethod(patched) if isinstance(real, staticmethod) else patched)
+    try:
+        yield
+    finally:
+        setattr(owner, name, real)
+
+
+def _resave_windows(c, out, race: str, outcome) -> None:
+    """Each step of a re-save of tag T (T renamed aside; the previous folder removed; T replaced by another
+    folder) placed right after each step of a load's opening: the load says the checkpoint was replaced."""
+    import shutil
+
+    from zero_bnb.ds import engine as engine_module
+    from zero_bnb.format.pinned import PinnedFolder
+    from zero_bnb.format.reader import CheckpointReader
+    from zero_bnb.format.tags import aside_tag
+
+    engine, rank = c["engine"], c["rank"]
+    folder, aside, hold = os.path.join(race, "T"), os.path.join(race, aside_tag("T")), os.path.join(race, "hold")
+    manifest = os.path.join(SUBDIR, MANIFEST_NAME)
+
+    def moved_aside():  # a re-save's first rename
+        os.rename(folder, aside)
+
+    def removing_previous():  # the previous folder renamed away and being removed, its manifest gone first
+        os.rename(folder, aside)
+        os.rename(os.path.join(aside, manifest), hold)
+
+    def replaced_by_another_folder():  # another job's folder (no zero_bnb files) now at T
+        os.rename(folder, aside)
+        os.mkdir(folder)
+
+    def restore():
+        if rank == 0:
+            if os.path.exists(hold):
+                os.rename(hold, os.path.join(aside, manifest))
+            if os.path.isdir(aside):
+                shutil.rmtree(folder, ignore_errors=True)
+                os.rename(aside, folder)
+        dist.barrier()
+
+    windows = {
+        "after_resolve_tag": (engine_module, "resolve_tag", moved_aside, False),
+        "after_kind_check": (CheckpointReader, "exists", moved_aside, False),
+        "between_ranks_kind_checks": (CheckpointReader, "exists", replaced_by_another_folder, True),
+        "after_pinning": (PinnedFolder, "__init__", removing_previous, False),
+    }
+    for name, (owner, attribute, action, between) in windows.items():
+        with _then(owner, attribute, action, between_ranks=between):
+            out[f"resave_window:{name}"] = outcome(_error(lambda: engine.load_checkpoint(race, tag="T")))
+        restore()
+
+
 def _load_during_resave(c, out):
     """A load while the same tag is re-saved loads one whole checkpoint (old or new, the same on every rank) or
     fails saying a concurrent save replaced it: never a mix, never a false "damaged"."""
@@ -543,6 +619,7 @@ def _load_during_resave(c, out):
         out["resave_after_verify"] = outcome(_error(lambda: engine.load_checkpoint(race, tag="T")))
     finally:
         CheckpointReader.verify = verify
+    _resave_windows(c, out, race, outcome)
     # Racing: rank 0 re-saves in a loop (alternating old and new) while both ranks load; bounded by count.
     stop = threading.Event()
 

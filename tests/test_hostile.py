@@ -541,6 +541,12 @@ def test_a_load_during_a_resave_of_its_tag_loads_one_whole_checkpoint_or_says_it
     replaced = "CheckpointReplacedError: "
     # Pinned before the checksums: the re-save after them does not change what is loaded.
     assert _same(ranks, "resave_after_verify") == "old"
+    # A re-save's steps right after each step of the load's opening (the tag folder moved aside, the previous folder
+    # being removed, another folder in its place, and seen so by one rank only): "replaced", never "not a
+    # checkpoint", "damaged" or a hang.
+    for window in ("after_resolve_tag", "after_kind_check", "between_ranks_kind_checks", "after_pinning"):
+        outcome = _same(ranks, f"resave_window:{window}")
+        assert outcome.startswith(replaced) and "concurrent save" in outcome, (window, outcome)
     outcomes = _same(ranks, "resave_race")
     for outcome in outcomes:
         assert outcome in allowed or (outcome.startswith(replaced) and "concurrent save" in outcome), outcome

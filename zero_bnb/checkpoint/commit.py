@@ -14,14 +14,16 @@ A save of tag ``T`` into ``save_dir`` goes through three states:
 3. **publish** (rank 0) — write the manifest (with every file's checksum) last, fsync the
    folders, write the new ``latest`` into a private folder (a full disk fails here, before
    anything is visible), rename the staging folder to ``save_dir/T`` (an existing ``T`` is first
-   moved aside to ``.T.zero_bnb-replaced`` and removed after), then rename the new ``latest`` into
+   moved aside to ``.T.zero_bnb-replaced``, and after the rename removed under a staging name, so that no
+   loader finds it half removed), then rename the new ``latest`` into
    place, then release the lock. An error after the folder's rename says that ``T`` *was*
    published and what ``latest`` names.
 
 Killing any process at any moment therefore leaves either the previous checkpoint with its
 ``latest``, or the new one complete. The one window in which ``save_dir/T`` is absent
 (between the two renames when ``T`` is re-saved) is covered by :func:`zero_bnb.format.tags.resolve_tag`, which
-then returns the complete previous folder. Offline tools write through
+then returns the complete previous folder; a load that finds a folder and then sees it go away reports
+:class:`~zero_bnb.errors.CheckpointReplacedError` (load again), never damage. Offline tools write through
 :func:`local_commit`, the same protocol in one process.
 """
 
@@ -117,13 +119,14 @@ def _publish(save_dir: str, tag: str, staging: str, latest_name: str | None) -> 
         fsync_dir(folder)
     final = os.path.join(save_dir, tag)
     aside = os.path.join(save_dir, aside_tag(tag))
+    trash = f"{staging}-replaced"  # a staging name: the next save removes it if a crash leaves it
     pointer = None if latest_name is None else StagedFile(os.path.join(save_dir, latest_name))
     try:
         if pointer is not None:
             write_text(tag, pointer.path, root=pointer.folder)  # before anything is visible: a full disk fails here
-        publish_folder(staging, final, aside)
+        publish_folder(staging, final, aside, trash)
         try:
-            finish_publish(final, aside)
+            finish_publish(final, aside, trash)
             if pointer is not None:
                 pointer.publish()
         except OSError as error:

@@ -52,6 +52,33 @@ def _pinned_everywhere(reader: CheckpointReader, tag_folder: str) -> None:
         )
 
 
+def _kind(tag_folder: str) -> str:
+    """``"zero_bnb"`` or ``"stock"``: what the folder the tag was just resolved to holds. Local."""
+    if CheckpointReader.exists(tag_folder):
+        return "zero_bnb"
+    if not os.path.isdir(tag_folder):
+        raise CheckpointReplacedError(
+            f"checkpoint folder {tag_folder} went away after it was found (a concurrent save is replacing it, or it "
+            f"was removed); nothing was loaded. Load again once the save has finished"
+        )
+    return "stock"
+
+
+def _agreed_kind(tag_folder: str) -> str:
+    """:func:`_kind` on every rank, the same everywhere (ranks that disagree saw the folder before and after a
+    save replaced it), so that all ranks take the same reader and the same collectives. Collective."""
+    kind = agree(lambda: _kind(tag_folder))
+    kinds: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(kinds, kind)
+    if len(set(kinds)) > 1:
+        found = [rank for rank, seen in enumerate(kinds) if seen == "zero_bnb"]
+        raise CheckpointReplacedError(
+            f"checkpoint {tag_folder} was replaced by a concurrent save while it was being opened (rank(s) {found} "
+            f"found zero_bnb files in it, the others none); nothing was loaded. Load again once the save has finished"
+        )
+    return kind
+
+
 def _open_zero_bnb(engine, tag_folder: str, optimizer_states: bool) -> Opened:
     optimizer = engine.optimizer
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -113,7 +140,7 @@ def open_for_load(engine, load_dir: str, folder_tag: str, *, optimizer_states: b
         deepspeed.runtime.zero.utils.ZeRORuntimeException: a stock checkpoint at another DP size.
     """
     tag_folder = os.path.join(load_dir, folder_tag)
-    if CheckpointReader.exists(tag_folder):
+    if _agreed_kind(tag_folder) == "zero_bnb":
         return _open_zero_bnb(engine, tag_folder, optimizer_states)
     return Opened(agree(lambda: regroup.for_engine(engine, StockCheckpoint.open(engine, load_dir, folder_tag))), None)
 

@@ -178,13 +178,22 @@ def makedirs(path: str, *, fresh: bool = False) -> None:
         os.makedirs(path, exist_ok=True)
 
 
-def remove_tree(path: str) -> None:
-    """Remove folder ``path`` and everything in it, if it exists; a link or file there is removed itself (never followed)."""
+def remove_tree(path: str, *, via: str | None = None) -> None:
+    """Remove folder ``path`` and everything in it, if it exists; a link or file there is removed itself (never followed).
+
+    With ``via`` (a free name in the same folder, which the next save's cleanup removes if a crash leaves it), the
+    folder is first renamed there and removed under that name: ``path`` names the whole folder until it names
+    nothing, so a loader that looks it up never finds it half removed.
+    """
     if os.path.lexists(path):
         _event("remove", path)
         if os.path.islink(path) or not os.path.isdir(path):
             os.unlink(path)
         else:
+            if via is not None:
+                _event("rename", path)
+                os.rename(path, via)
+                path = via
             shutil.rmtree(path)
 
 
@@ -246,7 +255,7 @@ def replace_text(text: str, path: str) -> None:
         write_text(text, temporary, root=os.path.dirname(temporary))
 
 
-def publish_folder(staging: str, final: str, aside: str) -> None:
+def publish_folder(staging: str, final: str, aside: str, trash: str) -> None:
     """Move the finished folder ``staging`` to ``final``; an existing ``final`` is moved to ``aside``.
 
     An existing ``final`` is first renamed to ``aside``, then ``staging`` takes its place. If the
@@ -254,11 +263,12 @@ def publish_folder(staging: str, final: str, aside: str) -> None:
     Once it returns, the new folder is visible; the caller then calls :func:`finish_publish`
     (whose failure means "published, but not made durable or tidied"). A crash between the two
     renames leaves ``final`` absent and the previous folder complete at ``aside``, where loaders
-    look for it.
+    look for it. ``trash`` is a free name that crash cleanup removes (see :func:`remove_tree`'s ``via``):
+    a leftover ``aside`` is removed through it.
     """
     moved_aside = os.path.lexists(final)
     if moved_aside:
-        remove_tree(aside)
+        remove_tree(aside, via=trash)
         _event("rename", final)
         os.rename(final, aside)
     try:
@@ -270,7 +280,8 @@ def publish_folder(staging: str, final: str, aside: str) -> None:
         raise
 
 
-def finish_publish(final: str, aside: str) -> None:
-    """After :func:`publish_folder`: make the rename durable, then remove the previous folder at ``aside``."""
+def finish_publish(final: str, aside: str, trash: str) -> None:
+    """After :func:`publish_folder`: make the rename durable, then remove the previous folder at ``aside`` (renamed
+    to ``trash`` first: a loader that found it at ``aside`` reads it whole or is told it was replaced)."""
     fsync_dir(os.path.dirname(final) or ".")
-    remove_tree(aside)
+    remove_tree(aside, via=trash)

@@ -41,7 +41,12 @@ class PinnedFolder:
     Every file is opened at most once (the first :meth:`open`), so its content cannot be swapped
     between a check and a read.
 
+    Callers pin a folder they have just found (:func:`zero_bnb.format.tags.resolve_tag`), so one that is gone
+    when it is opened was taken away meanwhile: by a save of the same tag, which renames the previous folder
+    aside and removes it.
+
     Raises:
+        CheckpointReplacedError: ``path`` no longer exists.
         CheckpointFormatError: ``path`` is not a folder.
     """
 
@@ -50,9 +55,9 @@ class PinnedFolder:
         try:
             self._fd = os.open(path, _DIRECTORY)
         except FileNotFoundError:
-            raise CheckpointFormatError(
-                f"checkpoint folder {path} does not exist (if a save of this tag is running, it may just have "
-                f"replaced it: load again)"
+            raise CheckpointReplacedError(
+                f"checkpoint folder {path} went away after it was found (a concurrent save replaced it, or it was "
+                f"removed); nothing was loaded from it. Load again once the save has finished"
             ) from None
         except NotADirectoryError:
             raise CheckpointFormatError(f"{path} is not a folder; a checkpoint tag names a folder") from None

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from zero_bnb.errors import CheckpointFormatError
+from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
 from zero_bnb.format.integrity import check_file_list, verify_checksums
 from zero_bnb.core.kinds import is_partitioned, saved_ranges
 from zero_bnb.core.state_spec import StateKind
@@ -35,16 +35,19 @@ class CheckpointReader:
     ``weights_only=True`` and checked against the manifest (dtypes, shapes) as they are opened.
 
     Raises:
-        CheckpointReplacedError: a save replaced the folder while it was being opened.
+        CheckpointReplacedError: a save replaced the folder while it was being opened (anything found missing
+            in a folder that its path no longer names).
     """
 
     def __init__(self, tag_folder: str) -> None:
         self.tag_folder = tag_folder
         self.files = PinnedFolder(tag_folder)
         relative = f"{SUBDIR}/{MANIFEST_NAME}"
-        if not self.files.exists(relative):
+        try:
+            self.files.open(relative)
+        except CheckpointCorruptError:  # not CheckpointReplacedError: a save that replaced the folder says so
             raise CheckpointFormatError(f"{os.path.join(tag_folder, relative)} does not exist: {tag_folder} is not "
-                                        f"a complete zero_bnb checkpoint")
+                                        f"a complete zero_bnb checkpoint") from None
         raw = self.files.read(relative, MAX_MANIFEST_BYTES + 1)  # enough to refuse a larger one
         self.manifest = decode_manifest(raw, os.path.join(tag_folder, relative))
         self._manifest_digest = hashlib.sha256(raw).hexdigest()
