@@ -132,11 +132,52 @@ def _bf16_zero2_save(context, out):
         out["bf16_zero2_rounding_differs"] = any(not torch.equal(m, m.bfloat16().float()) for m in masters.values())
 
 
+#: ``zero_update_max_numel`` of the piecewise-update check: 1000, rounded down to 768 (3 blocks), so the toy's 8-bit
+#: partitions at DP=2 (12544 and 4352 elements) are updated in 17 and 6 pieces, the last one partial, while its
+#: 256-element bias partition stays whole.
+PIECE_NUMEL = 1000
+#: name -> (optimizer, config): the fused CPU kernel for a 2-state and a 1-state family, bitsandbytes' own CPU path
+#: under bf16 ZeRO-2, and 32-bit state (bitsandbytes' 32-bit update).
+PIECEWISE = {
+    "Adam8bit": (bnb.optim.Adam8bit, {}),
+    "Lion8bit": (bnb.optim.Lion8bit, {}),
+    "AdamW8bit-bitsandbytes-bf16-zero2": (bnb.optim.AdamW8bit, {"zero_cpu_update": "bitsandbytes",
+                                                               "bf16": {"enabled": True},
+                                                               "zero_optimization": {"stage": 2}}),
+    "Adam32bit": (bnb.optim.Adam32bit, {}),
+}
+
+
+def _piecewise_update(context, out):
+    """Partitions above ``zero_update_max_numel`` (the path of partitions above 2^31 elements, with a small limit):
+    the same training with and without the limit, through real engines; each run's losses, state and the sizes
+    the bitsandbytes update was called with in its first step."""
+    world = context["world"]
+    for name, (optimizer, config) in PIECEWISE.items():
+        runs = {}
+        for label, extra in (("whole", {}), ("pieces", {"zero_update_max_numel": PIECE_NUMEL})):
+            engine = build_engine(world, optimizer, **config, **extra)
+            update = engine.optimizer.optimizer.update_step  # zero_bnb.bnb.chunked.ChunkedUpdate
+            calls: list[int] = []
+            original = update.original
+            update.original = lambda group, p, g, i, original=original: (calls.append(p.numel()),
+                                                                         original(group, p, g, i))[1]
+            losses = [train_steps(engine, RUN, 0, 1)[0]]
+            first_step = list(calls)
+            losses += train_steps(engine, RUN, 1, 2)
+            runs[label] = {"losses": losses, "state": consolidated_state(engine), "calls": first_step,
+                           "limit": update.limit,
+                           "partitions": [engine.optimizer.master_partition(i).numel()
+                                          for i in range(engine.optimizer.num_groups)]}
+        out["piecewise:" + name] = runs
+
+
 def misc_dp2(rank, world, workdir):
-    """Stock DeepSpeed baseline, torch AdamW pass-through, replicated-key mismatch, stock rescue at DP=2."""
+    """Stock DeepSpeed baseline, torch AdamW pass-through, replicated-key mismatch, stock rescue at DP=2, updates
+    in pieces."""
     out: dict = {}
     run_phases(out, {"world": world, "workdir": workdir}, _stock_baseline, _adamw_pass_through, _threshold_mismatch,
-               _bf16_zero2_save)
+               _bf16_zero2_save, _piecewise_update)
     _save_result(os.path.join(workdir, "misc_dp2.pt"), out)
 
 

@@ -87,3 +87,17 @@ def test_stacked_moments_cannot_be_split_and_say_why():
     param.grad = torch.randn(5000)
     with pytest.raises(ValueError, match=r"state '(state1|absmax1)' has shape \(2, .*use a larger DP size"):
         optimizer.step()
+
+
+def test_zero_update_max_numel_is_validated_and_stripped_from_the_deepspeed_config():
+    from zero_bnb.core.config import ZeroBnbConfigError, split_config
+
+    parsed, cleaned = split_config({"zero_optimization": {"stage": 1, "zero_update_max_numel": 1000}})
+    assert parsed.update_max_numel == 1000 and cleaned == {"zero_optimization": {"stage": 1}}
+    assert split_config({})[0].update_max_numel == 2**31 - 1
+    for bad in (255, 2**31, "1000", True, 1e6):
+        with pytest.raises(ZeroBnbConfigError) as error:
+            split_config({"zero_update_max_numel": bad})
+        assert str(error.value) == ("zero_update_max_numel must be an integer number of elements from 256 (one "
+                                    f"quantization block) to 2147483647 (bitsandbytes' kernel limit, the default), "
+                                    f"got {bad!r}")

@@ -210,3 +210,21 @@ def test_wrong_optimizer_is_named(misc):
     _, dp3 = misc
     assert "CheckpointMismatchError" in dp3["wrong_optimizer"]
     assert "torch.optim.adamw.AdamW" in dp3["wrong_optimizer"] and "Adam8bit" in dp3["wrong_optimizer"]
+
+
+@pytest.mark.parametrize("name", sorted(scenarios.PIECEWISE))
+def test_partitions_above_the_update_limit_train_exactly_like_whole_ones(misc, name):
+    """The path of partitions above bitsandbytes' 2^31-element kernel limit, through real engines at DP=2 with
+    ``zero_update_max_numel`` forcing pieces: losses, master weights, every state tensor (codes and absmax as
+    stored) and counters equal the run that updates each partition whole, bit for bit."""
+    dp2, _ = misc
+    runs = dp2["piecewise:" + name]
+    whole, pieces = runs["whole"], runs["pieces"]
+    limit = pieces["limit"]
+    assert limit == 768 and whole["limit"] == 2**31 - 256  # 1000 and 2^31 - 1 rounded down to whole 256-element blocks
+    # Whole: one call per partition; pieces: each partition cut into ceil(numel / 768) calls, the last partial.
+    assert whole["calls"] == whole["partitions"] == pieces["partitions"], whole
+    expected = [min(limit, numel - start) for numel in pieces["partitions"] for start in range(0, numel, limit)]
+    assert pieces["calls"] == expected and len(expected) >= len(pieces["partitions"]) + 20, pieces["calls"]
+    assert pieces["losses"] == whole["losses"]
+    _assert_state_equal(whole["state"], pieces["state"], exact_codes=True)

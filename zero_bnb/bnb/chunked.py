@@ -6,6 +6,8 @@ replaces an optimizer's ``update_step`` so that such a partition is updated as c
 pieces of at most ``limit`` elements, each starting on a quantization block: every piece
 sees exactly its own elements, gradients, 8-bit codes and per-block ``absmax``, and the
 shared maps and step count, so the result is the one a kernel without the limit would give.
+The engine installs it on every bitsandbytes optimizer with the ``zero_update_max_numel``
+setting as ``limit`` (default: the kernels' limit).
 
 Local: no collectives.
 """
@@ -17,12 +19,9 @@ from typing import Any
 import torch
 
 from zero_bnb.core.kinds import is_partitioned, to_axis
-from zero_bnb.core.state_spec import OptimizerSpec, StateKind
+from zero_bnb.core.state_spec import BNB_KERNEL_MAX_NUMEL, OptimizerSpec, StateKind
 
-__all__ = ["KERNEL_MAX_NUMEL", "ChunkedUpdate", "uninstall_chunked_update"]
-
-#: Largest element count bitsandbytes' kernels take (a signed 32-bit int).
-KERNEL_MAX_NUMEL = 2**31 - 1
+__all__ = ["ChunkedUpdate", "uninstall_chunked_update"]
 
 
 class ChunkedUpdate:
@@ -32,7 +31,7 @@ class ChunkedUpdate:
     under the limit take the original path unchanged.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, spec: OptimizerSpec, limit: int = KERNEL_MAX_NUMEL) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, spec: OptimizerSpec, limit: int = BNB_KERNEL_MAX_NUMEL) -> None:
         if limit < spec.block_size:
             raise ValueError(f"limit {limit} is smaller than one quantization block ({spec.block_size} elements)")
         self.optimizer = optimizer

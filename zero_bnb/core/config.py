@@ -2,9 +2,9 @@
 
 zero_bnb's keys (``zero_unsharded_state_keys``, ``zero_unsharded_state_max_numel``,
 ``zero_nonfinite_check``, ``zero_checkpoint_verify``, ``zero_derived_module_weights``,
-``zero_cpu_update``) may sit at the top level of the DeepSpeed config (stock DeepSpeed ignores unknown
-top-level keys, so one JSON serves both) or inside ``zero_optimization`` (which stock DeepSpeed would
-reject, so they are removed before DeepSpeed validates the config).
+``zero_cpu_update``, ``zero_update_max_numel``) may sit at the top level of the DeepSpeed config (stock
+DeepSpeed ignores unknown top-level keys, so one JSON serves both) or inside ``zero_optimization`` (which
+stock DeepSpeed would reject, so they are removed before DeepSpeed validates the config).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from zero_bnb.core.state_spec import declared
+from zero_bnb.core.state_spec import BNB_BLOCK_SIZE, BNB_KERNEL_MAX_NUMEL, declared
 
 __all__ = [
     "CHECKPOINT_VERIFY",
@@ -26,6 +26,7 @@ __all__ = [
     "NONFINITE_CHECK",
     "UNSHARDED_KEYS",
     "UNSHARDED_MAX_NUMEL",
+    "UPDATE_MAX_NUMEL",
     "ZeroBnbConfig",
     "ZeroBnbConfigError",
     "load_ds_config",
@@ -40,10 +41,11 @@ NONFINITE_CHECK = "zero_nonfinite_check"
 CHECKPOINT_VERIFY = "zero_checkpoint_verify"
 DERIVED_MODULE_WEIGHTS = "zero_derived_module_weights"
 CPU_UPDATE = "zero_cpu_update"
+UPDATE_MAX_NUMEL = "zero_update_max_numel"
 #: Values of ``zero_cpu_update``.
 CPU_UPDATE_MODES = ("auto", "fused", "bitsandbytes")
 _OWN_KEYS = (UNSHARDED_KEYS, UNSHARDED_MAX_NUMEL, NONFINITE_CHECK, CHECKPOINT_VERIFY, DERIVED_MODULE_WEIGHTS,
-             CPU_UPDATE)
+             CPU_UPDATE, UPDATE_MAX_NUMEL)
 _NONFINITE_MODES = ("error", "warn", "off")
 #: DeepSpeed's top-level key that makes it refuse every client optimizer under optimizer offload.
 FORCE_DS_CPU_OPTIMIZER = "zero_force_ds_cpu_optimizer"
@@ -81,6 +83,12 @@ class ZeroBnbConfig:
             arithmetic of bitsandbytes' CUDA kernel, compiled on first use) or, when it cannot be built,
             bitsandbytes' CPU path with one warning; ``"fused"`` the kernel or an error; ``"bitsandbytes"``
             bitsandbytes' own CPU path (what stock DeepSpeed runs).
+        update_max_numel: the largest piece of a partition one bitsandbytes update call steps
+            (:mod:`zero_bnb.bnb.chunked`; rounded down to whole 256-element blocks). The default is the
+            kernels' limit, 2^31 - 1 elements: larger partitions are updated in block-aligned pieces, with
+            the result of one call. A smaller value bounds the fp32 temporaries of bitsandbytes' CPU path
+            (it dequantizes both moments of what it steps into new tensors) and lets a test exercise the
+            piecewise update on a small model; the result does not depend on it.
     """
 
     unsharded_state_keys: tuple[str, ...] | None = None
@@ -89,6 +97,7 @@ class ZeroBnbConfig:
     checkpoint_verify: bool = True
     derived_module_weights: bool = False
     cpu_update: str = "auto"
+    update_max_numel: int = BNB_KERNEL_MAX_NUMEL
 
     def __post_init__(self) -> None:
         keys = self.unsharded_state_keys
@@ -112,6 +121,12 @@ class ZeroBnbConfig:
         if self.cpu_update not in CPU_UPDATE_MODES:
             raise ZeroBnbConfigError(
                 f"{CPU_UPDATE} must be one of {list(CPU_UPDATE_MODES)}, got {self.cpu_update!r}"
+            )
+        pieces = self.update_max_numel
+        if isinstance(pieces, bool) or not isinstance(pieces, int) or not BNB_BLOCK_SIZE <= pieces <= BNB_KERNEL_MAX_NUMEL:
+            raise ZeroBnbConfigError(
+                f"{UPDATE_MAX_NUMEL} must be an integer number of elements from {BNB_BLOCK_SIZE} (one quantization "
+                f"block) to {BNB_KERNEL_MAX_NUMEL} (bitsandbytes' kernel limit, the default), got {pieces!r}"
             )
         for key, value in ((CHECKPOINT_VERIFY, self.checkpoint_verify), (DERIVED_MODULE_WEIGHTS, self.derived_module_weights)):
             if not isinstance(value, bool):
@@ -171,7 +186,8 @@ def split_config(ds_config: Mapping[str, Any]) -> tuple[ZeroBnbConfig, dict[str,
     optional = {
         field: found[key]
         for field, key in (("nonfinite_check", NONFINITE_CHECK), ("checkpoint_verify", CHECKPOINT_VERIFY),
-                           ("derived_module_weights", DERIVED_MODULE_WEIGHTS), ("cpu_update", CPU_UPDATE))
+                           ("derived_module_weights", DERIVED_MODULE_WEIGHTS), ("cpu_update", CPU_UPDATE),
+                           ("update_max_numel", UPDATE_MAX_NUMEL))
         if key in found
     }
     parsed = ZeroBnbConfig(

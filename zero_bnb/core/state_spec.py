@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = [
+    "BNB_KERNEL_MAX_NUMEL",
     "Classification",
     "ClassifiedBy",
     "OptimizerSpec",
@@ -233,6 +234,9 @@ def _init_bnb_state(optimizer: torch.optim.Optimizer, group_index: int, param: t
 
 
 BNB_BLOCK_SIZE = 256
+#: Largest element count bitsandbytes' update kernels take (a signed 32-bit int); larger partitions are updated in
+#: pieces (:mod:`zero_bnb.bnb.chunked`).
+BNB_KERNEL_MAX_NUMEL = 2**31 - 1
 #: bitsandbytes optimizers an fp32 Adam (DeepSpeed universal) checkpoint converts to.
 UNIVERSAL_TARGETS = ("AdamW8bit", "Adam8bit")
 

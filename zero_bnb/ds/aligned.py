@@ -16,7 +16,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zero_bnb.bnb.chunked import ChunkedUpdate
 from zero_bnb.core.layout import GroupGeometry
 from zero_bnb.core.state_spec import OptimizerSpec, StateRule
 from zero_bnb.ds.loss_scaler import live_wrapper
@@ -45,12 +44,10 @@ class BlockAligned:
     optimizer: torch.optim.Optimizer
     dp_process_group: Any
 
-    def _prepare_block_alignment(self, init_optimizer, spec: OptimizerSpec, rule: StateRule, dp_group) -> None:
+    def _prepare_block_alignment(self, spec: OptimizerSpec, rule: StateRule, dp_group) -> None:
         self.zero_bnb_spec = spec
         self.zero_bnb_rule = rule
         self._zero_bnb_dp = dist.get_world_size(group=dp_group)
-        if spec.bitsandbytes:  # partitions may exceed 2^31 (DeepSpeed's constructor already steps once);
-            init_optimizer.update_step = ChunkedUpdate(init_optimizer, spec)  # removed if construction fails
 
     def block_alignment(self, alignment: int) -> int:
         """The padding multiple to use where DeepSpeed asks for ``alignment`` (``2 * dp``)."""

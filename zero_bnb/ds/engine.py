@@ -33,7 +33,7 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
-from zero_bnb.bnb.chunked import uninstall_chunked_update
+from zero_bnb.bnb.chunked import ChunkedUpdate, uninstall_chunked_update
 from zero_bnb.checkpoint.batch import warn_if_batch_changed, with_batch
 from zero_bnb.checkpoint.collective import agree
 from zero_bnb.checkpoint.commit import SaveTransaction
@@ -172,8 +172,10 @@ class ZeroBnbEngine(DeepSpeedEngine):
         spec = spec_for(optimizer)
         factory = functools.partial(cls, zero_bnb_spec=spec, zero_bnb_rule=self._state_rule(spec))
         try:
-            if spec.bitsandbytes:  # CPU 8-bit updates (offload, CPU training) take the fused kernel
+            if spec.bitsandbytes:  # CPU 8-bit updates (offload, CPU training) take the fused kernel, and
                 install_cpu_update(optimizer, self.zero_bnb_config.cpu_update)
+                # partitions above the kernels' 2^31 elements are updated in pieces (DeepSpeed's constructor steps once)
+                optimizer.update_step = ChunkedUpdate(optimizer, spec, self.zero_bnb_config.update_max_numel)
             with swapped_attribute(ds_engine_module, ds_name, factory):
                 wrapper = build(optimizer)
             if not isinstance(wrapper, cls):

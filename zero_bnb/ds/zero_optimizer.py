@@ -33,7 +33,7 @@ class BlockAlignedZeroOptimizer(BlockAligned, DeepSpeedZeroOptimizer):
     """
 
     def __init__(self, init_optimizer, *args, zero_bnb_spec: OptimizerSpec, zero_bnb_rule: StateRule, **kwargs):
-        self._prepare_block_alignment(init_optimizer, zero_bnb_spec, zero_bnb_rule, kwargs.get("dp_process_group"))
+        self._prepare_block_alignment(zero_bnb_spec, zero_bnb_rule, kwargs.get("dp_process_group"))
         # DeepSpeed's constructor calls flatten_dense_tensors_aligned for the parameters.
         self._zero_bnb_flattening_params = True
         try:
@@ -84,7 +84,7 @@ class BlockAlignedBF16Optimizer(BlockAligned, BF16_Optimizer):
     """DeepSpeed's ``BF16_Optimizer`` (bf16 weights, fp32 gradient accumulation) with block-aligned partitions."""
 
     def __init__(self, init_optimizer, *args, zero_bnb_spec: OptimizerSpec, zero_bnb_rule: StateRule, **kwargs):
-        self._prepare_block_alignment(init_optimizer, zero_bnb_spec, zero_bnb_rule, kwargs.get("dp_process_group"))
+        self._prepare_block_alignment(zero_bnb_spec, zero_bnb_rule, kwargs.get("dp_process_group"))
         super().__init__(init_optimizer, *args, **kwargs)
         self._check_layout()
 
