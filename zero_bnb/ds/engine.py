@@ -201,8 +201,8 @@ class ZeroBnbEngine(DeepSpeedEngine):
                     )
         return wrapper
 
-    def _configure_checkpointing(self):
-        super()._configure_checkpointing()
+    def _configure_checkpointing(self, *args):  # DeepSpeed 0.17.0 passes dist_init_required
+        super()._configure_checkpointing(*args)
         if type(self.checkpoint_engine) is not TorchCheckpointEngine:
             raise ZeRORuntimeException(
                 f"zero_bnb commits checkpoints atomically with its own writer, but the config selects "
@@ -282,13 +282,11 @@ class ZeroBnbEngine(DeepSpeedEngine):
             state.pop(prefix + key, None)
         return state
 
-    def load_module_state_dict(self, checkpoint, strict=True, custom_load_fn=None, fetch_z3_params=False,
-                               z3_params_to_fetch=None, allowed_missing_keys=None):
+    def load_module_state_dict(self, checkpoint, *args, **kwargs):
+        # The other arguments pass through (z3_params_to_fetch and allowed_missing_keys arrived in DeepSpeed 0.19).
         if DERIVED_PARAMS_KEY in checkpoint:  # a plan puts the module weights back before this point
             raise ZeRORuntimeException("zero_bnb checkpoints load only through ZeroBnbEngine.load_checkpoint")
-        return super().load_module_state_dict(checkpoint, strict=strict, custom_load_fn=custom_load_fn,
-                                              fetch_z3_params=fetch_z3_params, z3_params_to_fetch=z3_params_to_fetch,
-                                              allowed_missing_keys=allowed_missing_keys)
+        return super().load_module_state_dict(checkpoint, *args, **kwargs)
 
     def _save_zero_checkpoint(self, save_path, tag):
         transaction = self.checkpoint_engine.transaction

@@ -18,6 +18,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from zero_bnb.core.state_spec import OptimizerSpec, StateRule
 from zero_bnb.ds.aligned import BlockAligned, ZeroLayoutError
+from zero_bnb.ds.versions import parameter_padding, uses_muon
 
 __all__ = ["BlockAlignedBF16Optimizer", "BlockAlignedZeroOptimizer", "ZeroLayoutError"]
 
@@ -42,17 +43,16 @@ class BlockAlignedZeroOptimizer(BlockAligned, DeepSpeedZeroOptimizer):
             self._zero_bnb_flattening_params = False
         self._check_layout()
 
-    def flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data=False, param_padding=None):
+    def flatten_dense_tensors_aligned(self, tensor_list, alignment, *args, **kwargs):
         """Pad each flat parameter group to whole blocks per rank (DeepSpeed asks for ``2 * dp``).
 
         Only the parameter flattening in ``__init__`` is changed; DeepSpeed also calls this to
-        pad the last rank's gradients to the partition size, which must stay as it is.
+        pad the last rank's gradients to the partition size, which must stay as it is. The other
+        arguments (``use_cpu_data``; ``param_padding`` since DeepSpeed 0.19.7) pass through as given.
         """
         if self._zero_bnb_flattening_params:
             alignment = self.block_alignment(alignment)
-        return super().flatten_dense_tensors_aligned(
-            tensor_list, alignment, use_cpu_data=use_cpu_data, param_padding=param_padding
-        )
+        return super().flatten_dense_tensors_aligned(tensor_list, alignment, *args, **kwargs)
 
     def group_params(self, group_index: int) -> list[torch.nn.Parameter]:
         return self.round_robin_bit16_groups[group_index]
@@ -66,7 +66,7 @@ class BlockAlignedZeroOptimizer(BlockAligned, DeepSpeedZeroOptimizer):
                 "zero_optimization.round_robin_gradients=true reorders parameters by DP size, so a checkpoint "
                 "could not be re-split at another DP size; set it to false for zero_bnb"
             )
-        if any(any(padding) for padding in self.round_robin_bit16_padding):
+        if any(any(padding) for padding in parameter_padding(self)):
             raise ZeroLayoutError(
                 "zero_optimization.parameter_alignment=true inserts padding between parameters; set it to false "
                 "for zero_bnb"
@@ -100,7 +100,7 @@ class BlockAlignedBF16Optimizer(BlockAligned, BF16_Optimizer):
     def _check_layout(self) -> None:
         if self.has_moe_layers:
             raise ZeroLayoutError("mixture-of-experts layers are not supported by zero_bnb")
-        if self._uses_muon:
+        if uses_muon(self):
             raise ZeroLayoutError("DeepSpeed's Muon optimizer is not supported by zero_bnb")
         if any(group is not self.dp_process_group for group in self.real_dp_process_group):
             raise ZeroLayoutError("per-group data-parallel process groups (MoE) are not supported by zero_bnb")
