@@ -27,8 +27,10 @@ case ",$extras," in *,lightning,*) modules="$modules, lightning";; esac
 if ! "$PYTHON" -c "import $modules" 2>/dev/null \
    || [ "$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("zero_bnb"))' 2>/dev/null)" != "$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)" ]; then
     echo "setup: installing zero_bnb[$extras] (DS_BUILD_OPS=0: no DeepSpeed ops are compiled)"
-    # torch is pinned to the installed (or CPU) build so no extra pulls another torch or the CUDA bundle.
-    "$PYTHON" -m pip install -q -e ".[$extras]" "torch==$("$PYTHON" -c 'import torch; print(torch.__version__.split("+")[0])')"
+    # torch is pinned to the installed (or CPU) build so no extra pulls another torch or the CUDA bundle;
+    # the other dependencies to the tested defaults (scripts/defaults.txt) inside the declared ranges.
+    "$PYTHON" -m pip install -q -e ".[$extras]" -c scripts/defaults.txt \
+        "torch==$("$PYTHON" -c 'import torch; print(torch.__version__.split("+")[0])')"
 fi
 "$PYTHON" - <<'PY'
 import importlib.metadata as m

@@ -32,6 +32,7 @@ from zero_bnb.errors import (
     ReplicatedStateMismatch,
 )
 from zero_bnb.format.reader import verify_checkpoint
+from zero_bnb.versions import UnsupportedVersionError
 
 #: Public names whose modules import DeepSpeed: imported on first use, so that ``import zero_bnb``
 #: (and ``zero-bnb inspect`` / ``verify``) does not pay DeepSpeed's import time.
@@ -70,6 +71,7 @@ __all__ = [
     "ReplicatedStateMismatch",
     "StateKind",
     "UnsupportedOptimizerError",
+    "UnsupportedVersionError",
     "ZeroBnbConfig",
     "ZeroBnbConfigError",
     "__version__",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import sys
 from typing import Any
 
 import deepspeed
@@ -21,6 +22,7 @@ from zero_bnb.core.config import (
 from zero_bnb.core.state_spec import family_of
 from zero_bnb.ds.engine import ZeroBnbEngine, swapped_attribute
 from zero_bnb.ds.substitute import calling_deepspeed, underlying_initialize
+from zero_bnb.versions import check_supported
 
 __all__ = ["initialize"]
 
@@ -101,7 +103,13 @@ def initialize(
     :func:`zero_bnb.core.config.prepare_offload` for what is refused).
 
     Collective: call it on every rank, as ``deepspeed.initialize``.
+
+    Raises:
+        zero_bnb.versions.UnsupportedVersionError: torch, DeepSpeed or bitsandbytes (or transformers,
+            Accelerate or Lightning, when imported) is a release known not to work; untested releases
+            warn once (:func:`zero_bnb.versions.check_supported`).
     """
+    check_supported(optional=tuple(name for name in ("transformers", "accelerate", "lightning") if name in sys.modules))
     raw_config, args = _resolve_config(args, config, config_params)
     zero_bnb_config, ds_config = split_config(load_ds_config(raw_config))
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
