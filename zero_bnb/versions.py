@@ -78,7 +78,9 @@ SUPPORTED: dict[str, Supported] = {entry.package: entry for entry in (
                              "and a per-parameter override (GlobalOptimManager.override_config) registered after "
                              "the first step is ignored, so overrides would silently be lost under ZeRO"),
     Supported("transformers", "4.50.0", "5.23.0", "6", extra="hf"),
-    Supported("accelerate", "1.0.0", "1.15.0", "2", extra="hf"),
+    Supported("accelerate", "1.2.0", "1.15.0", "2", extra="hf", broken_below="1.2.0",
+              broken_because="before 1.2.0 Accelerate replaces an offloaded client optimizer by DeepSpeedCPUAdam "
+                             "inside Accelerator.prepare, where zero_bnb cannot keep the 8-bit optimizer"),
     Supported("lightning", "2.4.0", "2.6.6", "3", extra="lightning"),
 )}
 

@@ -111,10 +111,10 @@ class ZeroBnbStrategy(DeepSpeedStrategy):
         engine.zero_bnb_front_door = "lightning"  # its messages name accumulate_grad_batches
         return engine, deepspeed_optimizer
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Lightning's DeepSpeed load, then a warning when a mid-epoch checkpoint resumes at another split
-        (collective: every rank; rank 0 logs)."""
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        (collective: every rank; rank 0 logs). Lightning's other arguments pass through (``weights_only`` since 2.6)."""
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         saved = getattr(self.deepspeed_engine, "zero_bnb_loaded_batch", None)
         message = mid_epoch_warning(checkpoint, saved, self.world_size,
                                     self.lightning_module.trainer.accumulate_grad_batches)
