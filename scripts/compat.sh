@@ -2,22 +2,28 @@
 # The compatibility matrix: one virtual environment per cell, a representative subset of the suite in each,
 # and a checkpoint written in the oldest cell read in the newest and back. Writes docs/compatibility.md.
 #
-#   bash scripts/compat.sh              # every cell (about 15-20 minutes a cell on 2 CPU cores)
-#   bash scripts/compat.sh oldest       # some cells (the table then lists only those)
+#   bash scripts/compat.sh                          # every cell, then the checkpoint check (30+ min a cell on 2 cores)
+#   bash scripts/compat.sh oldest                   # some cells
+#   bash scripts/compat.sh --cross oldest defaults  # only the checkpoint check, both ways
 #
 # Each venv (under $COMPAT_VENVS, default ~/.cache/zero_bnb/compat) sees the installed torch through
 # --system-site-packages and pip is constrained to that torch, so no other torch and no CUDA bundle is pulled;
-# DeepSpeed installs with DS_BUILD_OPS=0. zero_bnb itself is this source tree (PYTHONPATH). Not part of CI.
+# DeepSpeed installs with DS_BUILD_OPS=0. zero_bnb itself is this source tree (PYTHONPATH). Each cell's results
+# are kept in $COMPAT_VENVS/results (one file per cell, replaced when the cell runs again), and the table is
+# written from all of them, so cells may run at different times or side by side. Not part of CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PYTHON=${PYTHON:-python3}
 VENVS=${COMPAT_VENVS:-$HOME/.cache/zero_bnb/compat}
+RESULTS=$VENVS/results
+LOGS=$VENVS/logs
 OUT=docs/compatibility.md
 export PIP_DISABLE_PIP_VERSION_CHECK=1 DS_BUILD_OPS=0 PYTHONPATH=$ROOT
 TORCH=$("$PYTHON" -c 'import torch; print(torch.__version__.split("+")[0])')
+mkdir -p "$RESULTS" "$LOGS"
 
-# cell -> pinned releases (oldest of each range / the versions of a current CUDA image / the newest = defaults)
+# cell -> pinned releases: the oldest of each range; the releases of a current CUDA image; the newest (= CI's defaults)
 declare -A CELLS=(
     [oldest]="deepspeed==0.17.0 bitsandbytes==0.50.0 transformers==4.50.0 accelerate==1.2.0 lightning==2.4.0"
     [middle]="deepspeed==0.18.9 bitsandbytes==0.50.0 transformers==5.17.0 accelerate==1.12.0 lightning==2.5.6"
@@ -33,76 +39,92 @@ CHECKS=(
     "hostile launch and hostile files|tests/test_hostile.py -k not re_signed_manifest_mutation"
     "version table|tests/test_versions.py"
 )
-selected=("$@")
-[ ${#selected[@]} -eq 0 ] && selected=("${ORDER[@]}")
-for cell in "${selected[@]}"; do [ -n "${CELLS[$cell]:-}" ] || { echo "compat: unknown cell '$cell' (cells: ${ORDER[*]})" >&2; exit 2; }; done
-
-LOGS=${COMPAT_LOGS:-$(mktemp -d)}; mkdir -p "$LOGS"
-declare -A RESULT TIME VERSIONS
 python_of() { echo "$VENVS/$1/bin/python"; }
+known() { [ -n "${CELLS[$1]:-}" ] || { echo "compat: unknown cell '$1' (cells: ${ORDER[*]})" >&2; exit 2; }; }
 
-build() {  # build (or reuse) the venv of cell $1
+build() {  # build (or reuse) the venv of cell $1 and record its versions
     local cell=$1 venv="$VENVS/$1"
-    if [ ! -x "$venv/bin/python" ]; then
-        "$PYTHON" -m venv --system-site-packages "$venv"
-    fi
+    [ -x "$venv/bin/python" ] || "$PYTHON" -m venv --system-site-packages "$venv"
     # shellcheck disable=SC2086
     "$venv/bin/python" -m pip install -q ${CELLS[$cell]} "torch==$TORCH" safetensors tqdm pytest hypothesis
+    "$venv/bin/python" - > "$RESULTS/$cell.versions" <<'PY'
+import importlib.metadata as m
+print(", ".join(f"{p} {m.version(p)}" for p in ("torch", "deepspeed", "bitsandbytes", "transformers", "accelerate", "lightning")))
+PY
 }
 
-run_check() {  # cell, label, pytest arguments: records pass/fail and seconds
-    local cell=$1 label=$2 args=$3 start log status
+run_check() {  # cell, label, pytest arguments: one line "label<TAB>result<TAB>seconds" in the cell's results
+    local cell=$1 label=$2 args=$3 start log status seconds
+    local -a argv
     start=$(date +%s)
     log="$LOGS/$cell.$(echo "$label" | tr -c 'a-zA-Z0-9' _).log"
-    local -a argv
     read -r -a argv <<< "${args%% -k *}"
     if [[ $args == *" -k "* ]]; then argv+=(-k "${args#* -k }"); fi
-    if timeout 2400 "$(python_of "$cell")" -m pytest -q -p no:cacheprovider "${argv[@]}" > "$log" 2>&1; then status=pass; else status=FAIL; fi
-    RESULT["$cell|$label"]="$status ($(tail -n 1 "$log" | sed 's/=//g; s/^ *//; s/ *$//'))"
-    TIME["$cell|$label"]=$(( $(date +%s) - start ))
-    echo "compat: $cell: $label: ${RESULT["$cell|$label"]} in ${TIME["$cell|$label"]} s (log $log)"
+    if timeout 2400 "$(python_of "$cell")" -m pytest -q -p no:cacheprovider "${argv[@]}" > "$log" 2>&1; then
+        status=pass; else status=FAIL; fi
+    status="$status ($(tail -n 1 "$log" | sed 's/=//g; s/^ *//; s/ *$//'))"
+    seconds=$(( $(date +%s) - start ))
+    printf '%s\t%s\t%s\n' "$label" "$status" "$seconds" >> "$RESULTS/$cell.tsv"
+    echo "compat: $cell: $label: $status in $seconds s (log $log)"
 }
 
 cross() {  # writer cell, reader cell: the checkpoint format across versions
-    local writer=$1 reader=$2 dir="$LOGS/ckpt_$1" label="checkpoint written by $1, read at DP=3 by $2" start line
+    local writer=$1 reader=$2 dir="$LOGS/ckpt_$1" start line status
     start=$(date +%s)
-    if [ ! -d "$dir/ckpt" ]; then "$(python_of "$writer")" scripts/compat_checkpoint.py write "$dir" > "$LOGS/write_$writer.log" 2>&1 || true; fi
+    if [ ! -d "$dir/ckpt" ]; then
+        "$(python_of "$writer")" scripts/compat_checkpoint.py write "$dir" > "$LOGS/write_$writer.log" 2>&1 || true
+    fi
     rm -f "$dir/resumed_dp3.pt"
-    line=$("$(python_of "$reader")" scripts/compat_checkpoint.py read "$dir" 2>"$LOGS/read_${writer}_$reader.log" | tail -n 1) || true
-    CROSS+=("| $writer | $reader | $([[ $line == "compat: ok"* ]] && echo pass || echo FAIL) | $(( $(date +%s) - start )) | ${line#compat: } |")
-    echo "compat: $label: $line"
+    line=$("$(python_of "$reader")" scripts/compat_checkpoint.py read "$dir" 2> "$LOGS/read_${writer}_$reader.log" | tail -n 1) || true
+    [[ $line == "compat: ok"* ]] && status=pass || status=FAIL
+    printf '%s\t%s\t%s\t%s\t%s\n' "$writer" "$reader" "$status" "$(( $(date +%s) - start ))" "${line#compat: }" \
+        > "$RESULTS/cross_${writer}_$reader.tsv"
+    echo "compat: checkpoint written by $writer, read by $reader: ${line:-no result (see $LOGS)}"
 }
 
-render() {  # the table of every cell run so far (rewritten after each cell: a cut-short run leaves a true table)
-    local cell label row header rule check
-    local -a done_cells=()
-    for cell in "${ORDER[@]}"; do [ -n "${VERSIONS[$cell]:-}" ] && done_cells+=("$cell"); done
+run_cell() {
+    local cell=$1 check
+    echo "compat: cell $cell: ${CELLS[$cell]}"
+    build "$cell"
+    : > "$RESULTS/$cell.tsv"
+    for check in "${CHECKS[@]}"; do run_check "$cell" "${check%%|*}" "${check#*|}"; done
+    date -u +%Y-%m-%d > "$RESULTS/$cell.date"
+}
+
+render() {  # the table of every cell with results
+    local cell label row header rule check found
+    local -a cells=()
+    for cell in "${ORDER[@]}"; do [ -s "$RESULTS/$cell.tsv" ] && cells+=("$cell"); done
     {
         echo "# Compatibility matrix"
         echo
-        echo "Written by \`bash scripts/compat.sh\` on $(date -u +%Y-%m-%d) ($(nproc) CPU cores, Python $("$PYTHON" -c 'import platform; print(platform.python_version())'), CPU only, gloo)."
-        echo "Each cell is a virtual environment with the releases below and the installed torch $TORCH (the only CPU"
-        echo "wheel here: older torch releases are not run; the declared floor \`torch>=2.6\` comes from the code, see"
-        echo "\`zero_bnb.versions.SUPPORTED\`). The declared ranges are in \`pyproject.toml\`; \`zero_bnb.initialize\` refuses"
-        echo "releases known not to work and warns once for releases newer than the newest tested."
+        echo "Written by \`bash scripts/compat.sh\` ($(nproc) CPU cores shared with other jobs, Python"
+        echo "$("$PYTHON" -c 'import platform; print(platform.python_version())'), CPU only, gloo). Each cell is a virtual environment with the releases"
+        echo "below and the installed torch $TORCH, the only CPU wheel here: older torch releases are not run, and the declared"
+        echo "floor \`torch>=2.6\` comes from the code (\`zero_bnb.versions.SUPPORTED\`). The declared ranges are in"
+        echo "\`pyproject.toml\`; \`zero_bnb.initialize\` refuses releases known not to work and warns once for releases"
+        echo "newer than the newest tested. The full suite runs on the defaults (\`scripts/defaults.txt\`) in CI."
         echo
         echo "## Cells"
         echo
-        echo "| cell | versions |"
-        echo "|---|---|"
-        for cell in "${done_cells[@]}"; do echo "| $cell | ${VERSIONS[$cell]} |"; done
+        echo "| cell | versions | run on |"
+        echo "|---|---|---|"
+        for cell in "${cells[@]}"; do echo "| $cell | $(cat "$RESULTS/$cell.versions") | $(cat "$RESULTS/$cell.date" 2>/dev/null || echo "cut short") |"; done
         echo
-        echo "## Checks (pytest selections of the suite; result and wall time per cell)"
+        echo "## Checks: pytest selections of the suite, result and wall time"
         echo
         header="| check |"; rule="|---|"
-        for cell in "${done_cells[@]}"; do header+=" $cell |"; rule+="---|"; done
+        for cell in "${cells[@]}"; do header+=" $cell |"; rule+="---|"; done
         echo "$header"; echo "$rule"
         for check in "${CHECKS[@]}"; do
-            label=${check%%|*}; row="| $label (\`${check#*|}\`) |"
-            for cell in "${done_cells[@]}"; do row+=" ${RESULT["$cell|$label"]}, ${TIME["$cell|$label"]} s |"; done
+            label=${check%%|*}; row="| $label: \`${check#*|}\` |"
+            for cell in "${cells[@]}"; do
+                found=$(awk -F'\t' -v l="$label" '$1 == l {print $2 ", " $3 " s"}' "$RESULTS/$cell.tsv")
+                row+=" ${found:-not run} |"
+            done
             echo "$row"
         done
-        if [ ${#CROSS[@]} -gt 0 ]; then
+        if compgen -G "$RESULTS/cross_*.tsv" > /dev/null; then
             echo
             echo "## Checkpoints across cells"
             echo
@@ -111,27 +133,22 @@ render() {  # the table of every cell run so far (rewritten after each cell: a c
             echo
             echo "| written by | read by | result | seconds | details |"
             echo "|---|---|---|---|---|"
-            printf '%s\n' "${CROSS[@]}"
+            cat "$RESULTS"/cross_*.tsv | awk -F'\t' '{print "| " $1 " | " $2 " | " $3 " | " $4 " | " $5 " |"}'
         fi
     } > "$OUT"
+    echo "compat: wrote $OUT"
 }
 
-CROSS=()
-# Run order: oldest and defaults first, so the checkpoint check between them runs early; the table keeps ORDER.
-mapfile -t run_order < <(printf '%s\n' "${selected[@]}" | sort -u | awk '{print ($1=="oldest"?0:$1=="defaults"?1:2), $1}' | sort -n | cut -d' ' -f2)
-for cell in "${run_order[@]}"; do
-    echo "compat: building cell $cell: ${CELLS[$cell]}"
-    build "$cell"
-    VERSIONS[$cell]=$("$(python_of "$cell")" - <<'PY'
-import importlib.metadata as m
-print(", ".join(f"{p} {m.version(p)}" for p in ("torch", "deepspeed", "bitsandbytes", "transformers", "accelerate", "lightning")))
-PY
-)
-    for check in "${CHECKS[@]}"; do run_check "$cell" "${check%%|*}" "${check#*|}"; done
-    if [ "$cell" = defaults ] && [ -n "${VERSIONS[oldest]:-}" ]; then cross oldest defaults; cross defaults oldest; fi
-    render
-done
-
+if [ "${1:-}" = --cross ]; then
+    [ $# -eq 3 ] || { echo "usage: bash scripts/compat.sh --cross WRITER READER" >&2; exit 2; }
+    known "$2"; known "$3"
+    cross "$2" "$3"; cross "$3" "$2"
+else
+    selected=("$@")
+    [ ${#selected[@]} -eq 0 ] && selected=("${ORDER[@]}")
+    for cell in "${selected[@]}"; do known "$cell"; done
+    for cell in "${selected[@]}"; do run_cell "$cell"; render; done
+    if [ $# -eq 0 ]; then cross oldest defaults; cross defaults oldest; fi
+fi
 render
-echo "compat: wrote $OUT (logs in $LOGS)"
 ! grep -q FAIL "$OUT"
