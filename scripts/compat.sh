@@ -5,6 +5,7 @@
 #   bash scripts/compat.sh                          # every cell, then the checkpoint check (30+ min a cell on 2 cores)
 #   bash scripts/compat.sh oldest                   # some cells
 #   bash scripts/compat.sh --cross oldest defaults  # only the checkpoint check, both ways
+#   COMPAT_ONLY=Trainer bash scripts/compat.sh oldest   # rerun only the matching checks of a cell
 #
 # Each venv (under $COMPAT_VENVS, default ~/.cache/zero_bnb/compat) sees the installed torch through
 # --system-site-packages and pip is constrained to that torch, so no other torch and no CUDA bundle is pulled;
@@ -82,12 +83,20 @@ cross() {  # writer cell, reader cell: the checkpoint format across versions
     echo "compat: checkpoint written by $writer, read by $reader: ${line:-no result (see $LOGS)}"
 }
 
-run_cell() {
-    local cell=$1 check
+run_cell() {  # COMPAT_ONLY=REGEX reruns only the checks whose label matches, keeping the cell's other results
+    local cell=$1 check label
     echo "compat: cell $cell: ${CELLS[$cell]}"
     build "$cell"
-    : > "$RESULTS/$cell.tsv"
-    for check in "${CHECKS[@]}"; do run_check "$cell" "${check%%|*}" "${check#*|}"; done
+    if [ -n "${COMPAT_ONLY:-}" ] && [ -f "$RESULTS/$cell.tsv" ]; then
+        awk -F'\t' -v only="$COMPAT_ONLY" '$1 !~ only' "$RESULTS/$cell.tsv" > "$RESULTS/$cell.tsv.kept"
+        mv "$RESULTS/$cell.tsv.kept" "$RESULTS/$cell.tsv"
+    else
+        : > "$RESULTS/$cell.tsv"
+    fi
+    for check in "${CHECKS[@]}"; do
+        label=${check%%|*}
+        [[ -z ${COMPAT_ONLY:-} || $label =~ $COMPAT_ONLY ]] && run_check "$cell" "$label" "${check#*|}"
+    done
     date -u +%Y-%m-%d > "$RESULTS/$cell.date"
 }
 

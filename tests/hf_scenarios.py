@@ -286,7 +286,10 @@ def readme_trainer(workdir, world, part: str, *, use_cpu: bool = True, stock: bo
 
     from readme_examples import adapt, block, run, segment, segments
 
-    folder = os.path.join(workdir, "readme_trainer")
+    # The variants without the README's advice get folders of their own: where they do train (transformers 4.x
+    # counts the processes without use_cpu=True), their checkpoints must not land in the example's checkpoint folder.
+    variant = ("" if use_cpu else "_without_use_cpu") + ("_stock" if stock else "")
+    folder = os.path.join(workdir, "readme_trainer" + variant)
     if dist.get_rank() == 0:  # one writer, complete before any rank reads it
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, "ds.json.tmp"), "w") as handle:
