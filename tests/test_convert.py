@@ -24,6 +24,12 @@ from zero_bnb.cli import main
 #: here) relative loss over the following steps; the same path, one bound with about 3x margin.
 REQUANTIZED_LOSS_BOUND = 2e-4
 from zero_bnb.testing.launch import run_distributed
+from zero_bnb.versions import installed, release
+
+#: DeepSpeed before 0.19.7 loads a universal checkpoint's optimizer moments over the fp32 weights' fragment
+#: (utils/tensor_fragment.py map_to_flat_opt_states: ``lp._hp_mapping.hp_fragment = hp_fragment``, fixed in 0.19.7 as
+#: ``optim_fragment[key] = hp_fragment``): stock DeepSpeed then reads exp_avg_sq as its fp32 weights, whoever wrote it.
+STOCK_UNIVERSAL_LOAD_BROKEN = release(installed()["deepspeed"]) < (0, 19, 7)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +77,7 @@ def test_inspect_summarises_the_checkpoint(work):
     text = _ok(runs, "inspect")
     for part in ("saved at DP=2", "block size 256", "33,946 parameters", "Adam8bit", "group 0: 24,960 elements",
                  "0.weight", "(160, 60)", "state state1", "elementwise", "uint8", "state qmap1", "replicated",
-                 "state 8-bit", "state fp32", "bitsandbytes 0.50.2", "min_8bit_size 4,096",
+                 "state 8-bit", "state fp32", f"bitsandbytes {installed()['bitsandbytes']}", "min_8bit_size 4,096",
                  "8-bit while DP <= 6", "8-bit while DP <= 2"):
         assert part in text, part
     assert "DP <= None" not in text  # a group that is fp32 at every DP size says so
@@ -138,6 +144,8 @@ def test_export_writes_consolidated_weights_and_dequantized_moments(work):
 
 
 @pytest.mark.parametrize("dp", [1, 3])
+@pytest.mark.xfail(STOCK_UNIVERSAL_LOAD_BROKEN, raises=AssertionError, strict=True,
+                   reason="DeepSpeed < 0.19.7 loads universal checkpoints wrongly (map_to_flat_opt_states)")
 def test_stock_deepspeed_loads_the_universal_output_into_adamw_and_trains(work, dp):
     _, runs, sources, resumed = work
     assert "moments: ['exp_avg', 'exp_avg_sq']" in _ok(runs, "to_universal")
