@@ -6,6 +6,7 @@
 #   bash scripts/compat.sh oldest                   # some cells
 #   bash scripts/compat.sh --cross oldest defaults  # only the checkpoint check, both ways
 #   COMPAT_ONLY=Trainer bash scripts/compat.sh oldest   # rerun only the matching checks of a cell
+#   bash scripts/compat.sh --table                  # rewrite the table from the kept results
 #
 # Each venv (under $COMPAT_VENVS, default ~/.cache/zero_bnb/compat) sees the installed torch through
 # --system-site-packages and pip is constrained to that torch, so no other torch and no CUDA bundle is pulled;
@@ -133,6 +134,25 @@ render() {  # the table of every cell with results
             done
             echo "$row"
         done
+        echo
+        cat <<'NOTES'
+## What the matrix found (and what zero_bnb does about it)
+
+* DeepSpeed 0.17.0 to 0.19.6 call `flatten_dense_tensors_aligned` without `param_padding`, 0.17.0 calls
+  `_configure_checkpointing(dist_init_required)`, and `load_module_state_dict`'s arguments grew in 0.19: zero_bnb's
+  overrides pass DeepSpeed's arguments through. `round_robin_bit16_padding` (0.19.7) and `_uses_muon` (0.19.8) are
+  asked in `zero_bnb/ds/versions.py`. Lightning before 2.6 has no `weights_only` argument: passed through too.
+* DeepSpeed before 0.19.7 loads a *universal* checkpoint's moments over the fp32 weights' fragment
+  (`utils/tensor_fragment.py` `map_to_flat_opt_states`), whoever wrote it: stock DeepSpeed's load of
+  `zero-bnb convert --to universal` output is a strict xfail there (`tests/test_convert.py`); zero_bnb's own loads
+  and its conversion back from universal are unaffected. Load universal checkpoints with DeepSpeed >= 0.19.7.
+* transformers 4.50 trains the README's Trainer example on CPU without `use_cpu=True` (transformers 5 refuses the
+  batch); the test's variants without it now write into folders of their own (one overwrote the example's
+  checkpoint, which zero_bnb's load then refused as overwritten).
+* Refused by `zero_bnb.initialize`: bitsandbytes < 0.50.0 (no CPU 8-bit update: the 8-bit step raises on CPU; and
+  `get_config` reads an override registered after the first step only since 0.50.0), accelerate < 1.2.0 (replaces
+  an offloaded optimizer by DeepSpeedCPUAdam inside `prepare`), torch < 2.5 (no `torch.serialization.safe_globals`).
+NOTES
         if compgen -G "$RESULTS/cross_*.tsv" > /dev/null; then
             echo
             echo "## Checkpoints across cells"
@@ -148,7 +168,9 @@ render() {  # the table of every cell with results
     echo "compat: wrote $OUT"
 }
 
-if [ "${1:-}" = --cross ]; then
+if [ "${1:-}" = --table ]; then
+    :  # only rewrite the table from the kept results
+elif [ "${1:-}" = --cross ]; then
     [ $# -eq 3 ] || { echo "usage: bash scripts/compat.sh --cross WRITER READER" >&2; exit 2; }
     known "$2"; known "$3"
     cross "$2" "$3"; cross "$3" "$2"
