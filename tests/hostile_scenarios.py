@@ -159,7 +159,8 @@ def _unsafe_tags(c, out):
         out[f"save_internal:{tag}"] = _error(lambda tag=tag: engine.save_checkpoint(save, tag=tag))
     out["listing_after_tags"] = _listing(save)
     dist.barrier()  # every rank has listed before rank 0 adds a symlink below
-    out["escape_created"] = os.path.exists(os.path.join(workdir, "escape")) or os.path.exists("/tmp/zero_bnb_abs_tag")
+    out["escapes_created"] = [path for path in (os.path.join(workdir, "escape"), "/tmp/zero_bnb_abs_tag")
+                              if os.path.lexists(path)]
 
 
 def _symlinked_tag(c, out):
@@ -169,7 +170,8 @@ def _symlinked_tag(c, out):
         os.symlink(os.path.join(save, "A"), os.path.join(save, "L"))
     dist.barrier()
     out["symlink_tag"] = _error(lambda: engine.save_checkpoint(save, tag="L"))
-    out["symlink_still_link"] = os.path.islink(os.path.join(save, "L"))
+    link = os.path.join(save, "L")
+    out["symlink_target"] = os.readlink(link) if os.path.islink(link) else f"not a link: {os.path.lexists(link)=}"
     out["listing_after_symlink"] = _listing(save)
 
 
@@ -199,7 +201,7 @@ def _split_folders_and_fifo_lock(c, out):
     # Ranks that do not see the same folder (relative paths with other working directories, node-local
     # disks): refused on every rank before anything is published, instead of a checkpoint missing a shard.
     out["split_folders"] = _error(lambda: engine.save_checkpoint(os.path.join(workdir, f"ck{rank}"), tag="t"))
-    out["split_folders_published"] = any(os.path.exists(os.path.join(workdir, f"ck{r}", "t")) for r in range(world))
+    out["split_folders_published"] = [r for r in range(world) if os.path.lexists(os.path.join(workdir, f"ck{r}", "t"))]
     out["split_folders_left"] = sorted(os.listdir(os.path.join(workdir, "ck0")))
     # A FIFO where the lock file goes: a clear error on every rank, never a hang.
     fifo_dir = os.path.join(workdir, "fifo")
@@ -225,7 +227,7 @@ def _locks(c, out):
             json.dump({"host": socket.gethostname(), "pid": 2**22 + 12345, "token": "x", "since": 0}, handle)
     dist.barrier()
     out["stale_lock"] = _error(lambda: engine.save_checkpoint(save, tag="C"))
-    out["lock_left"] = os.path.exists(lock)
+    out["lock_left"] = open(lock).read() if os.path.lexists(lock) else None
     out["listing_after_locks"] = _listing(save)
 
 
@@ -243,10 +245,11 @@ def _planted_links(c, out):
         os.symlink(workdir, os.path.join(folder, ".A.zero_bnb-replaced"))  # where a re-save of A moves the old A
     dist.barrier()
     out["planted_resave"] = _error(lambda: engine.save_checkpoint(folder, tag="A"))
-    out["planted_workdir_kept"] = os.path.isfile(victim) and os.path.isdir(os.path.join(workdir, "save"))
+    out["planted_after_resave"] = (open(victim).read(), _listing(os.path.join(workdir, "save"))[0])
     out["planted_save"] = _error(lambda: engine.save_checkpoint(folder, tag="B"))
     out["planted_victim"] = open(victim).read()
-    out["planted_latest_is_file"] = not os.path.islink(os.path.join(folder, "latest"))
+    latest = os.path.join(folder, "latest")
+    out["planted_latest"] = f"a link to {os.readlink(latest)}" if os.path.islink(latest) else open(latest).read()
     out["planted_listing"] = _listing(folder)
 
 
@@ -704,17 +707,19 @@ def _initialize_failure(world):
     before_index, before_pid = dict(manager.index2config), dict(manager.pid2config)
     config = RUN.ds_config(world, zero_optimization={"stage": 1, "round_robin_gradients": True})
     error = _error(lambda: zero_bnb.initialize(model=model, optimizer=optimizer, config=config))
-    result = {
+    names = {id(param): name for name, param in model.named_parameters()}
+    result = {  # (before, after) pairs, parameters by name
         "failed_initialize": error,
-        "failed_initialize_groups_restored": [list(group["params"]) for group in optimizer.param_groups] == before_groups,
-        "failed_initialize_index_restored": manager.index2config == before_index and (0, 0) in before_index,
-        "failed_initialize_pid_restored": manager.pid2config == before_pid and id(first) in before_pid,
-        "failed_initialize_no_chunked_update": "update_step" not in optimizer.__dict__,
+        "failed_initialize_groups": ([[names[id(p)] for p in group] for group in before_groups],
+                                     [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]),
+        "failed_initialize_index2config": (before_index, dict(manager.index2config)),
+        "failed_initialize_pid2config": ({names[k]: v for k, v in before_pid.items()},
+                                         {names.get(k, k): v for k, v in manager.pid2config.items()}),
+        "failed_initialize_update_step": type(optimizer.__dict__.get("update_step")).__name__,
     }
     engine, *_ = zero_bnb.initialize(model=model, optimizer=optimizer, config=RUN.ds_config(world))
-    result["initialize_after_failure_isolated"] = engine.zero_bnb_isolated == [
-        name for name, param in model.named_parameters() if param is first]
-    result["other_optimizers_override_kept"] = manager.index2config.get((7, 7)) == {"optim_bits": 32}
+    result["initialize_after_failure_isolated"] = (engine.zero_bnb_isolated, names[id(first)])
+    result["other_optimizers_override"] = manager.index2config.get((7, 7))
     manager.index2config.clear()
     manager.pid2config.clear()
     return result
