@@ -149,6 +149,12 @@ render() {  # the table of every cell with results
 * transformers 4.50 trains the README's Trainer example on CPU without `use_cpu=True` (transformers 5 refuses the
   batch); the test's variants without it now write into folders of their own (one overwrote the example's
   checkpoint, which zero_bnb's load then refused as overwritten).
+* DeepSpeed 0.18.9 (the middle cell) fails in DeepSpeed's own step, in the all-gather of updated weights
+  (`runtime/utils.py` `all_gather_into_tensor_dp_groups` -> gloo: "Output 0 of Split is a view and is being modified
+  inplace"), on torch 2.13, in the elastic and Lightning checks alike. Stock DeepSpeed 0.18.9 with `torch.optim.AdamW`
+  and no zero_bnb fails the same way at its first step (2 gloo processes, this venv): a DeepSpeed 0.18.9 x torch 2.13
+  incompatibility, not zero_bnb's. Whether it hits older torch (a CUDA image's 2.11) could not be run here (no other
+  CPU wheel), so the declared range still admits 0.18.x; 0.17.0 and 0.19.8 pass.
 * Refused by `zero_bnb.initialize`: bitsandbytes < 0.50.0 (no CPU 8-bit update: the 8-bit step raises on CPU; and
   `get_config` reads an override registered after the first step only since 0.50.0), accelerate < 1.2.0 (replaces
   an offloaded optimizer by DeepSpeedCPUAdam inside `prepare`), torch < 2.5 (no `torch.serialization.safe_globals`).
