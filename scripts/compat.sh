@@ -42,6 +42,10 @@ CHECKS=(
     "version table|tests/test_versions.py"
 )
 python_of() { echo "$VENVS/$1/bin/python"; }
+# Each cell's DeepSpeed builds its JIT ops (the CPU shm comm op) in a folder of its own: torch's shared
+# ~/.cache/torch_extensions would otherwise hold the last cell's build, which other DeepSpeed releases (and the
+# user's own environment) then load or rebuild under each other.
+in_cell() { local cell=$1; shift; TORCH_EXTENSIONS_DIR="$VENVS/$cell/torch_extensions" "$@"; }
 known() { [ -n "${CELLS[$1]:-}" ] || { echo "compat: unknown cell '$1' (cells: ${ORDER[*]})" >&2; exit 2; }; }
 
 build() {  # build (or reuse) the venv of cell $1 and record its versions
@@ -62,7 +66,7 @@ run_check() {  # cell, label, pytest arguments: one line "label<TAB>result<TAB>s
     log="$LOGS/$cell.$(echo "$label" | tr -c 'a-zA-Z0-9' _).log"
     read -r -a argv <<< "${args%% -k *}"
     if [[ $args == *" -k "* ]]; then argv+=(-k "${args#* -k }"); fi
-    if timeout 2400 "$(python_of "$cell")" -m pytest -q -p no:cacheprovider "${argv[@]}" > "$log" 2>&1; then
+    if in_cell "$cell" timeout 2400 "$(python_of "$cell")" -m pytest -q -p no:cacheprovider "${argv[@]}" > "$log" 2>&1; then
         status=pass; else status=FAIL; fi
     status="$status ($(tail -n 1 "$log" | sed 's/=//g; s/^ *//; s/ *$//'))"
     seconds=$(( $(date +%s) - start ))
@@ -74,10 +78,10 @@ cross() {  # writer cell, reader cell: the checkpoint format across versions
     local writer=$1 reader=$2 dir="$LOGS/ckpt_$1" start line status
     start=$(date +%s)
     if [ ! -d "$dir/ckpt" ]; then
-        "$(python_of "$writer")" scripts/compat_checkpoint.py write "$dir" > "$LOGS/write_$writer.log" 2>&1 || true
+        in_cell "$writer" "$(python_of "$writer")" scripts/compat_checkpoint.py write "$dir" > "$LOGS/write_$writer.log" 2>&1 || true
     fi
     rm -f "$dir/resumed_dp3.pt"
-    line=$("$(python_of "$reader")" scripts/compat_checkpoint.py read "$dir" 2> "$LOGS/read_${writer}_$reader.log" | tail -n 1) || true
+    line=$(in_cell "$reader" "$(python_of "$reader")" scripts/compat_checkpoint.py read "$dir" 2> "$LOGS/read_${writer}_$reader.log" | tail -n 1) || true
     [[ $line == "compat: ok"* ]] && status=pass || status=FAIL
     printf '%s\t%s\t%s\t%s\t%s\n' "$writer" "$reader" "$status" "$(( $(date +%s) - start ))" "${line#compat: }" \
         > "$RESULTS/cross_${writer}_$reader.tsv"
