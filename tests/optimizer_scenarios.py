@@ -354,7 +354,7 @@ def save_all(rank, world, workdir):
                        for case in ("Adam8bit-bf16acc-zero1", "Adam8bit-bf16acc-zero2", "Adam8bit-bf16-zero1")}
     out["offload_refusals"] = {name: _error(lambda: build_engine(world, bnb.optim.Adam8bit, **config))
                                for name, config in OFFLOAD_REFUSALS.items()}
-    out["stage3"] = _error(lambda: build_engine(world, bnb.optim.Adam8bit, zero_optimization={"stage": 3}))
+    out["stage0"] = _error(lambda: build_engine(world, bnb.optim.Adam8bit, zero_optimization={"stage": 0}))
     out["parameter_alignment"] = _error(lambda: _unaligned_parameters_engine(world))
     out["moe"] = _error(lambda: _moe_engine(world))
     _save_result(os.path.join(workdir, f"saved_dp{world}.pt"), out)

@@ -42,7 +42,7 @@ FORBIDDEN = {
     "kernels": ("deepspeed", "torch.distributed"),
     "tools": ("deepspeed", "torch.distributed"),
 }
-ENGINE_MODULES = ("ds.engine", "ds.initialize", "ds.zero_optimizer", "ds.aligned")
+ENGINE_MODULES = ("ds.engine", "ds.initialize", "ds.zero_optimizer", "ds.aligned", "ds.stage3")
 
 
 def _imports(path: str) -> list[str]:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from zero_bnb.checkpoint import regroup
 from zero_bnb.checkpoint.collective import agree
 from zero_bnb.checkpoint.derived import DERIVED_PARAMS_KEY, restore_derived
-from zero_bnb.checkpoint.model_file import check_model_states, plan_trained_weights
+from zero_bnb.checkpoint.model_file import check_model_states, plan_trained_weights, trained_shapes
 from zero_bnb.checkpoint.partitioned import PartitionedOptimizer
 from zero_bnb.checkpoint.restore import (
     RestorePlan,
@@ -187,7 +187,7 @@ def plan_load(engine, opened: Opened, model_file: str, *, optimizer_states: bool
         live = {} if custom_load_fn else {name: param for param, name in trained.items()}
         restore_derived(model_states, lambda name: live[name] if name in live else master(name))
     check_model_states(engine, model_states, model_file, strict=strict, module_only=module_only,
-                       scheduler_states=scheduler_states)
+                       scheduler_states=scheduler_states, trained=trained_shapes(engine.module, trained))
     plan_trained_weights(engine.module, trained, model_states, master if custom_load_fn else None)
     return LoadPlan(optimizer, model_file, model_states, saved, trained)
 

@@ -21,13 +21,14 @@ import torch
 
 from zero_bnb.errors import CheckpointFormatError, CheckpointMismatchError
 
-__all__ = ["check_model_states", "plan_trained_weights"]
+__all__ = ["check_model_states", "plan_trained_weights", "trained_shapes"]
 
 #: Counters DeepSpeed sets from the model file on a full load: name -> smallest valid value.
 _COUNTERS = {"global_steps": 0, "skipped_steps": 0, "mp_world_size": 1}
 
 
-def _check_module(module: torch.nn.Module, saved: Any, model_file: str, strict: bool) -> None:
+def _check_module(module: torch.nn.Module, saved: Any, model_file: str, strict: bool,
+                  trained: dict[str, tuple[int, ...]]) -> None:
     if not isinstance(saved, dict):
         raise CheckpointFormatError(f"{model_file} holds no 'module' state dict; it is not a DeepSpeed model file")
     current = module.state_dict()
@@ -39,8 +40,11 @@ def _check_module(module: torch.nn.Module, saved: Any, model_file: str, strict: 
     if wrong:
         raise CheckpointFormatError(f"{model_file}: module entries that cannot be loaded into the model's tensors "
                                     f"({wrong[:5]}); the file was edited or not written by DeepSpeed")
-    shapes = sorted(f"{key}: saved {tuple(saved[key].shape)}, model {tuple(value.shape)}"
-                    for key, value in current.items() if key in saved and saved[key].shape != value.shape)
+    # A trained parameter's entry is planned from its master weight; ZeRO-3 saves it as an empty placeholder, so a
+    # checkpoint of either kind (stage 1/2 or 3) may hold either form.
+    expected = {key: {trained[key], (0,)} if key in trained else {tuple(value.shape)} for key, value in current.items()}
+    shapes = sorted(f"{key}: saved {tuple(saved[key].shape)}, model {trained.get(key, tuple(current[key].shape))}"
+                    for key in current if key in saved and tuple(saved[key].shape) not in expected[key])
     missing = sorted(set(current) - set(saved)) if strict else []
     unexpected = sorted(set(saved) - set(current)) if strict else []
     if shapes or missing or unexpected:
@@ -146,15 +150,17 @@ def _same_kind(current: Any, saved: Any) -> bool:
 
 
 def check_model_states(engine: Any, model_states: Any, model_file: str, *, strict: bool, module_only: bool,
-                       scheduler_states: bool) -> None:
+                       scheduler_states: bool, trained: dict[str, tuple[int, ...]]) -> None:
     """Refuse a model file DeepSpeed's loader would fail on half-way, before anything is applied.
 
-    Checks the module entries (tensors of the model's kind and shape; every key with ``strict``),
-    the counters DeepSpeed sets (``global_steps``, ``skipped_steps``, world sizes: non-negative
-    integers), with ``scheduler_states`` that the checkpoint has LR scheduler state exactly
-    when the engine has a scheduler, holding what that scheduler's ``load_state_dict`` reads, and
-    the ``random_ltd`` and ``data_sampler`` entries DeepSpeed hands to the engine's random-LTD
-    scheduler and curriculum data sampler when it has them (a save without them stores ``None``).
+    Checks the module entries (tensors of the model's kind and shape; ``trained`` maps the state-dict
+    keys of trained parameters, whose entries the load sets from their master weights, to their whole
+    shapes, and these may also be ZeRO-3's empty placeholders; every key with ``strict``), the counters
+    DeepSpeed sets (``global_steps``, ``skipped_steps``, world sizes: non-negative integers), with
+    ``scheduler_states`` that the checkpoint has LR scheduler state exactly when the engine has a scheduler,
+    holding what that scheduler's ``load_state_dict`` reads, and the ``random_ltd`` and ``data_sampler``
+    entries DeepSpeed hands to the engine's random-LTD scheduler and curriculum data sampler when it has them
+    (a save without them stores ``None``).
 
     Raises:
         CheckpointFormatError: a malformed entry, naming it and its value.
@@ -163,7 +169,7 @@ def check_model_states(engine: Any, model_states: Any, model_file: str, *, stric
     if not isinstance(model_states, dict):
         raise CheckpointFormatError(f"{model_file} is not a DeepSpeed model file (it holds a "
                                     f"{type(model_states).__name__})")
-    _check_module(engine.module, model_states.get("module"), model_file, strict)
+    _check_module(engine.module, model_states.get("module"), model_file, strict, trained)
     _check_counters(model_states, model_file, module_only)
     if scheduler_states and not module_only:
         _check_scheduler(getattr(engine, "lr_scheduler", None), model_states.get("lr_scheduler"), model_file)
@@ -188,3 +194,10 @@ def plan_trained_weights(module: torch.nn.Module, trained: dict[torch.nn.Paramet
     for key, value in module.state_dict(keep_vars=True).items():
         if isinstance(value, torch.nn.Parameter) and value in trained:
             model_states["module"][key] = value if master is None else master(trained[value]).to(value.dtype)
+
+
+def trained_shapes(module: torch.nn.Module, trained: dict[torch.nn.Parameter, str]) -> dict[str, tuple[int, ...]]:
+    """State-dict key -> whole shape of every trained parameter (``ds_shape`` for a ZeRO-3 partitioned one)."""
+    return {key: tuple(getattr(value, "ds_shape", value.shape))
+            for key, value in module.state_dict(keep_vars=True).items()
+            if isinstance(value, torch.nn.Parameter) and value in trained}

@@ -31,8 +31,14 @@ class PartitionedOptimizer(Protocol):
     @property
     def dp_size(self) -> int: ...
 
+    #: Whether module weights are partitions refreshed from the masters after a load (ZeRO stage 3).
+    module_weights_partitioned: bool
+
     @property
     def num_groups(self) -> int: ...
+
+    def base_group_index(self, group_index: int) -> int:
+        """The base optimizer's param group (hyper-parameters) that flat group ``group_index`` belongs to."""
 
     def geometry(self, group_index: int) -> GroupGeometry:
         """Block-aligned partition geometry of flat group ``group_index``."""

@@ -175,8 +175,9 @@ def _regroup(saved: SavedState, live: list[tuple[ParamEntry, ...]], spec: Optimi
     if log:
         logger.warning(
             "zero_bnb: the checkpoint's %d flat groups differ from the optimizer's %d (bitsandbytes overrides isolate "
-            "parameters in groups of their own; stock DeepSpeed does not); state mapped by parameter name, 8-bit "
-            "moments dequantized and requantized where the new group is 8-bit (once)",
+            "parameters in groups of their own, stock DeepSpeed does not; ZeRO stage 3 keeps one group per parameter, "
+            "stages 1 and 2 one per param group); state mapped by parameter name, 8-bit moments dequantized and "
+            "requantized where the new group is 8-bit (once)",
             len(saved.manifest.groups), len(live),
         )
     old = saved.manifest

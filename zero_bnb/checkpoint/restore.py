@@ -95,7 +95,7 @@ def check_compatible(
         problems += _family_problems(optimizer, manifest)
     if optimizer_states and manifest.optimizer_spec == spec.name:
         for index, saved in enumerate(manifest.groups[: optimizer.num_groups]):
-            current = optimizer.optimizer.param_groups[index]
+            current = optimizer.optimizer.param_groups[optimizer.base_group_index(index)]
             for key in spec.layout_hyperparameters:
                 if key in saved.hyperparameters and saved.hyperparameters[key] != current.get(key):
                     problems.append(f"group {index} was saved with {key}={saved.hyperparameters[key]!r}, which "
@@ -195,7 +195,7 @@ class _GroupRestorer:
         if init_state is not None:
             previous = base.state.pop(self.param, None)
             try:
-                init_state(base, self.index, self.param)
+                init_state(base, self.optimizer.base_group_index(self.index), self.param)
                 return base.state.pop(self.param, {})
             finally:
                 base.state.pop(self.param, None)
@@ -385,7 +385,7 @@ def apply_masters(optimizer: PartitionedOptimizer, plan: RestorePlan) -> None:
 def _log_hyperparameters(optimizer: PartitionedOptimizer, plan: RestorePlan) -> None:
     changed = {}
     for group in plan.groups:
-        current = optimizer.optimizer.param_groups[group.index]
+        current = optimizer.optimizer.param_groups[optimizer.base_group_index(group.index)]
         for key, value in (group.hyperparameters or {}).items():
             if key != "params" and key in current and current[key] != value:
                 changed.setdefault(key, (current[key], value))
@@ -412,7 +412,7 @@ def apply_restore(optimizer: PartitionedOptimizer, plan: RestorePlan) -> None:
         base.state.pop(param, None)
         if group.state is not None:
             base.state[param] = group.state
-        base.param_groups[group.index].update(group.hyperparameters or {})
+        base.param_groups[optimizer.base_group_index(group.index)].update(group.hyperparameters or {})
         if group.notes and optimizer.dp_rank == 0:
             logger.warning(
                 "zero_bnb: group %d: the optimizer holds partitions of %d elements in another precision than the "

@@ -37,7 +37,8 @@ def _valid_slice(value: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def _hyperparameters(optimizer: PartitionedOptimizer, group_index: int) -> dict[str, Any]:
-    return {k: v for k, v in optimizer.optimizer.param_groups[group_index].items() if k != "params"}
+    group = optimizer.optimizer.param_groups[optimizer.base_group_index(group_index)]
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 def write_local_files(optimizer: PartitionedOptimizer, tag_folder: str) -> list[FileRecord]:

@@ -92,9 +92,14 @@ def _print_summary(summary: dict[str, Any]) -> None:
         plan = hyper.pop("state_precision", None)
         if isinstance(plan, dict) and all(isinstance(plan.get(k), int) for k in ("partition_numel", "min_8bit_size")):
             limit = plan.get("eight_bit_up_to_dp")
-            precision += (f" (partition {plan['partition_numel']:,} elements vs min_8bit_size {plan['min_8bit_size']:,}"
-                          f", optim_bits {plan.get('optim_bits')}; "
-                          + (f"8-bit while DP <= {limit})" if isinstance(limit, int) else "fp32 at every DP size)"))
+            if plan.get("decided_on") == "whole parameter":  # ZeRO stage 3
+                precision += (f" (parameter {group['numel']:,} elements vs min_8bit_size {plan['min_8bit_size']:,}, "
+                              f"optim_bits {plan.get('optim_bits')}; decided on the whole parameter: the same at "
+                              f"every DP size)")
+            else:
+                precision += (f" (partition {plan['partition_numel']:,} elements vs min_8bit_size "
+                              f"{plan['min_8bit_size']:,}, optim_bits {plan.get('optim_bits')}; "
+                              + (f"8-bit while DP <= {limit})" if isinstance(limit, int) else "fp32 at every DP size)"))
         print(f"  group {index}: {group['numel']:,} elements, {len(group['parameters'])} parameters, "
               f"state {precision}, hyper-parameters {hyper}")
         for param in group["parameters"]:

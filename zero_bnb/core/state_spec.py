@@ -9,7 +9,8 @@ declaration. Pure Python: no DeepSpeed, no collectives.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -28,6 +29,7 @@ __all__ = [
     "classify_state",
     "declared",
     "family_of",
+    "param_in_group",
     "spec_for",
     "spec_for_class",
     "spec_named",
@@ -229,8 +231,28 @@ def _check_ademamix(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
+@contextmanager
+def param_in_group(optimizer: torch.optim.Optimizer, group_index: int, param: torch.Tensor) -> Iterator[None]:
+    """Make ``param`` the first parameter of param group ``group_index`` for the duration of a ``with`` block.
+
+    bitsandbytes looks a parameter's config up by its place in the group; ZeRO stage 3 fills a group's
+    ``params`` only while it steps one sub-group. At stages 1/2 the flat partition is already first: no change.
+    """
+    group = optimizer.param_groups[group_index]
+    params = group["params"]
+    if params and params[0] is param:
+        yield
+        return
+    group["params"] = [param]
+    try:
+        yield
+    finally:
+        group["params"] = params
+
+
 def _init_bnb_state(optimizer: torch.optim.Optimizer, group_index: int, param: torch.Tensor) -> None:
-    optimizer.init_state(optimizer.param_groups[group_index], param, group_index, 0)
+    with param_in_group(optimizer, group_index, param):
+        optimizer.init_state(optimizer.param_groups[group_index], param, group_index, 0)
 
 
 BNB_BLOCK_SIZE = 256

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from zero_bnb.core.layout import GroupGeometry
-from zero_bnb.core.state_spec import OptimizerSpec, StateRule
+from zero_bnb.core.state_spec import OptimizerSpec, StateRule, param_in_group
 from zero_bnb.ds.loss_scaler import live_wrapper
 from zero_bnb.format.manifest import ParamEntry
 from zero_bnb.format.wrapper_state import WRAPPER_SCALARS, plain_wrapper
@@ -86,9 +86,17 @@ class BlockAligned:
         """Size of the data-parallel group the groups are partitioned over."""
         return self._zero_bnb_dp
 
+    #: Whether the module's weights are partitions refreshed from the masters (stage 3) rather than whole
+    #: tensors in DeepSpeed's model file (stages 1 and 2).
+    module_weights_partitioned = False
+
     @property
     def num_groups(self) -> int:
         return len(self.optimizer.param_groups)
+
+    def base_group_index(self, group_index: int) -> int:
+        """The base optimizer's param group that holds flat group ``group_index`` (the same index at stages 1/2)."""
+        return group_index
 
     def geometry(self, group_index: int) -> GroupGeometry:
         """Partition geometry of flat group ``group_index`` at the current DP size."""
@@ -129,7 +137,9 @@ class BlockAligned:
         base = self.optimizer
         if not callable(getattr(base, "get_config", None)):
             return None
-        config = base.get_config(group_index, 0, base.param_groups[group_index])
+        base_index = self.base_group_index(group_index)
+        with param_in_group(base, base_index, self.master_partition(group_index)):
+            config = base.get_config(base_index, 0, base.param_groups[base_index])
         geometry = self.geometry(group_index)
         limit = config["min_8bit_size"]
         up_to = None

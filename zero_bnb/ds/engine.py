@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import deepspeed.runtime.engine as ds_engine_module
+import deepspeed.runtime.zero.stage3 as ds_stage3_module
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
     TorchCheckpointEngine,
 )
@@ -45,6 +46,7 @@ from zero_bnb.checkpoint.save import build_manifest, write_local_files
 from zero_bnb.checkpoint.state_checks import find_non_finite, verify_replicated_state
 from zero_bnb.core.config import ZeroBnbConfig
 from zero_bnb.core.state_spec import StateRule, declared, spec_for
+from zero_bnb.ds.stage3 import BlockAlignedStage3Optimizer
 from zero_bnb.ds.zero_optimizer import BlockAlignedBF16Optimizer, BlockAlignedZeroOptimizer
 from zero_bnb.errors import CheckpointUsageError
 from zero_bnb.format.durable import makedirs, replacing, save_torch
@@ -159,7 +161,12 @@ class ZeroBnbEngine(DeepSpeedEngine):
             return super()._do_optimizer_sanity_check(basic_optimizer)
 
     def _configure_zero_optimizer(self, optimizer):
-        # zero_bnb.initialize refused stages other than 1 and 2 before DeepSpeed started.
+        # zero_bnb.initialize refused stages other than 1, 2 and 3 before DeepSpeed started.
+        if self.zero_optimization_partition_weights():  # stage 3: DeepSpeed imports its class from this module
+            if self.has_moe_layers:
+                raise ZeRORuntimeException("mixture-of-experts layers are not supported by zero_bnb")
+            return self._block_aligned("DeepSpeedZeroOptimizer_Stage3", BlockAlignedStage3Optimizer, optimizer,
+                                       super()._configure_zero_optimizer, owner=ds_stage3_module)
         return self._block_aligned("DeepSpeedZeroOptimizer", BlockAlignedZeroOptimizer, optimizer,
                                    super()._configure_zero_optimizer)
 
@@ -167,8 +174,8 @@ class ZeroBnbEngine(DeepSpeedEngine):
         return self._block_aligned("BF16_Optimizer", BlockAlignedBF16Optimizer, optimizer,
                                    super()._configure_bf16_optimizer)
 
-    def _block_aligned(self, ds_name: str, cls: type, optimizer, build):
-        """Let DeepSpeed build its optimizer wrapper ``ds_name`` as zero_bnb's block-aligned ``cls``."""
+    def _block_aligned(self, ds_name: str, cls: type, optimizer, build, owner: Any = ds_engine_module):
+        """Let DeepSpeed build its optimizer wrapper ``ds_name`` (a name in ``owner``) as zero_bnb's ``cls``."""
         spec = spec_for(optimizer)
         factory = functools.partial(cls, zero_bnb_spec=spec, zero_bnb_rule=self._state_rule(spec))
         try:
@@ -176,7 +183,7 @@ class ZeroBnbEngine(DeepSpeedEngine):
                 install_cpu_update(optimizer, self.zero_bnb_config.cpu_update)
                 # partitions above the kernels' 2^31 elements are updated in pieces (DeepSpeed's constructor steps once)
                 optimizer.update_step = ChunkedUpdate(optimizer, spec, self.zero_bnb_config.update_max_numel)
-            with swapped_attribute(ds_engine_module, ds_name, factory):
+            with swapped_attribute(owner, ds_name, factory):
                 wrapper = build(optimizer)
             if not isinstance(wrapper, cls):
                 raise ZeRORuntimeException(
@@ -197,7 +204,9 @@ class ZeroBnbEngine(DeepSpeedEngine):
                         "min_8bit_size=%d is decided per partition; %s)",
                         index, plan["partition_numel"], wrapper.dp_size,
                         "8-bit" if plan["eight_bit"] else "fp32", plan["optim_bits"], plan["min_8bit_size"],
-                        f"8-bit while DP <= {limit}" if limit is not None else "fp32 at every DP size",
+                        f"8-bit while DP <= {limit}" if limit is not None else
+                        "decided on the whole parameter: the same at every DP size" if plan.get("decided_on")
+                        else "fp32 at every DP size",
                     )
         return wrapper
 
@@ -326,10 +335,15 @@ class ZeroBnbEngine(DeepSpeedEngine):
         if folder_tag is None:
             return super().load_checkpoint(load_dir, tag=None)  # DeepSpeed warns that there is no 'latest'
         optimizer_states = load_optimizer_states and not load_module_only
+        if custom_load_fn is not None and self.optimizer.module_weights_partitioned:
+            raise ZeRORuntimeException(
+                "load_checkpoint(custom_load_fn=...) is not supported at ZeRO stage 3 by zero_bnb (the module's weights "
+                "are partitions set from the master weights); load without it"
+            )
         opened = open_for_load(self, load_dir, folder_tag, optimizer_states=optimizer_states)
         try:
             plan: LoadPlan = agree(lambda: plan_load(
-                self, opened, self._get_ckpt_name(load_dir, folder_tag), optimizer_states=optimizer_states,
+                self, opened, self._model_file(load_dir, folder_tag, opened), optimizer_states=optimizer_states,
                 strict=load_module_strict, module_only=load_module_only, scheduler_states=load_lr_scheduler_states,
                 custom_load_fn=custom_load_fn is not None))
         finally:
@@ -339,12 +353,15 @@ class ZeroBnbEngine(DeepSpeedEngine):
         self.checkpoint_engine.planned = {plan.model_file: plan.model_states}
         warn_if_batch_changed(saved.manifest, self, os.path.join(load_dir, folder_tag), self.zero_bnb_front_door)
         self.zero_bnb_loaded_batch = dict(saved.manifest.batch) or None
+        partitioned = self.optimizer.module_weights_partitioned
         try:
             result = super().load_checkpoint(
                 load_dir,
                 tag=folder_tag,
                 load_module_strict=load_module_strict,
-                load_optimizer_states=load_optimizer_states,
+                # At stage 3 DeepSpeed would rebuild weights-only loads from its own optimizer files (zero_to_fp32);
+                # the plan already holds what to apply (state or masters only) and _load_zero_checkpoint applies it.
+                load_optimizer_states=True if partitioned else load_optimizer_states,
                 load_lr_scheduler_states=load_lr_scheduler_states,
                 load_module_only=load_module_only,
                 custom_load_fn=custom_load_fn,
@@ -355,8 +372,25 @@ class ZeroBnbEngine(DeepSpeedEngine):
         if not optimizer_states:
             # DeepSpeed rebuilt the fp32 masters from the module's (maybe bf16) weights; the exact ones are on disk.
             apply_masters(self.optimizer, plan.optimizer)
-        apply_module_weights(self.optimizer, plan)  # the plan left the trained module weights to this
+        if partitioned:  # stage 3: the module's partitions from the masters, persistent parameters gathered again
+            self.optimizer.cast_masters_into_module()
+        else:
+            apply_module_weights(self.optimizer, plan)  # the plan left the trained module weights to this
         return result
+
+    def _model_file(self, load_dir, tag, opened) -> str:
+        """DeepSpeed's model file a load reads: ``mp_rank_00_model_states.pt`` from stages 1/2; from stage 3, where
+        every DP rank wrote one (module entries are empty placeholders, the rest alike), rank 0's, which exists at
+        every saved DP size. A zero_bnb checkpoint of either stage loads at the other (weights come from the masters)."""
+        mp_rank = f"mp_rank_{self.checkpoint_mp_rank:02d}_model_states.pt"
+        stage3 = os.path.join(load_dir, str(tag), f"zero_pp_rank_0_{mp_rank}")
+        stage12 = os.path.join(load_dir, str(tag), mp_rank)
+        if opened.reader is not None:
+            saved = {record.path for record in opened.reader.manifest.files}
+            for candidate in (stage3, stage12) if self.zero_optimization_partition_weights() else (stage12, stage3):
+                if os.path.basename(candidate) in saved:
+                    return candidate
+        return stage3 if self.zero_optimization_partition_weights() else stage12
 
     def _get_all_ckpt_names(self, checkpoints_path, tag):
         plan: LoadPlan | None = getattr(self, "_zero_bnb_plan", None)

@@ -21,6 +21,7 @@ from zero_bnb.core.config import (
 )
 from zero_bnb.core.state_spec import family_of
 from zero_bnb.ds.engine import ZeroBnbEngine, swapped_attribute
+from zero_bnb.ds.stage3 import refuse_stage3_settings
 from zero_bnb.ds.substitute import calling_deepspeed, underlying_initialize
 from zero_bnb.versions import check_supported
 
@@ -88,8 +89,10 @@ def initialize(
     config=None,
     mesh_param=None,
     config_params=None,
+    *,
+    zero_bnb_front_door: str = "deepspeed",
 ):
-    """Initialize a DeepSpeed engine (ZeRO stage 1 or 2) whose checkpoints resume at any DP size.
+    """Initialize a DeepSpeed engine (ZeRO stage 1, 2 or 3) whose checkpoints resume at any DP size.
 
     Same arguments and same 4-tuple ``(engine, optimizer, training_dataloader, lr_scheduler)``
     as ``deepspeed.initialize``. The engine is a :class:`~zero_bnb.ds.engine.ZeroBnbEngine`, a real
@@ -102,6 +105,10 @@ def initialize(
     (``zero_force_ds_cpu_optimizer`` is set to false for it; see
     :func:`zero_bnb.core.config.prepare_offload` for what is refused).
 
+    At ZeRO stage 3 every parameter is partitioned into slices of whole quantization blocks
+    (:mod:`zero_bnb.ds.stage3`); settings it does not support are refused by name. ``zero_bnb_front_door``
+    is set by ``zero_bnb.enable()``'s dispatcher (Trainer, Accelerate).
+
     Collective: call it on every rank, as ``deepspeed.initialize``.
 
     Raises:
@@ -113,11 +120,18 @@ def initialize(
     raw_config, args = _resolve_config(args, config, config_params)
     zero_bnb_config, ds_config = split_config(load_ds_config(raw_config))
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    if stage not in (1, 2):
+    if stage not in (1, 2, 3):
         raise ZeroBnbConfigError(
-            f"zero_bnb wraps ZeRO stages 1 and 2, but the config has zero_optimization.stage={stage}; "
-            f"set \"zero_optimization\": {{\"stage\": 1}} (or 2)"
+            f"zero_bnb wraps ZeRO stages 1, 2 and 3, but the config has zero_optimization.stage={stage}; "
+            f"set \"zero_optimization\": {{\"stage\": 1}} (or 2, or 3)"
         )
+    if stage == 3:
+        if zero_bnb_front_door != "deepspeed":
+            raise ZeroBnbConfigError(
+                f"ZeRO stage 3 through {zero_bnb_front_door} (zero_bnb.enable()) is not supported yet, only through "
+                f"zero_bnb.initialize; set \"zero_optimization\": {{\"stage\": 2}} or call zero_bnb.initialize"
+            )
+        refuse_stage3_settings(ds_config)
     _refuse_unsupported(ds_config, mpu)
     refuse_optimizer_section(ds_config, optimizer)
     prepare_offload(ds_config, optimizer)
@@ -129,6 +143,12 @@ def initialize(
         isolation = isolate_overridden_parameters(optimizer, {id(p): name for name, p in model.named_parameters()},
                                                   bitsandbytes=family is not None and family.bitsandbytes)
     overridden = isolation.groups if isolation is not None else {}
+    if overridden and stage == 3:
+        isolation.undo()
+        raise ZeroBnbConfigError(
+            "bitsandbytes per-parameter overrides (GlobalOptimManager.override_config) are not supported at ZeRO "
+            "stage 3 by zero_bnb yet; remove the overrides, or use stage 1 or 2"
+        )
 
     engine_factory = functools.partial(ZeroBnbEngine, zero_bnb_config=zero_bnb_config)
     ds_initialize = underlying_initialize()  # never zero_bnb's own dispatcher (zero_bnb.enable)

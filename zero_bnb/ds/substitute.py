@@ -138,8 +138,9 @@ def _dispatcher(*args: Any, **kwargs: Any):
         install_trainer_patch()
     from zero_bnb.ds.initialize import initialize
 
-    built = initialize(*args, **kwargs)
-    built[0].zero_bnb_front_door = _calling_front_door()
+    door = _calling_front_door()
+    built = initialize(*args, zero_bnb_front_door=door, **kwargs)
+    built[0].zero_bnb_front_door = door
     return built
 
 

@@ -17,8 +17,8 @@ from zero_bnb.format.manifest import ParamEntry
 from zero_bnb.format.paths import check_name
 from zero_bnb.format.unpickle import check_checkpoint_file, safe_load
 
-__all__ = ["MODEL_STATES", "UNIVERSAL_STATE", "WRITTEN_BY_ZERO_BNB", "group_states", "model_states_files",
-           "param_entries", "read_rank_files", "stock_dp_world_size", "zero_file_names"]
+__all__ = ["MODEL_STATES", "UNIVERSAL_STATE", "WRITTEN_BY_ZERO_BNB", "group_states", "model_file_of", "model_states_files",
+           "param_entries", "read_rank_files", "stage3_model_states", "stock_dp_world_size", "zero_file_names"]
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 #: The file that marks a DeepSpeed universal checkpoint's tag folder (relative to it).
@@ -86,16 +86,33 @@ def read_rank_files(names: list[str]) -> list[dict[str, Any]]:
     return rank_sds
 
 
+def stage3_model_states(rank: int) -> str:
+    """DeepSpeed's model-states file of DP rank ``rank`` at ZeRO stage 3 (every rank writes one)."""
+    return f"zero_pp_rank_{rank}_{MODEL_STATES}"
+
+
 def model_states_files(tag_folder: str) -> dict[str, str]:
-    """``{file name: path}`` of DeepSpeed's model-states file in ``tag_folder`` (exactly one is supported)."""
+    """``{file name: path}`` of DeepSpeed's model-states files in ``tag_folder``: one ``mp_rank_00_model_states.pt``
+    (ZeRO stages 1/2), or one per DP rank (stage 3, :func:`stage3_model_states`)."""
     files = sorted(glob.glob(os.path.join(glob.escape(tag_folder), "*model_states.pt")))
-    if [os.path.basename(f) for f in files] != [MODEL_STATES]:
+    names = sorted(os.path.basename(f) for f in files)
+    if names != [MODEL_STATES] and not (names and names == sorted(map(stage3_model_states, range(len(names))))):
         raise CheckpointFormatError(
-            f"{tag_folder} holds model-states files {[os.path.basename(f) for f in files]}; the tools handle one "
-            f"{MODEL_STATES} (no tensor or pipeline parallelism)"
+            f"{tag_folder} holds model-states files {names}; the tools handle one {MODEL_STATES} (ZeRO stages 1 "
+            f"and 2) or one {stage3_model_states(0).replace('_0_', '_<rank>_')} per DP rank (stage 3), i.e. no "
+            f"tensor or pipeline parallelism"
         )
-    check_checkpoint_file(files[0], "DeepSpeed model file", tag_folder)  # it may be copied byte for byte
-    return {MODEL_STATES: files[0]}
+    for file in files:
+        check_checkpoint_file(file, "DeepSpeed model file", tag_folder)  # it may be copied byte for byte
+    return {os.path.basename(file): file for file in files}
+
+
+def model_file_of(tag_folder: str) -> tuple[str, str]:
+    """Name and path of the model-states file the tools read: ``mp_rank_00_model_states.pt``, or at ZeRO stage 3
+    rank 0's (the ranks' files differ only in their empty parameter placeholders)."""
+    files = model_states_files(tag_folder)
+    name = MODEL_STATES if MODEL_STATES in files else stage3_model_states(0)
+    return name, files[name]
 
 
 def param_entries(model_file: str) -> list[tuple[ParamEntry, ...]]:

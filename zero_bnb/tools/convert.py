@@ -50,6 +50,7 @@ from zero_bnb.format.stock_files import (
     MODEL_STATES,
     UNIVERSAL_STATE,
     group_states,
+    model_file_of,
     model_states_files,
     param_entries,
     read_rank_files,
@@ -108,10 +109,16 @@ def to_universal(path: str, out: str, *, tag: str | None = None, force: bool = F
             f"optimizer. Keep it as a zero_bnb checkpoint (it loads at any DP size), or export the weights and "
             f"moments with `zero-bnb export {path} --to fp32 OUT.safetensors --moments`"
         )
+    model_files = model_states_files(reader.tag_folder)
+    if MODEL_STATES not in model_files:
+        raise CheckpointUsageError(
+            f"{reader.tag_folder} is a ZeRO stage-3 checkpoint; converting it to a universal checkpoint is not "
+            f"supported yet. It loads at any DP size as it is (zero_bnb.initialize at stage 3, or stage 2), or export "
+            f"the weights with `zero-bnb export {path} --to fp32 OUT.safetensors`"
+        )
     groups = gather_full(reader)
     weights = {name: value for group in groups for name, value in per_parameter(group, group.fp32).items()}
-    model_files = {}
-    for name, source in model_states_files(reader.tag_folder).items():
+    for name, source in dict(model_files).items():
         model_states = reader.load(name, "DeepSpeed model file", deepspeed_classes=True)  # the verified bytes
         with malformed(f"DeepSpeed model file {source}"):
             restore_derived(model_states, weights.__getitem__)  # DeepSpeed reads the module weights from this file
@@ -153,7 +160,7 @@ def _load_universal(path: str, tag: str | None) -> tuple[str, str, dict, list[tu
     if not os.path.isfile(state_path):
         raise CheckpointFormatError(f"{tag_folder} is not a DeepSpeed universal checkpoint: {state_path} is missing")
     optimizer_state = safe_load(state_path, "universal optimizer-state file", deepspeed_classes=True)
-    params = param_entries(model_states_files(tag_folder)[MODEL_STATES])
+    params = param_entries(model_file_of(tag_folder)[1])
     with malformed(f"universal optimizer-state file {state_path}"):
         if len(optimizer_state[PARAM_GROUPS]) != len(params):
             raise CheckpointFormatError(f"{state_path} has {len(optimizer_state[PARAM_GROUPS])} parameter groups, "
@@ -280,7 +287,12 @@ def rescue_stock(path: str, out_dir: str, *, tag: str | None = None, out_tag: st
     names = zero_file_names(tag_folder)
     if not names:
         raise CheckpointFormatError(f"{tag_folder} holds no stock DeepSpeed ZeRO optimizer files (zero_pp_rank_*)")
-    model_file = model_states_files(tag_folder)[MODEL_STATES]
+    model_name, model_file = model_file_of(tag_folder)
+    if model_name != MODEL_STATES:
+        raise CheckpointUsageError(
+            f"{tag_folder} is a stock DeepSpeed ZeRO stage-3 checkpoint; converting it to zero_bnb is not supported "
+            f"yet (only stages 1 and 2). Resume it with stock DeepSpeed at its DP size"
+        )
     rank_sds = read_rank_files(names)
     with malformed(f"stock DeepSpeed checkpoint {tag_folder}"):
         spec = _stock_family(rank_sds, optimizer, tag_folder)

@@ -22,7 +22,7 @@ from zero_bnb.checkpoint.whole import gather_full, moments, per_parameter
 from zero_bnb.core.state_spec import spec_named
 from zero_bnb.errors import CheckpointFormatError, malformed
 from zero_bnb.format.reader import CheckpointReader
-from zero_bnb.format.stock_files import MODEL_STATES, model_states_files
+from zero_bnb.format.stock_files import model_file_of
 from zero_bnb.tools.checkpoint_paths import open_verified
 
 __all__ = ["fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint"]
@@ -75,8 +75,8 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
     """
     _, reader = open_verified(checkpoint_dir, tag, command=command)
     state = _fp32_tensors(reader, moments_too=moments_too, progress=progress)
-    model_file = model_states_files(reader.tag_folder)[MODEL_STATES]
-    model_states = reader.load(MODEL_STATES, "DeepSpeed model file", deepspeed_classes=True)  # the verified bytes
+    model_name, model_file = model_file_of(reader.tag_folder)
+    model_states = reader.load(model_name, "DeepSpeed model file", deepspeed_classes=True)  # the verified bytes
     with malformed(f"DeepSpeed model file {model_file}"):
         module = model_states.get("module") or {}
         buffer_names = set(model_states.get("buffer_names") or [])

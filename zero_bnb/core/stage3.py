@@ -1,0 +1,45 @@
+"""Per-parameter block-aligned partitions for ZeRO stage 3.
+
+Pure arithmetic, no DeepSpeed and no distributed calls; property-tested in ``tests/test_stage3_layout.py``.
+
+ZeRO stage 3 partitions every *parameter*, not a flat group: rank ``r`` of ``dp`` holds elements
+``[r * s, (r + 1) * s)`` of each parameter, where stock DeepSpeed takes ``s = ceil(numel / dp)``
+(``partition_parameters.py``, ``_padding_size``). Those slices start at arbitrary elements, so the
+256-element quantization blocks of an 8-bit optimizer fall at other places for every DP size.
+
+zero_bnb pads each parameter to a multiple of ``lcm(block_size, 2) * dp`` instead: ``s`` is then a
+multiple of the block size and every slice starts on a block boundary of its parameter. That is the
+stage-1/2 geometry of :class:`~zero_bnb.core.layout.GroupGeometry` applied to a group of one parameter,
+so a stage-3 parameter *is* a ``GroupGeometry`` and everything built on it (saved ranges, block ranges,
+:func:`~zero_bnb.core.layout.plan_copy`) applies unchanged. Block ``k`` of a parameter covers its elements
+``[k * block_size, (k + 1) * block_size)`` at every DP size.
+
+The optimizer steps one flat fp32 tensor per *sub-group*; zero_bnb makes each sub-group hold exactly one
+parameter's slice, so the optimizer's state tensors are that slice's state and the checkpoint stores one
+group per parameter, whatever the DP size.
+"""
+
+from __future__ import annotations
+
+from zero_bnb.core.layout import GroupGeometry
+
+__all__ = ["gathered_numel", "padding_size", "parameter_geometry"]
+
+
+def parameter_geometry(numel: int, dp: int, block_size: int) -> GroupGeometry:
+    """Where each rank's slice of one stage-3 parameter of ``numel`` elements lies at DP size ``dp``."""
+    return GroupGeometry(numel=numel, dp=dp, block_size=block_size)
+
+
+def padding_size(numel: int, dp: int, block_size: int) -> int:
+    """Elements DeepSpeed must append to the parameter so every rank's slice is whole blocks
+    (what ``Init._padding_size`` returns for a zero_bnb parameter)."""
+    geometry = parameter_geometry(numel, dp, block_size)
+    return geometry.padded_numel - numel
+
+
+def gathered_numel(partition_numel: int, dp: int) -> int:
+    """Length of the all-gather buffer of one parameter: every rank's whole slice, padding included."""
+    if partition_numel < 0 or dp < 1:
+        raise ValueError(f"gathered_numel needs partition_numel >= 0 and dp >= 1, got {partition_numel} and {dp}")
+    return partition_numel * dp

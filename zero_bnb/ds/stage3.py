@@ -1,0 +1,340 @@
+"""DeepSpeed's ZeRO stage-3 optimizer with per-parameter partitions that start on quantization blocks.
+
+:class:`BlockAlignedStage3Optimizer` differs from ``DeepSpeedZeroOptimizer_Stage3`` in three places
+(see :mod:`zero_bnb.core.stage3` for the geometry):
+
+* every trained parameter is partitioned into slices of whole blocks: ``Init._padding_size`` pads a
+  parameter that carries ``zero_bnb_block_size`` to ``lcm(block_size, 2) * dp`` elements (a module-level
+  patch that leaves every other parameter as DeepSpeed pads it); parameters that ``deepspeed.zero.Init``
+  already partitioned are gathered once and partitioned again;
+* gradients are reduce-scattered on those slices (DeepSpeed's ``reduce_scatter_coalesced`` cuts
+  ``ceil(numel / dp)``), a one-parameter all-gather (``_all_gather_sequential``, whose buffer is
+  ``ceil(numel / dp) * dp``) goes through a buffer of the padded size, and at DP=1 (no gather) the
+  parameter is a view of its partition's first ``numel`` elements;
+* each sub-group holds one parameter, so the base optimizer's state of a sub-group is one parameter's
+  slice and a checkpoint group is one parameter at every DP size.
+
+Everything else (prefetching, gathering, loss scaling, the step loop) is DeepSpeed's. Construction is
+collective: every rank of the data-parallel group must construct it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
+
+from deepspeed.runtime.zero import partition_parameters
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+from zero_bnb.core.layout import GroupGeometry
+from zero_bnb.core.stage3 import gathered_numel, padding_size
+from zero_bnb.core.state_spec import OptimizerSpec, StateRule, param_in_group
+from zero_bnb.ds.aligned import BlockAligned, ZeroLayoutError
+from zero_bnb.format.manifest import ParamEntry
+
+try:  # imported before the engine swaps DeepSpeedZeroOptimizer_Stage3 for a factory: it subclasses it on import
+    from deepspeed.runtime.superoffload import superoffload_stage3  # noqa: F401
+except ImportError:  # DeepSpeed releases without super-offload
+    superoffload_stage3 = None
+
+__all__ = ["BlockAlignedStage3Optimizer", "refuse_stage3_settings"]
+
+logger = logging.getLogger(__name__)
+
+#: Marks a parameter zero_bnb partitions on blocks; its value is the block size.
+BLOCK_ATTRIBUTE = "zero_bnb_block_size"
+
+_INSTALL_LOCK = threading.Lock()
+_installed = False
+
+
+def _block_padding_size(original):
+    def _padding_size(self, param):
+        block = getattr(param, BLOCK_ATTRIBUTE, None)
+        if block is None:
+            return original(self, param)
+        return padding_size(param.ds_numel, self._partition_world_size(param), block)
+
+    _padding_size.zero_bnb_original = original
+    return _padding_size
+
+
+def _padded_allgather(original):
+    def _dist_allgather_fn(input_tensor, output_tensor, group=None):
+        world = dist.get_world_size(group=group)
+        needed = gathered_numel(input_tensor.numel(), world)
+        if output_tensor.numel() >= needed:
+            return original(input_tensor, output_tensor, group)
+        # DeepSpeed's one-parameter gather sized its buffer ceil(numel / dp) * dp; a zero_bnb slice is larger.
+        # Slices are consecutive element ranges, so the parameter is the prefix of the whole gather.
+        whole = torch.empty(needed, dtype=output_tensor.dtype, device=output_tensor.device)
+        original(input_tensor, whole, group).wait()
+        output_tensor.copy_(whole[: output_tensor.numel()])
+        return _DoneHandle()
+
+    _dist_allgather_fn.zero_bnb_original = original
+    return _dist_allgather_fn
+
+
+def _unpadded_no_gather(original):
+    def _no_gather_coalesced(params):
+        # At DP=1 DeepSpeed views the partition as the parameter (no gather); a zero_bnb partition is padded to
+        # whole blocks, so the view is taken of its first numel elements (same storage, as DeepSpeed's).
+        params = list(params)
+        padded = [(param, param.ds_tensor) for param in params if getattr(param, BLOCK_ATTRIBUTE, None)
+                  and param.ds_tensor is not None and param.ds_tensor.numel() > param.ds_numel]
+        for param, tensor in padded:
+            param.ds_tensor = tensor.narrow(0, 0, param.ds_numel)
+        try:
+            return original(params)
+        finally:
+            for param, tensor in padded:
+                param.ds_tensor = tensor
+
+    _no_gather_coalesced.zero_bnb_original = original
+    return _no_gather_coalesced
+
+
+class _DoneHandle:
+    """The handle of a collective that already completed."""
+
+    def wait(self) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def install_block_partitioning() -> None:
+    """Patch DeepSpeed's parameter padding and one-parameter all-gather (once per process).
+
+    Both patches change nothing for parameters without ``zero_bnb_block_size``: stock stage-3 engines in the
+    same process partition and gather exactly as before. Local.
+    """
+    global _installed
+    with _INSTALL_LOCK:
+        if _installed:
+            return
+        init = partition_parameters.Init
+        init._padding_size = _block_padding_size(init._padding_size)
+        partition_parameters._dist_allgather_fn = _padded_allgather(partition_parameters._dist_allgather_fn)
+        partition_parameters._no_gather_coalesced = _unpadded_no_gather(partition_parameters._no_gather_coalesced)
+        _installed = True
+
+
+def refuse_stage3_settings(ds_config: dict) -> None:
+    """Refuse stage-3 settings zero_bnb does not support, naming the setting and the alternative.
+
+    Raises:
+        zero_bnb.core.config.ZeroBnbConfigError: one line per refused setting.
+    """
+    from zero_bnb.core.config import ZeroBnbConfigError
+
+    zero = ds_config.get("zero_optimization") or {}
+    problems = []
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device", "none")
+        if device not in (None, "none"):
+            problems.append(f"zero_optimization.{key}.device={device!r} (offload at stage 3 is not supported "
+                            f"yet; use stage 2 with offload_optimizer cpu, or stage 3 without offload)")
+    for key in ("zero_hpz_partition_size", "mics_shard_size"):
+        if zero.get(key) not in (None, 0, 1, -1):
+            problems.append(f"zero_optimization.{key}={zero.get(key)!r} (hierarchical partitions / MiCS; remove it)")
+    for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
+        if zero.get(key):
+            problems.append(f"zero_optimization.{key}=true (quantized communication; remove it)")
+    if zero.get("reduce_scatter", True) is False:
+        problems.append("zero_optimization.reduce_scatter=false (remove it: zero_bnb reduce-scatters on blocks)")
+    if (zero.get("super_offload") or ds_config.get("super_offload")):
+        problems.append("super_offload (remove it)")
+    if zero.get("zenflow"):
+        problems.append("zero_optimization.zenflow (remove it)")
+    if problems:
+        raise ZeroBnbConfigError("zero_bnb does not support these ZeRO stage-3 settings: " + "; ".join(problems))
+
+
+def _align_parameters(module: torch.nn.Module, block_size: int, dp: int) -> int:
+    """Mark every parameter for block-aligned partitioning; re-partition those ``zero.Init`` already cut.
+
+    Collective (a re-partition all-gathers the parameter): every rank must call it with the same module.
+    Returns how many parameters were re-partitioned.
+    """
+    moved = 0
+    with torch.no_grad():
+        for param in module.parameters():
+            stale = hasattr(param, "ds_tensor") and param.ds_tensor is not None
+            if stale:
+                expected = GroupGeometry(param.ds_numel, dp, block_size).partition_numel
+                stale = param.ds_tensor.ds_numel != expected
+            if stale:
+                param.all_gather()
+                setattr(param, BLOCK_ATTRIBUTE, block_size)
+                param.ds_tensor = None
+                param.partition()
+                moved += 1
+            else:
+                setattr(param, BLOCK_ATTRIBUTE, block_size)
+    return moved
+
+
+class BlockAlignedStage3Optimizer(BlockAligned, DeepSpeedZeroOptimizer_Stage3):
+    """``DeepSpeedZeroOptimizer_Stage3`` whose parameter slices hold whole quantization blocks.
+
+    Built by :class:`zero_bnb.ds.engine.ZeroBnbEngine` with DeepSpeed's arguments plus the optimizer's
+    declared state layout and the user's replication rule.
+    """
+
+    #: Module weights live in the partitions (``ds_tensor``), refreshed from the masters after a load,
+    #: not in DeepSpeed's model file.
+    module_weights_partitioned = True
+
+    def __init__(self, module, init_optimizer, *args, zero_bnb_spec: OptimizerSpec, zero_bnb_rule: StateRule,
+                 **kwargs):
+        self._prepare_block_alignment(zero_bnb_spec, zero_bnb_rule, kwargs.get("dp_process_group"))
+        install_block_partitioning()
+        moved = _align_parameters(module, zero_bnb_spec.block_size, self._zero_bnb_dp)
+        if moved and dist.get_rank() == 0:
+            logger.info("zero_bnb: re-partitioned %d parameters created under deepspeed.zero.Init on blocks", moved)
+        if zero_bnb_spec.bitsandbytes:  # DeepSpeed's constructor creates the state (one step with zero gradients)
+            init_optimizer.get_config = self._whole_parameter_config(init_optimizer.get_config)
+        try:
+            super().__init__(module, init_optimizer, *args, **kwargs)
+        except BaseException:
+            init_optimizer.__dict__.pop("get_config", None)
+            raise
+        self._check_layout()
+
+    def _whole_parameter_config(self, original):
+        """bitsandbytes' ``get_config``, with ``min_8bit_size`` decided on the whole parameter, not its slice.
+
+        bitsandbytes keeps fp32 state for a tensor below ``min_8bit_size`` elements; the tensor it sees is one
+        rank's slice, whose size depends on the DP size. Deciding on the whole parameter keeps every parameter's
+        state precision the same at every DP size (``state_precision`` records the decision per group).
+        """
+        numel_of: dict[int, int] = {}
+
+        def get_config(gindex, pindex, group):
+            config = original(gindex, pindex, group)
+            tensor = self.optimizer.param_groups[gindex]["params"][pindex]
+            if id(tensor) not in numel_of:
+                numel_of.update({id(flat): sum(p.ds_numel for p in params)
+                                 for flat, params in zip(self.fp32_partitioned_groups_flat, self.fp16_groups)})
+            whole = numel_of.get(id(tensor))
+            if whole is not None:
+                config["min_8bit_size"] = 0 if whole >= config["min_8bit_size"] else tensor.numel() + 1
+            return config
+
+        get_config.zero_bnb_original = original
+        return get_config
+
+    def state_precision(self, group_index: int) -> dict[str, Any] | None:
+        """bitsandbytes' 8-bit vs fp32 decision for group (parameter) ``group_index``: made on the whole
+        parameter at stage 3, so it is the same at every DP size (``None`` for other optimizers)."""
+        base = self.optimizer
+        original = getattr(getattr(base, "get_config", None), "zero_bnb_original", None)
+        if original is None:
+            return None
+        base_index = self.base_group_index(group_index)
+        with param_in_group(base, base_index, self.master_partition(group_index)):
+            config = original(base_index, 0, base.param_groups[base_index])
+        geometry = self.geometry(group_index)
+        limit = config["min_8bit_size"]
+        eight_bit = config["optim_bits"] == 8 and geometry.numel >= limit
+        return {
+            "optim_bits": config["optim_bits"],
+            "min_8bit_size": limit,
+            "partition_numel": geometry.partition_numel,
+            "eight_bit": eight_bit,
+            "eight_bit_up_to_dp": None,
+            "decided_on": "whole parameter",
+        }
+
+    # -- DeepSpeed hooks ------------------------------------------------------------------------
+
+    def _create_fp16_sub_groups(self, params_group):
+        """One parameter per sub-group: its flat fp32 tensor is that parameter's slice."""
+        return [[param] for param in params_group]
+
+    def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, communication_data_type):
+        """DeepSpeed's gradient average and reduce-scatter, cut on the block-aligned slices."""
+        self._assert_same_partition_group(params_to_reduce)
+        process_group = self._get_param_partition_group(params_to_reduce[0])
+        world = dist.get_world_size(group=process_group)
+        grads = []
+        for param in params_to_reduce:
+            grad = param.grad.reshape(-1)
+            if communication_data_type != self.dtype:
+                grad = grad.to(communication_data_type)
+            if self.postscale_gradients and self.gradient_predivide_factor != 1.0:
+                grad = grad.div(self.gradient_predivide_factor)
+            padded = torch.zeros(gathered_numel(param.partition_numel(), world), dtype=grad.dtype, device=grad.device)
+            padded[: grad.numel()].copy_(grad)
+            grads.append(padded)
+        partitions = reduce_scatter_coalesced(grads, process_group)
+        if self.postscale_gradients and self.gradient_predivide_factor not in (1.0, world):
+            partitions = [g.mul(self.gradient_predivide_factor) for g in partitions]
+        averaging = self._gradient_averaging_world_size(params_to_reduce, world)
+        if averaging != world:
+            partitions = [g.mul(world / float(averaging)) for g in partitions]
+        if communication_data_type != self.gradient_accumulation_dtype:
+            partitions = [g.to(self.gradient_accumulation_dtype) for g in partitions]
+        return partitions
+
+    # -- zero_bnb's vocabulary ------------------------------------------------------------------
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.fp32_partitioned_groups_flat)
+
+    def base_group_index(self, group_index: int) -> int:
+        return self.sub_group_to_group_id[group_index]
+
+    def group_params(self, group_index: int) -> list[torch.nn.Parameter]:
+        return self.fp16_groups[group_index]
+
+    def master_partition(self, group_index: int) -> torch.Tensor:
+        return self.fp32_partitioned_groups_flat[group_index]
+
+    def geometry(self, group_index: int) -> GroupGeometry:
+        numel = sum(p.ds_numel for p in self.group_params(group_index))
+        return GroupGeometry(numel=numel, dp=self.dp_size, block_size=self.zero_bnb_spec.block_size)
+
+    def param_entries(self, group_index: int, names: dict[torch.nn.Parameter, str]) -> tuple[ParamEntry, ...]:
+        entries, offset = [], 0
+        for index, param in enumerate(self.group_params(group_index)):
+            entries.append(ParamEntry(names.get(param, f"<unnamed {index}>"), tuple(param.ds_shape), offset))
+            offset += param.ds_numel
+        return tuple(entries)
+
+    def cast_masters_into_module(self) -> None:
+        """Set the module's (16-bit or fp32) partitions to the fp32 masters cast, as DeepSpeed's own load does, and
+        gather the persistent parameters again. Collective (the gather): every rank must call it."""
+        for index, master in enumerate(self.fp32_partitioned_groups_flat):
+            flat = self.fp16_partitioned_groups_flat[index]
+            if master.numel() > 0:
+                flat.data.copy_(master.data)
+            params = self.fp16_partitioned_groups[index]
+            for param, view in zip(params, self.unflatten(flat, params)):
+                param.data = view.data
+        self._partition_all_parameters()
+        self.checkpoint_event_epilogue()
+
+    def _check_layout(self) -> None:
+        if getattr(self, "use_muon", False):
+            raise ZeroLayoutError("DeepSpeed's Muon optimizer is not supported by zero_bnb")
+        for index in range(self.num_groups):
+            params = self.group_params(index)
+            geometry = self.geometry(index)
+            if len(params) != 1 or params[0].partition_numel() != geometry.partition_numel \
+                    or self.master_partition(index).numel() != geometry.partition_numel:
+                raise ZeroLayoutError(
+                    f"stage-3 sub-group {index} holds {len(params)} parameters with a partition of "
+                    f"{self.master_partition(index).numel()} elements, but block-aligned partitioning expects one "
+                    f"parameter of {geometry.partition_numel}; this DeepSpeed version partitions differently from the "
+                    f"supported range"
+                )
