@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
-
 from deepspeed.runtime.zero import partition_parameters
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
