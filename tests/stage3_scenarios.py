@@ -26,6 +26,7 @@ STEPS_BEFORE, STEPS_AFTER = 3, 3
 CASES = {
     "adam8bit": ("Adam8bit", {}, False),
     "lion8bit": ("Lion8bit", {}, False),
+    "adamw8bit": ("AdamW8bit", {}, False),
     "bf16": ("Adam8bit", {"bf16": {"enabled": True}}, False),
     "zero_init": ("Adam8bit", {}, True),
 }
