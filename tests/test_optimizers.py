@@ -166,7 +166,7 @@ def _offload_runnable(cases):
     return [pytest.param(case, marks=pytest.mark.skipif(not runnable(case), reason=GPU_ONLY)) for case in cases]
 
 
-def _assert_resumed(saved_state, reference_losses, resumed, *, offloaded: bool, rel: float = 2e-3):
+def _assert_resumed(saved_state, reference_losses, resumed, *, offloaded: bool, rel: float, label: str):
     checked, differences = state_differences(saved_state, resumed["state"])
     assert not differences, differences
     assert checked >= 12
@@ -175,8 +175,9 @@ def _assert_resumed(saved_state, reference_losses, resumed, *, offloaded: bool, 
     assert resumed["offload"]["devices"] == ["cpu"]
     # Same state as the uninterrupted run: the first resumed loss differs only by reduction order; the later ones
     # also by the group that changes between 8-bit and fp32 state with the DP size (as in tests/test_elastic.py).
-    assert resumed["losses"][0] == pytest.approx(reference_losses[STEPS], rel=1e-5)
-    assert resumed["losses"] == pytest.approx(reference_losses[STEPS:], rel=rel)
+    relative = _relative(reference_losses[STEPS:], resumed["losses"])
+    within(f"{label} first resumed loss (rel.)", relative[0], FIRST_RESUMED_BOUND)
+    within(f"{label} resumed losses (rel.)", max(relative), rel)
 
 
 @pytest.mark.parametrize("case", _offload_runnable(OFFLOAD_CASES))
@@ -193,12 +194,14 @@ def test_offloaded_save_at_dp2_resumes_offloaded_at_dp3_and_without_offload_at_d
         assert facts["state1_dtypes"][0] == "torch.uint8", facts  # the large group keeps 8-bit state on the CPU
         assert facts["fused_steps"] >= STEPS, facts  # and zero_bnb's fused CPU kernel steps it
     assert len(losses) == STEPS + STEPS_AFTER and all(math.isfinite(loss) for loss in losses)
-    # RMSprop's toy run is unstable (its loss grows by ~60% per step here), so the group whose state switches
-    # between 8-bit and fp32 with the DP size moves the second resumed loss by 1.25% (measured with the fused CUDA
-    # arithmetic; the first resumed loss, from identical state, still agrees to 1e-5).
-    rel = 2e-2 if family == "RMSprop8bit" else 2e-3
-    _assert_resumed(saved, losses, result([dp3], case), offloaded=True, rel=rel)
-    _assert_resumed(saved, losses, result([dp1], case), offloaded=False, rel=rel)
+    # Offload moves where the step runs, not what it computes: the figures are the matrix rows' (2026-11-23): first
+    # resumed step <= 1.02e-7, then fp32 <= 1.34e-6 and bf16 3.9e-4 (the matrix's bounds), Adagrad8bit 1.35e-3 and
+    # RMSprop8bit 1.27e-2 at DP=3 (their toy runs amplify the group switching from 8-bit to fp32 state; <= 1.02e-7 at
+    # DP=1): bounds 2e-3 and 2e-2, about 1.5x.
+    precision = case.removesuffix("-offload").rsplit("-", 2)[1]
+    rel = {"RMSprop8bit": 2e-2, "Adagrad8bit": 2e-3}.get(family, RESUMED_LOSS_BOUND[precision])
+    _assert_resumed(saved, losses, result([dp3], case), offloaded=True, rel=rel, label=f"{case} at DP=3")
+    _assert_resumed(saved, losses, result([dp1], case), offloaded=False, rel=rel, label=f"{case} at DP=1")
 
 
 @pytest.mark.parametrize("case", BACK)
@@ -208,8 +211,9 @@ def test_checkpoint_saved_without_offload_resumes_offloaded_at_dp3(matrix, case)
     checked, differences = state_differences(result([saved_side], case)["state"], resumed["state"])
     assert not differences and checked >= 12, differences
     assert resumed["offload"]["cpu_offload"] and resumed["module_is_master"]
-    # The same checkpoint loaded without offload at DP=3 (the matrix row) takes the same first step.
-    assert resumed["losses"][0] == pytest.approx(result([dp3], case)["resumed"][0], rel=1e-6)
+    # The same checkpoint loaded without offload at DP=3 (the matrix row) takes the same first step, exactly
+    # (measured 0 for all three).
+    assert resumed["losses"][0] == result([dp3], case)["resumed"][0], (resumed["losses"], result([dp3], case)["resumed"])
 
 
 def test_offload_trains_like_the_same_run_without_offload(matrix):
