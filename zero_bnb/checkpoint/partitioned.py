@@ -46,6 +46,9 @@ class PartitionedOptimizer(Protocol):
     def master_partition(self, group_index: int) -> torch.Tensor:
         """This rank's fp32 partition of the group (the tensor the base optimizer steps)."""
 
+    def group_params(self, group_index: int) -> list[torch.nn.Parameter]:
+        """The module parameters of the group, in flat order."""
+
     def param_entries(self, group_index: int, names: dict[torch.nn.Parameter, str]) -> tuple[ParamEntry, ...]:
         """The group's parameters (names, shapes, offsets)."""
 

@@ -9,16 +9,20 @@ rank 0 once every rank has reported its files. Publishing the folder is
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from zero_bnb.checkpoint.masters import MasterPlan
 from zero_bnb.checkpoint.partitioned import PartitionedOptimizer
 from zero_bnb.checkpoint.state_checks import classify_group_state
 from zero_bnb.core.kinds import is_partitioned, saved_length
 from zero_bnb.core.state_spec import StateKind
 from zero_bnb.format.durable import FileRecord, makedirs
 from zero_bnb.format.manifest import SUBDIR, GroupEntry, Manifest
+from zero_bnb.format.masters import FULL
+from zero_bnb.format.stock_files import MODEL_STATES
 from zero_bnb.format.payload import (
     ReplicatedGroup,
     ReplicatedPayload,
@@ -41,10 +45,11 @@ def _hyperparameters(optimizer: PartitionedOptimizer, group_index: int) -> dict[
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def write_local_files(optimizer: PartitionedOptimizer, tag_folder: str) -> list[FileRecord]:
+def write_local_files(optimizer: PartitionedOptimizer, tag_folder: str, masters: Sequence[MasterPlan]) -> list[FileRecord]:
     """Write this rank's shard, and on rank 0 the replicated-state file, durably.
 
-    Local: no collectives. Each shard holds, per flat group, the fp32 master weights and the
+    Local: no collectives. Each shard holds, per flat group, the fp32 master weights (whole, or
+    derived as ``masters`` says: :func:`~zero_bnb.checkpoint.masters.plan_masters`) and the
     element-wise and block-wise state of the real elements this rank owns (padding stripped).
 
     Returns:
@@ -65,8 +70,10 @@ def write_local_files(optimizer: PartitionedOptimizer, tag_folder: str) -> list[
                 replicated[key] = value.detach().to("cpu", copy=True)
             else:
                 counters[key] = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
-        master = optimizer.master_partition(group_index)
-        shard_groups.append(ShardGroup(_valid_slice(master, saved_length(StateKind.ELEMENTWISE, geometry, rank)), sharded))
+        plan = masters[group_index]
+        fp32 = None if plan.storage != FULL else _valid_slice(
+            optimizer.master_partition(group_index), saved_length(StateKind.ELEMENTWISE, geometry, rank))
+        shard_groups.append(ShardGroup(fp32, sharded, plan.derived))
         replicated_groups.append(ReplicatedGroup(_hyperparameters(optimizer, group_index), counters, replicated))
     records = [write_shard(ShardPayload(rank, optimizer.dp_size, tuple(shard_groups)), folder, root=tag_folder)]
     if rank == 0:
@@ -80,8 +87,9 @@ def build_manifest(
     names: dict[torch.nn.Parameter, str],
     files: list[FileRecord],
     non_finite: dict[str, list[str]],
+    masters: Sequence[MasterPlan],
 ) -> Manifest:
-    """The manifest of a checkpoint whose files (of all ranks) are ``files``.
+    """The manifest of a checkpoint whose files (of all ranks) are ``files``, its masters stored as ``masters``.
 
     Local; the geometry is the same on every rank, so any rank could build it (rank 0 does).
     """
@@ -93,11 +101,12 @@ def build_manifest(
             geometry.numel, optimizer.param_entries(group_index, names),
             tuple(item.entry for item in classify_group_state(optimizer, group_index)),
             geometry.element_ranges(), geometry.block_ranges(), _hyperparameters(optimizer, group_index),
-            **({"state_precision": precision} if precision else {}),
+            masters=masters[group_index].storage, **({"state_precision": precision} if precision else {}),
         ))
     base = optimizer.optimizer
     return Manifest.create(
         dp_world_size=optimizer.dp_size, block_size=optimizer.zero_bnb_spec.block_size,
         optimizer_class=f"{type(base).__module__}.{type(base).__qualname__}",
         optimizer_spec=optimizer.zero_bnb_spec.name, groups=tuple(groups), files=files, non_finite=non_finite,
+        module_file=MODEL_STATES if any(plan.storage != FULL for plan in masters) else "",
     )

@@ -40,6 +40,7 @@ from zero_bnb.checkpoint.collective import agree
 from zero_bnb.checkpoint.commit import SaveTransaction
 from zero_bnb.checkpoint.derived import DERIVED_PARAMS_KEY, derived_entries
 from zero_bnb.checkpoint.load import LoadPlan, apply_module_weights, open_for_load, plan_load
+from zero_bnb.checkpoint.masters import plan_masters
 from zero_bnb.checkpoint.recovery_script import write_recovery_script
 from zero_bnb.checkpoint.restore import apply_masters, apply_restore
 from zero_bnb.checkpoint.save import build_manifest, write_local_files
@@ -241,6 +242,8 @@ class ZeroBnbEngine(DeepSpeedEngine):
         transaction = SaveTransaction(save_dir, tag, save_latest=save_latest)  # refuses unsafe tags on every rank
         verify_replicated_state(self.optimizer)
         non_finite = find_non_finite(self.optimizer, self.param_names, self.zero_bnb_config.nonfinite_check)
+        masters = plan_masters(self.optimizer, self._saved_module_weights(exclude_frozen_parameters), self.param_names)
+        self._zero_bnb_masters = masters
         transaction.begin()
         self.checkpoint_engine.transaction = transaction
         try:
@@ -256,8 +259,9 @@ class ZeroBnbEngine(DeepSpeedEngine):
             raise
         finally:
             self.checkpoint_engine.transaction = None
+            self._zero_bnb_masters = None
         transaction.commit(
-            lambda files: with_batch(build_manifest(self.optimizer, self.param_names, files, non_finite), self),
+            lambda files: with_batch(build_manifest(self.optimizer, self.param_names, files, non_finite, masters), self),
             after_publish=lambda: write_recovery_script(save_dir),  # DeepSpeed's zero_to_fp32.py habit
         )
         return True
@@ -275,6 +279,13 @@ class ZeroBnbEngine(DeepSpeedEngine):
                                          exclude_frozen_parameters=exclude_frozen_parameters)
         finally:
             self._zero_bnb_dropped = set()
+
+    def _saved_module_weights(self, exclude_frozen_parameters: bool) -> dict[str, Any] | None:
+        """The parameters DeepSpeed's model file will hold, by state-dict key (``None`` with
+        ``zero_derived_module_weights``, which leaves them out): the master weights derive from them."""
+        if self.zero_bnb_config.derived_module_weights:
+            return None
+        return self.module_state_dict(keep_vars=True, exclude_frozen_parameters=exclude_frozen_parameters)
 
     def _derived_module_weights(self) -> dict[str, list[str]]:
         """Model-file entries to drop (``zero_derived_module_weights``): trained weights are their master weights
@@ -300,7 +311,7 @@ class ZeroBnbEngine(DeepSpeedEngine):
     def _save_zero_checkpoint(self, save_path, tag):
         transaction = self.checkpoint_engine.transaction
         with transaction.guard():
-            transaction.add(write_local_files(self.optimizer, os.path.join(save_path, str(tag))))
+            transaction.add(write_local_files(self.optimizer, os.path.join(save_path, str(tag)), self._zero_bnb_masters))
 
     def load_checkpoint(
         self,

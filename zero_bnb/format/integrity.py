@@ -13,6 +13,7 @@ from tqdm import tqdm
 from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
 from zero_bnb.format.durable import FileRecord
 from zero_bnb.format.manifest import REPLICATED_NAME, SUBDIR, Manifest
+from zero_bnb.format.masters import MODULE_BYTES, SHARD_BYTES
 from zero_bnb.format.paths import check_relative_path
 from zero_bnb.format.pinned import PinnedFolder
 
@@ -69,13 +70,16 @@ def check_file_list(folder: PinnedFolder, manifest: Manifest) -> None:
         )
     shard_paths = {os.path.join(SUBDIR, name) for name in manifest.shards}
     shard_bytes = sum(record.size for record in manifest.files if record.path in shard_paths)
-    master_bytes = 4 * sum(group.numel for group in manifest.groups)
-    if master_bytes > shard_bytes:
-        raise CheckpointFormatError(
-            f"checkpoint {tag_folder}: its manifest records {master_bytes // 4} elements (groups[*].numel), whose "
-            f"fp32 master weights alone need {master_bytes} bytes, but its shards hold {shard_bytes} bytes; the "
-            f"manifest was edited or not written by zero_bnb"
-        )
+    module_bytes = sum(record.size for record in manifest.files if record.path == manifest.module_file)
+    for where, held, per_element in (("its shards", shard_bytes, SHARD_BYTES),
+                                     (manifest.module_file, module_bytes, MODULE_BYTES)):
+        needed = sum(per_element[group.masters] * group.numel for group in manifest.groups)
+        if needed > held:
+            raise CheckpointFormatError(
+                f"checkpoint {tag_folder}: its manifest records {sum(g.numel for g in manifest.groups)} elements "
+                f"(groups[*].numel), whose fp32 master weights alone need {needed} bytes in {where}, but it holds "
+                f"{held} bytes; the manifest was edited or not written by zero_bnb"
+            )
 
 
 def verify_checksums(

@@ -4,7 +4,8 @@ Pure I/O, no DeepSpeed and no collectives. Inside DeepSpeed's tag folder
 (``{save_dir}/{tag}/``) zero_bnb writes a folder ``zero_bnb/`` holding:
 
 * ``shard_{r}-of-{dp}.pt`` (one per saving rank ``r``): for every flat group, the fp32 master
-  weights and the element-wise and block-wise optimizer states of the real elements that
+  weights (or, as the group's ``masters`` says, what rebuilds them from the module weights in
+  DeepSpeed's model file ``module_file``: :mod:`zero_bnb.format.masters`) and the element-wise and block-wise optimizer states of the real elements that
   rank owned, padding stripped. Ranges are global, so any DP size can read them back.
 * ``replicated.pt`` (rank 0): per group the optimizer hyper-parameters, the counters
   (``step``) and the replicated tensors (``qmap1``/``qmap2``), each saved once, whole; plus
@@ -33,6 +34,7 @@ from zero_bnb.core.layout import ceil_div
 from zero_bnb.core.state_spec import StateKind
 from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
 from zero_bnb.format.durable import FileRecord, write_text
+from zero_bnb.format.masters import FULL, STORAGES
 from zero_bnb.format.paths import check_name, check_relative_path
 
 __all__ = [
@@ -57,10 +59,12 @@ __all__ = [
 ]
 
 FORMAT_NAME = "zero_bnb"
-#: Version 2 stores the loss scaler as plain data (every file loads with ``weights_only=True``).
-FORMAT_VERSION = 2
-#: Versions this release reads (version 1 files hold DeepSpeed's pickled loss scaler, an allowed class).
-READABLE_VERSIONS = (1, 2)
+#: Version 2 stores the loss scaler as plain data (every file loads with ``weights_only=True``); version 3
+#: may derive master weights from the module weights (``GroupEntry.masters``, ``Manifest.module_file``).
+FORMAT_VERSION = 3
+#: Versions this release reads (version 1 files hold DeepSpeed's pickled loss scaler, an allowed class;
+#: versions 1 and 2 store every master weight in the shards).
+READABLE_VERSIONS = (1, 2, 3)
 SUBDIR = "zero_bnb"
 MANIFEST_NAME = "manifest.json"
 REPLICATED_NAME = "replicated.pt"
@@ -124,7 +128,8 @@ class GroupEntry:
     ``element_ranges[r]`` / ``block_ranges[r]`` are the global ``[start, end)`` ranges held by
     shard ``r``; they tile ``[0, numel)`` and ``[0, ceil(numel / block_size))``.
     ``hyperparameters`` is a readable copy of the optimizer's param group (the exact values
-    are restored from ``replicated.pt``).
+    are restored from ``replicated.pt``). ``masters`` says how the shards store the group's fp32
+    master weights (one of :data:`zero_bnb.format.masters.STORAGES`).
     """
 
     numel: int
@@ -133,14 +138,16 @@ class GroupEntry:
     element_ranges: tuple[tuple[int, int], ...]
     block_ranges: tuple[tuple[int, int], ...]
     hyperparameters: dict[str, Any] = field(default_factory=dict)
+    masters: str = FULL
 
     @classmethod
     def describe(cls, numel: int, params: tuple[ParamEntry, ...], states: tuple[StateEntry, ...],
-                 element_ranges, block_ranges, param_group: dict[str, Any], **extra: Any) -> GroupEntry:
+                 element_ranges, block_ranges, param_group: dict[str, Any], *, masters: str = FULL,
+                 **extra: Any) -> GroupEntry:
         """An entry whose ``hyperparameters`` are a JSON rendering of ``param_group`` (plus ``extra``)."""
         hyper = {k: jsonable(v) for k, v in param_group.items() if k != "params"}
         return cls(numel, tuple(params), tuple(states), tuple(map(tuple, element_ranges)),
-                   tuple(map(tuple, block_ranges)), {**hyper, **extra})
+                   tuple(map(tuple, block_ranges)), {**hyper, **extra}, masters)
 
     def state(self, key: str) -> StateEntry | None:
         for entry in self.states:
@@ -166,7 +173,8 @@ class Manifest:
 
     ``files`` lists every file of the tag folder with its size and SHA-256, paths relative to
     the tag folder. ``non_finite`` maps parameter names to the saved tensors (``fp32`` or a
-    state key) that held NaN/Inf when the checkpoint was written.
+    state key) that held NaN/Inf when the checkpoint was written. ``module_file`` names DeepSpeed's model
+    file (relative to the tag folder) when some group's masters derive from its module weights.
     """
 
     dp_world_size: int
@@ -179,13 +187,14 @@ class Manifest:
     non_finite: dict[str, list[str]] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
     batch: dict[str, int] = field(default_factory=dict)  # global, micro, accumulation, dp (zero_bnb.checkpoint.batch)
+    module_file: str = ""
     format_version: int = FORMAT_VERSION
     format_name: str = FORMAT_NAME
 
     @classmethod
     def create(cls, *, dp_world_size: int, block_size: int, optimizer_class: str, optimizer_spec: str,
                groups: tuple[GroupEntry, ...], files: list[FileRecord], non_finite: dict[str, list[str]] | None = None,
-               source: str = "the manifest being written") -> Manifest:
+               module_file: str = "", source: str = "the manifest being written") -> Manifest:
         """The manifest of a checkpoint being written (shards named for ``dp_world_size``, files sorted,
         installed versions), validated like one being read. The one constructor of both write paths."""
         manifest = cls(
@@ -193,7 +202,7 @@ class Manifest:
             optimizer_spec=optimizer_spec, groups=tuple(groups),
             shards=tuple(shard_name(rank, dp_world_size) for rank in range(dp_world_size)),
             files=tuple(sorted(files, key=lambda record: record.path)), non_finite=dict(non_finite or {}),
-            versions=versions.installed(),
+            versions=versions.installed(), module_file=module_file,
         )
         manifest.validate(source)
         return manifest
@@ -251,6 +260,7 @@ class Manifest:
                     element_ranges=tuple(tuple(r) for r in g["element_ranges"]),
                     block_ranges=tuple(tuple(r) for r in g["block_ranges"]),
                     hyperparameters=dict(g["hyperparameters"]),
+                    masters=g.get("masters", FULL),
                 )
                 for g in data["groups"]
             )
@@ -265,6 +275,7 @@ class Manifest:
                 non_finite={name: list(keys) for name, keys in data["non_finite"].items()},
                 versions=dict(data["versions"]),
                 batch=dict(data.get("batch", {})),
+                module_file=data.get("module_file", ""),
                 format_version=data["format_version"],
                 format_name=data["format_name"],
             )
@@ -301,8 +312,14 @@ class Manifest:
         if len(counts) != sum(counts.values()):
             fail("groups[*].params[*].name", sorted(n for n, count in counts.items() if count > 1)[:5],
                  "every parameter name must appear once")
+        derived = [g for g, group in enumerate(self.groups) if group.masters != FULL]
+        if derived and self.module_file not in {record.path for record in self.files}:
+            fail("module_file", self.module_file, f"groups {derived[:5]} derive their masters from the module weights, "
+                                                  f"so it must name a file of the checkpoint")
         for g, group in enumerate(self.groups):
             where = f"groups[{g}]"
+            if group.masters not in STORAGES:
+                fail(f"{where}.masters", group.masters, f"it must be one of {list(STORAGES)}")
             keys = [state.key for state in group.states]
             if len(set(keys)) != len(keys) or MASTER_KEY in keys:
                 fail(f"{where}.states[*].key", keys, f"state keys must be unique and not {MASTER_KEY!r}")
@@ -357,6 +374,7 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "dp_world_size": int, "block_size": int, "optimizer_class": str, "optimizer_spec": str, "groups": list,
     "shards": list, "files": list, "non_finite": dict, "versions": dict, "format_version": int,
 }
+_OPTIONAL_TYPES: dict[str, type] = {"module_file": str}
 
 
 def _check_bounds(text: str, source: str) -> None:
@@ -390,6 +408,8 @@ def _check_types(data: dict[str, Any], source: str) -> None:
     """Every field the readers index or compute with has its JSON type (bools are not ints)."""
     problems = [f"{name} must be {getattr(kind, '__name__', kind)}" for name, kind in _FIELD_TYPES.items()
                 if not _is(data.get(name), kind)]
+    problems += [f"{name} must be {kind.__name__}" for name, kind in _OPTIONAL_TYPES.items()
+                 if name in data and not _is(data[name], kind)]
     for g, group in enumerate(data.get("groups") or []):
         if not isinstance(group, dict):
             problems.append(f"groups[{g}] must be an object")
@@ -407,6 +427,7 @@ def _check_types(data: dict[str, Any], source: str) -> None:
         problems += [f"groups[{g}].{name} must hold integers" for name, value in ints if not _is(value, int)]
         strings = [(f"params[{p}].name", param.get("name")) for p, param in enumerate(group.get("params") or [])
                    if isinstance(param, dict)]
+        strings += [("masters", group.get("masters", FULL))]
         strings += [(f"states[{s}].{key}", state.get(key)) for s, state in enumerate(group.get("states") or [])
                     if isinstance(state, dict) for key in ("key", "dtype", "reason")]
         problems += [f"groups[{g}].{name} must be a string" for name, value in strings if not isinstance(value, str)]

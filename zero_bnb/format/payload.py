@@ -1,7 +1,8 @@
 """The payload files of a checkpoint as frozen records: the one owner of their structure.
 
 ``shard_{r}-of-{dp}.pt`` holds a :class:`ShardPayload` (per flat group, the fp32 master weights
-and the element-wise and block-wise states of the real elements rank ``r`` owned);
+or what derives them from DeepSpeed's module weights (:mod:`zero_bnb.format.masters`), and the
+element-wise and block-wise states of the real elements rank ``r`` owned);
 ``replicated.pt`` holds a :class:`ReplicatedPayload` (per group the hyper-parameters, counters and
 replicated tensors, and the ZeRO wrapper's scalars as plain data). Writers build records and call
 :func:`write_shard` / :func:`write_replicated`; readers get records from :func:`read_shard` /
@@ -24,11 +25,15 @@ from zero_bnb.core.kinds import is_partitioned, saved_ranges
 from zero_bnb.core.state_spec import StateKind
 from zero_bnb.errors import CheckpointFormatError
 from zero_bnb.format.durable import FileRecord, save_torch
-from zero_bnb.format.manifest import FORMAT_VERSION, MASTER_KEY, REPLICATED_NAME, SUBDIR, Manifest, shard_name
+from zero_bnb.format.masters import FULL, DerivedMasters, derived_problems
+from zero_bnb.format.manifest import MASTER_KEY, REPLICATED_NAME, SUBDIR, Manifest, shard_name
 from zero_bnb.format.pinned import PinnedFolder
 from zero_bnb.format.unpickle import load_pinned
 from zero_bnb.format.values import counter_problem, hyperparameter_problem, qmap_keys, qmap_problem
 from zero_bnb.format.wrapper_state import check_plain, plain_wrapper
+
+#: Key of a shard group's derived master weights (beside ``"state"``), see :mod:`zero_bnb.format.masters`.
+_MASTERS = "masters"
 
 __all__ = [
     "ReplicatedGroup",
@@ -44,14 +49,32 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class ShardGroup:
-    """One flat group's part of a shard: master weights and partitioned states of the saved range."""
+    """One flat group's part of a shard: master weights (``fp32``, or ``derived`` from the module weights,
+    see :mod:`zero_bnb.format.masters`) and partitioned states of the saved range."""
 
-    fp32: torch.Tensor
+    fp32: torch.Tensor | None
     state: Mapping[str, torch.Tensor]
+    derived: DerivedMasters | None = None
 
     def piece(self, key: str) -> torch.Tensor:
-        """``fp32`` for :data:`~zero_bnb.format.manifest.MASTER_KEY`, else the state tensor ``key``."""
-        return self.fp32 if key == MASTER_KEY else self.state[key]
+        """``fp32`` for :data:`~zero_bnb.format.manifest.MASTER_KEY`, else the state tensor ``key``.
+
+        Derived masters are rebuilt by :class:`~zero_bnb.format.reader.CheckpointReader`, which has the model file.
+        """
+        if key != MASTER_KEY:
+            return self.state[key]
+        if self.fp32 is None:
+            raise CheckpointFormatError("this shard group's master weights derive from the module weights; read them "
+                                        "through CheckpointReader.piece")
+        return self.fp32
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"state": dict(self.state)}
+        if self.fp32 is not None:
+            data[MASTER_KEY] = self.fp32
+        if self.derived is not None:
+            data[_MASTERS] = self.derived.to_dict()
+        return data
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +87,7 @@ class ShardPayload:
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "dp": self.dp,
-                "groups": [{MASTER_KEY: g.fp32, "state": dict(g.state)} for g in self.groups]}
+                "groups": [g.to_dict() for g in self.groups]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +130,9 @@ def read_shard(folder: PinnedFolder, manifest: Manifest, rank: int) -> ShardPayl
     data = load_pinned(folder, relative, "shard file", mmap=True)
     _check_shard(data, manifest, rank, path)
     return ShardPayload(rank, manifest.dp_world_size, tuple(
-        ShardGroup(group[MASTER_KEY], dict(group["state"])) for group in data["groups"]))
+        ShardGroup(group.get(MASTER_KEY), dict(group["state"]),
+                   DerivedMasters.from_dict(group[_MASTERS]) if _MASTERS in group else None)
+        for group in data["groups"]))
 
 
 def read_replicated(folder: PinnedFolder, manifest: Manifest) -> ReplicatedPayload:
@@ -119,7 +144,7 @@ def read_replicated(folder: PinnedFolder, manifest: Manifest) -> ReplicatedPaylo
     relative = f"{SUBDIR}/{REPLICATED_NAME}"
     path = os.path.join(folder.path, relative)
     data = load_pinned(folder, relative, "replicated-state file",
-                       deepspeed_classes=manifest.format_version < FORMAT_VERSION)
+                       deepspeed_classes=manifest.format_version < 2)
     _check_replicated(data, manifest, path)
     wrapper = plain_wrapper(data.get("zero_wrapper", {}))
     check_plain(wrapper, path)
@@ -147,15 +172,23 @@ def _check_shard(shard: Any, manifest: Manifest, rank: int, source: str) -> None
     problems = []
     for index, (entry, group) in enumerate(zip(manifest.groups, groups)):
         if not isinstance(group, dict) or not isinstance(group.get("state"), dict):
-            problems.append(f"group {index} is not {{'{MASTER_KEY}': tensor, 'state': {{...}}}}")
+            problems.append(f"group {index} is not {{'{MASTER_KEY}' or '{_MASTERS}': ..., 'state': {{...}}}}")
             continue
         def length(kind: StateKind) -> int:
             start, end = saved_ranges(kind, entry.element_ranges, entry.block_ranges)[rank]
             return end - start
 
-        problem = _tensor_problem(group.get(MASTER_KEY), "float32", (length(StateKind.ELEMENTWISE),))
-        if problem:
-            problems.append(f"group {index} {MASTER_KEY} {problem}")
+        if entry.masters == FULL and _MASTERS in group:
+            problems.append(f"group {index} holds derived masters, but the manifest says {FULL!r}")
+        elif entry.masters == FULL:
+            problem = _tensor_problem(group.get(MASTER_KEY), "float32", (length(StateKind.ELEMENTWISE),))
+            if problem:
+                problems.append(f"group {index} {MASTER_KEY} {problem}")
+        elif MASTER_KEY in group:
+            problems.append(f"group {index} holds {MASTER_KEY!r} masters, but the manifest says {entry.masters!r}")
+        else:
+            problems += [f"group {index} {problem}" for problem in
+                         derived_problems(group.get(_MASTERS), entry.masters, length(StateKind.ELEMENTWISE))]
         for state in entry.states:
             if not is_partitioned(state.kind):
                 continue

@@ -16,6 +16,7 @@ from zero_bnb.format.integrity import check_file_list, verify_checksums
 from zero_bnb.core.kinds import is_partitioned, saved_ranges
 from zero_bnb.core.state_spec import StateKind
 from zero_bnb.format.manifest import MANIFEST_NAME, MASTER_KEY, MAX_MANIFEST_BYTES, SUBDIR, decode_manifest
+from zero_bnb.format.masters import FULL, rebuild
 from zero_bnb.format.payload import ReplicatedPayload, ShardPayload, read_replicated, read_shard
 from zero_bnb.format.pinned import PinnedFolder
 from zero_bnb.format.tags import resolve_tag
@@ -31,7 +32,9 @@ class CheckpointReader:
     even if the tag is re-saved meanwhile. Shards are memory-mapped.
 
     Opening reads and checks the manifest and the presence and size of every file; call
-    :meth:`verify` before :attr:`replicated` or any shard is read. Files are read with
+    :meth:`verify` before :attr:`replicated` or any shard is read. Master weights stored as derived
+    from the module weights (:mod:`zero_bnb.format.masters`) are rebuilt from DeepSpeed's model file
+    on first use; the model file is then unpickled once for both that and :meth:`load`. Files are read with
     ``weights_only=True`` and checked against the manifest (dtypes, shapes) as they are opened.
 
     Raises:
@@ -54,6 +57,9 @@ class CheckpointReader:
         check_file_list(self.files, self.manifest)
         self._replicated: ReplicatedPayload | None = None
         self._shards: dict[int, ShardPayload] = {}
+        self._masters: dict[tuple[int, int], torch.Tensor] = {}
+        self._module: dict | None = None  # the model file's module weights, for derived masters
+        self._unclaimed: dict[str, object] = {}  # a model file read for masters, not yet handed to load()
 
     @property
     def identity(self) -> str:
@@ -110,8 +116,35 @@ class CheckpointReader:
     def load(self, name: str, what: str, *, deepspeed_classes: bool = False, mmap: bool = False):
         """Unpickle file ``name`` of the tag folder (``weights_only``) from the pinned bytes; for DeepSpeed's
         model file. ``mmap``: memory-map it (a tensor's bytes are read only when it is used). Call after
-        :meth:`verify`."""
+        :meth:`verify`. The caller owns (and may change) what is returned."""
+        if name in self._unclaimed and deepspeed_classes:  # read already (memory-mapped) to rebuild masters
+            return self._unclaimed.pop(name)
         return load_pinned(self.files, name, what, deepspeed_classes=deepspeed_classes, mmap=mmap)
+
+    def _module_weights(self) -> dict:
+        if self._module is None:
+            name = self.manifest.module_file
+            try:  # the offline tools run without DeepSpeed: import its classes only for a file that holds them
+                states = load_pinned(self.files, name, "DeepSpeed model file", mmap=True)
+            except CheckpointFormatError:
+                states = load_pinned(self.files, name, "DeepSpeed model file", deepspeed_classes=True, mmap=True)
+            if not isinstance(states, dict) or not isinstance(states.get("module"), dict):
+                raise CheckpointFormatError(f"{os.path.join(self.tag_folder, name)} holds no 'module' state dict, but "
+                                            f"this checkpoint's master weights derive from it; it was replaced")
+            self._module = dict(states["module"])  # a copy: load()'s caller may change the file's dict
+            self._unclaimed[name] = states
+        return self._module
+
+    def _derived_master(self, rank: int, group_index: int) -> torch.Tensor:
+        key = (rank, group_index)
+        if key not in self._masters:
+            entry = self.manifest.groups[group_index]
+            start, end = entry.element_ranges[rank]
+            self._masters[key] = rebuild(
+                entry.masters, self._shard(rank).groups[group_index].derived, entry.params, self._module_weights(),
+                start, end, model_file=os.path.join(self.tag_folder, self.manifest.module_file),
+                shard_file=os.path.join(self.tag_folder, SUBDIR, self.manifest.shards[rank]))
+        return self._masters[key]
 
     def close(self) -> None:
         """Release the pinned folder's descriptors (memory-mapped shards stay readable)."""
@@ -128,6 +161,10 @@ class CheckpointReader:
         return os.path.isdir(os.path.join(tag_folder, SUBDIR))
 
     def piece(self, rank: int, group_index: int, key: str) -> torch.Tensor:
+        """Saved tensor ``key`` (:data:`MASTER_KEY` for the fp32 masters, rebuilt if derived) of a group from
+        shard ``rank``."""
+        if key == MASTER_KEY and self.manifest.groups[group_index].masters != FULL:
+            return self._derived_master(rank, group_index)
         return self._shard(rank).groups[group_index].piece(key)
 
 

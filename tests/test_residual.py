@@ -1,0 +1,138 @@
+"""Masters derived from module weights: the bf16 residual encoding (pure math) and the format's rebuild checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zero_bnb.core.residual import join_bf16, rounds_to, split_bf16
+from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
+from zero_bnb.format.manifest import ParamEntry
+from zero_bnb.format.masters import MODULE, MODULE_LOW16, derive, derived_problems, module_slice, rebuild
+
+
+def _floats(bits: list[int]) -> torch.Tensor:
+    """fp32 tensor with exactly these bit patterns (unsigned 32-bit ints)."""
+    signed = [b - (1 << 32) if b >= 1 << 31 else b for b in bits]
+    return torch.tensor(signed, dtype=torch.int32).view(torch.float32)
+
+
+def _bits(values: torch.Tensor) -> list[int]:
+    return [b & 0xFFFFFFFF for b in values.view(torch.int32).tolist()]
+
+
+_EDGES = [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001, 0x00000001,
+          0x80008000, 0x00008000, 0x00018000, 0x007F8000, 0x00808000, 0x3F808000, 0x3F818000, 0x7F7F8000,
+          0x7F7F8001, 0x7F7FFFFF, 0xFF7F8000, 0x3F80FFFF, 0x0000FFFF, 0x807FFFFF, 0x3F7FFFFF]
+_PATTERNS = st.one_of(st.integers(0, 0xFFFFFFFF), st.sampled_from(_EDGES),
+                      st.integers(0, 0xFFFF).map(lambda hi: hi << 16 | 0x8000),  # every kind of tie
+                      st.integers(0, 0xFFFF).map(lambda hi: hi << 16 | 0x8001),
+                      st.integers(0, 0xFFFF).map(lambda hi: hi << 16 | 0x7FFF))
+
+
+def _is_nan(bits: int) -> bool:
+    return (bits >> 23) & 0xFF == 0xFF and bits & 0x7FFFFF != 0
+
+
+def _check_exceptions(bits: list[int], index: list[int]) -> None:
+    """Exceptions are every tie whose top half is odd (the rounding carried) and NaN that the rounding made
+    canonical, nothing else."""
+    carried = {i for i, b in enumerate(bits) if b & 0xFFFF == 0x8000 and (b >> 16) & 1 and not _is_nan(b)}
+    assert carried <= set(index) <= carried | {i for i, b in enumerate(bits) if _is_nan(b)}
+    assert index == sorted(set(index))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_PATTERNS, min_size=0, max_size=64))
+def test_every_fp32_master_round_trips_through_its_rounding_and_residual(bits):
+    master = _floats(bits)
+    weight = master.to(torch.bfloat16)  # what DeepSpeed's bit16.copy_(fp32) writes
+    residual = split_bf16(master, weight)
+    assert _bits(join_bf16(weight, residual)) == bits
+    assert rounds_to(master, weight)
+    _check_exceptions(bits, residual.index.tolist())
+    assert residual.low.dtype == torch.int16 and residual.low.shape == master.shape
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(_PATTERNS, st.integers(0, 0xFFFF)), min_size=1, max_size=64))
+def test_any_weight_gives_back_its_master_exactly_and_rounds_to_says_when_it_is_not_the_rounding(pairs):
+    master = _floats([m for m, _ in pairs])
+    weight = torch.tensor([w - (1 << 16) if w >= 1 << 15 else w for _, w in pairs], dtype=torch.int16
+                          ).view(torch.bfloat16)
+    assert _bits(join_bf16(weight, split_bf16(master, weight))) == [m for m, _ in pairs]
+    rounded = master.to(torch.bfloat16).view(torch.int16)
+    assert rounds_to(master, weight) == torch.equal(rounded, weight.view(torch.int16))
+
+
+@pytest.mark.parametrize("low", [0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF])
+def test_exhaustive_over_every_top_half(low):
+    """All 65 536 sign/exponent/top-mantissa patterns with the low halves around the rounding boundary."""
+    bits = [(hi << 16) | low for hi in range(1 << 16)]
+    master = _floats(bits)
+    weight = master.to(torch.bfloat16)
+    residual = split_bf16(master, weight)
+    assert _bits(join_bf16(weight, residual)) == bits
+    _check_exceptions(bits, residual.index.tolist())
+
+
+def test_trained_like_weights_need_almost_no_exceptions():
+    torch.manual_seed(0)
+    master = torch.randn(1 << 20) * 0.02
+    weight = master.to(torch.bfloat16)
+    residual = split_bf16(master, weight)
+    assert residual.index.numel() < 40  # about one tie in 2^17 elements, half of them carried
+    assert torch.equal(join_bf16(weight, residual).view(torch.int32), master.view(torch.int32))
+
+
+def _group():
+    params = (ParamEntry("a", (3, 4), 0), ParamEntry("b", (5,), 12), ParamEntry("c", (2, 2), 17))
+    masters = {p.name: torch.randn(*p.shape) for p in params}
+    return params, masters
+
+
+@pytest.mark.parametrize("storage", [MODULE, MODULE_LOW16])
+@pytest.mark.parametrize("start,end", [(0, 21), (5, 14), (12, 17), (13, 21)])
+def test_derived_masters_rebuild_exactly_from_the_module_weights(storage, start, end):
+    params, masters = _group()
+    dtype = torch.float32 if storage == MODULE else torch.bfloat16
+    module = {name: value.to(dtype) for name, value in masters.items()}
+    master = module_slice(params, masters, start, end)
+    derived = derive(storage, master, module_slice(params, module, start, end), params, module, start, end)
+    assert derived_problems(derived.to_dict(), storage, end - start) == []
+    rebuilt = rebuild(storage, derived, params, module, start, end, model_file="m.pt", shard_file="s.pt")
+    assert torch.equal(rebuilt.view(torch.int32), master.view(torch.int32))
+
+
+def test_an_edited_model_file_is_named_not_combined_into_wrong_masters():
+    params, masters = _group()
+    module = {name: value.to(torch.bfloat16) for name, value in masters.items()}
+    derived = derive(MODULE_LOW16, module_slice(params, masters, 0, 21), module_slice(params, module, 0, 21),
+                     params, module, 0, 21)
+    edited = dict(module, b=module["b"] + 1)
+    with pytest.raises(CheckpointCorruptError, match=r"m\.pt: the module weights of \['b'\].*s\.pt"):
+        rebuild(MODULE_LOW16, derived, params, edited, 0, 21, model_file="m.pt", shard_file="s.pt")
+    with pytest.raises(CheckpointFormatError, match=r"c: float32 \(2, 2\)"):
+        rebuild(MODULE_LOW16, derived, params, dict(module, c=masters["c"]), 0, 21, model_file="m.pt",
+                shard_file="s.pt")
+    with pytest.raises(CheckpointFormatError, match="a: missing"):
+        rebuild(MODULE_LOW16, derived, params, {k: v for k, v in module.items() if k != "a"}, 0, 21,
+                model_file="m.pt", shard_file="s.pt")
+
+
+def test_malformed_stored_residuals_are_refused():
+    params, masters = _group()
+    module = {name: value.to(torch.bfloat16) for name, value in masters.items()}
+    good = derive(MODULE_LOW16, module_slice(params, masters, 0, 21), module_slice(params, module, 0, 21),
+                  params, module, 0, 21).to_dict()
+    assert derived_problems(None, MODULE, 21)
+    assert derived_problems(dict(good, low16=good["low16"][:-1]), MODULE_LOW16, 21)
+    assert derived_problems(dict(good, exception_index=torch.tensor([3, 3]), exception_value=torch.zeros(2)),
+                            MODULE_LOW16, 21)
+    assert derived_problems(dict(good, exception_index=torch.tensor([21]), exception_value=torch.zeros(1)),
+                            MODULE_LOW16, 21)
+    assert derived_problems(dict(good, exception_index=torch.tensor([1]), exception_value=torch.zeros(2)),
+                            MODULE_LOW16, 21)
+    assert derived_problems(good, MODULE, 21)  # a residual where the manifest says none

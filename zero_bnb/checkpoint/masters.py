@@ -1,0 +1,106 @@
+"""Choose, per flat group, how a save stores the fp32 master weights (see :mod:`zero_bnb.format.masters`).
+
+DeepSpeed writes every trained module weight into its model file; in fp32 training that weight
+is the master, in bf16 training it is the master rounded to nearest even (``bit16.copy_(fp32)``
+after every step). A group whose module weights are exactly that on every rank stores its masters
+derived from them (fp32: nothing more; bf16: 16 bits each plus a short exception list); any other
+group (fp16, ``zero_derived_module_weights``, a parameter missing from the model file, weights
+loaded or changed after the last step) stores them whole. Every rank learns the same choice.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zero_bnb.checkpoint.partitioned import PartitionedOptimizer
+from zero_bnb.core.residual import rounds_to
+from zero_bnb.format.masters import FULL, MODULE, MODULE_LOW16, DerivedMasters, derive, module_slice
+
+__all__ = ["MasterPlan", "plan_masters"]
+
+logger = logging.getLogger(__name__)
+
+_STORAGE_BY_DTYPE = {torch.float32: MODULE, torch.bfloat16: MODULE_LOW16}
+#: Exceptions (12 bytes each) beyond one in this many elements cost more than storing the masters whole.
+_MAX_EXCEPTION_RATIO = 6
+_NOT_ROUNDING = ("its module weights are not its master weights rounded to their dtype (weights loaded or changed "
+                 "after the last optimizer step?)")
+
+
+@dataclass(frozen=True, slots=True)
+class MasterPlan:
+    """How one group's masters are saved (``storage``) and, when derived, this rank's part (``derived``)."""
+
+    storage: str
+    derived: DerivedMasters | None = None
+
+
+def _candidate(optimizer: PartitionedOptimizer, group_index: int, weights: Mapping[str, torch.Tensor] | None,
+               names: dict) -> tuple[str, str]:
+    """The storage a group could use, and why not when it cannot (same answer on every rank)."""
+    params = optimizer.group_params(group_index)
+    if weights is None:
+        return FULL, "zero_derived_module_weights leaves the module weights out of the model file"
+    storage = _STORAGE_BY_DTYPE.get(params[0].dtype, FULL) if params else FULL
+    if storage == FULL:
+        return FULL, f"its module weights are {params[0].dtype if params else 'absent'}"
+    absent = [names.get(p, "?") for p in params if names.get(p) not in weights or weights[names[p]] is not p]
+    if absent:
+        return FULL, f"parameters {absent[:3]} are not in DeepSpeed's model file under their names"
+    return storage, ""
+
+
+def plan_masters(optimizer: PartitionedOptimizer, weights: Mapping[str, torch.Tensor] | None,
+                 names: dict) -> list[MasterPlan]:
+    """Per group, how this save stores the masters, and this rank's derived part.
+
+    Collective over the data-parallel group: every rank must call it, before any file is written.
+
+    Args:
+        optimizer: the engine's ZeRO optimizer.
+        weights: the module weights DeepSpeed's model file will hold, by parameter name (the trained
+            parameters themselves), or ``None`` if it holds none (``zero_derived_module_weights``).
+        names: parameter -> name (``engine.param_names``).
+    """
+    rank = optimizer.dp_rank
+    plans: list[Any] = []
+    local = []
+    for index in range(optimizer.num_groups):
+        storage, reason = _candidate(optimizer, index, weights, names)
+        derived, exceptions = None, 0
+        if storage != FULL:
+            geometry = optimizer.geometry(index)
+            start, end = geometry.element_ranges()[rank]
+            params = optimizer.param_entries(index, names)
+            master = optimizer.master_partition(index).detach()[: end - start].to("cpu")
+            by_name = {p.name: weights[p.name].detach() for p in params}
+            weight = module_slice(params, by_name, start, end)
+            if rounds_to(master, weight):
+                derived = derive(storage, master, weight, params, by_name, start, end)
+                exceptions = 0 if derived.residual is None else derived.residual.index.numel()
+            else:
+                reason = _NOT_ROUNDING
+        plans.append((storage, reason, derived))
+        local.append((derived is not None or storage == FULL, exceptions))
+    gathered: list[Any] = [None] * optimizer.dp_size
+    dist.all_gather_object(gathered, local, group=optimizer.dp_process_group)
+    result = []
+    for index, (storage, reason, derived) in enumerate(plans):
+        ok = all(part[index][0] for part in gathered)
+        exceptions = sum(part[index][1] for part in gathered)
+        if storage != FULL and ok and exceptions * _MAX_EXCEPTION_RATIO >= max(optimizer.geometry(index).numel, 1):
+            ok, reason = False, f"{exceptions} elements would need an exception"
+        if storage != FULL and not ok:
+            if rank == 0:
+                logger.info("zero_bnb: group %d stores its fp32 master weights whole: %s", index,
+                            reason or f"on another rank, {_NOT_ROUNDING}")
+            storage, derived = FULL, None
+        result.append(MasterPlan(storage, derived))
+    return result
+

@@ -1,0 +1,164 @@
+"""How a checkpoint stores the fp32 master weights: whole, or derived from DeepSpeed's module weights.
+
+DeepSpeed's model file already holds every trained module weight, and DeepSpeed makes it from the
+master weight (``bit16.copy_(fp32)``): in fp32 training it *is* the master, in bf16 training it is
+the master rounded to nearest even. So a group's masters are stored one of three ways (the
+manifest's ``GroupEntry.masters``):
+
+* :data:`FULL` (``"fp32"``): the shard holds the fp32 masters (fp16 training, and any group whose
+  module weights are not the masters' rounding when the checkpoint is saved);
+* :data:`MODULE` (``"module"``): fp32 training; the masters are the module weights of the model file;
+* :data:`MODULE_LOW16` (``"module+low16"``): bf16 training; the shard holds each master's bottom
+  16 bits and a short exception list (:mod:`zero_bnb.core.residual`), the model file the rest.
+
+A derived shard group records the SHA-256 of the module weights it was split against, per
+parameter, so a model file edited or replaced after the save is named, never combined into wrong
+masters. Local functions, no collectives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zero_bnb.core.residual import Residual, join_bf16, split_bf16
+from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
+
+__all__ = ["FULL", "MODULE", "MODULE_BYTES", "MODULE_LOW16", "SHARD_BYTES", "STORAGES", "DerivedMasters", "derive", "derived_problems",
+           "module_dtype", "module_slice", "rebuild"]
+
+FULL = "fp32"
+MODULE = "module"
+MODULE_LOW16 = "module+low16"
+#: Every way a group's masters may be stored.
+STORAGES = (FULL, MODULE, MODULE_LOW16)
+#: Bytes per element each storage needs at least in the shards, and in the model file.
+SHARD_BYTES = {FULL: 4, MODULE: 0, MODULE_LOW16: 2}
+MODULE_BYTES = {FULL: 0, MODULE: 4, MODULE_LOW16: 2}
+_MODULE_DTYPES = {MODULE: torch.float32, MODULE_LOW16: torch.bfloat16}
+_DIGESTS, _LOW, _INDEX, _VALUE = "module_sha256", "low16", "exception_index", "exception_value"
+
+
+def module_dtype(storage: str) -> torch.dtype | None:
+    """The dtype the module weights must have for ``storage`` (``None`` for :data:`FULL`)."""
+    return _MODULE_DTYPES.get(storage)
+
+
+@dataclass(frozen=True, slots=True)
+class DerivedMasters:
+    """The master-weight part of one shard group stored as :data:`MODULE` or :data:`MODULE_LOW16`.
+
+    ``digests`` maps each parameter overlapping the shard's range to the SHA-256 of its module
+    weights there; ``residual`` is ``None`` for :data:`MODULE`.
+    """
+
+    digests: Mapping[str, str]
+    residual: Residual | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {_DIGESTS: dict(self.digests)}
+        if self.residual is not None:
+            data.update({_LOW: self.residual.low, _INDEX: self.residual.index, _VALUE: self.residual.value})
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DerivedMasters:
+        residual = Residual(data[_LOW], data[_INDEX], data[_VALUE]) if _LOW in data else None
+        return cls(dict(data[_DIGESTS]), residual)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data (the residual and its exceptions)."""
+        r = self.residual
+        return 0 if r is None else r.low.nbytes + r.index.nbytes + r.value.nbytes
+
+
+def _pieces(params, tensors: Mapping[str, torch.Tensor], start: int, end: int) -> Iterator[tuple[str, torch.Tensor]]:
+    for param in params:
+        lo, hi = max(start, param.offset), min(end, param.offset + param.numel)
+        if lo < hi:
+            yield param.name, tensors[param.name].detach().reshape(-1)[lo - param.offset : hi - param.offset]
+
+
+def _digest(piece: torch.Tensor) -> str:
+    return hashlib.sha256(piece.to("cpu").contiguous().view(torch.uint8).numpy()).hexdigest()
+
+
+def module_slice(params, tensors: Mapping[str, torch.Tensor], start: int, end: int) -> torch.Tensor:
+    """The global element range ``[start, end)`` of a flat group whose parameters (``ParamEntry``, in flat
+    order) have module weights ``tensors`` (name -> tensor), as one new 1-D CPU tensor."""
+    pieces = [piece.to("cpu") for _, piece in _pieces(params, tensors, start, end)]
+    return torch.cat(pieces) if pieces else torch.empty(0)
+
+
+def derive(storage: str, master: torch.Tensor, weight: torch.Tensor, params, tensors: Mapping[str, torch.Tensor],
+           start: int, end: int) -> DerivedMasters:
+    """What a shard stores for the masters ``master`` (1-D fp32, CPU, the range ``[start, end)``) of a group
+    stored as ``storage`` (:data:`MODULE` or :data:`MODULE_LOW16`), beside the module weights ``tensors``
+    (``weight`` is :func:`module_slice` of them). The caller has checked that the weights are the masters'
+    rounding (``core.residual.rounds_to``)."""
+    digests = {name: _digest(piece) for name, piece in _pieces(params, tensors, start, end)}
+    return DerivedMasters(digests, None if storage == MODULE else split_bf16(master, weight))
+
+
+def rebuild(storage: str, derived: DerivedMasters, params, module: Mapping[str, Any], start: int, end: int, *,
+            model_file: str, shard_file: str) -> torch.Tensor:
+    """The fp32 masters of the range ``[start, end)`` from the model file's ``module`` dict and ``derived``.
+
+    Raises:
+        CheckpointFormatError: a module weight is missing or has another shape or dtype.
+        CheckpointCorruptError: a module weight differs from the one the shard was saved against
+            (the model file was edited or replaced after the save), naming the parameters.
+    """
+    dtype = module_dtype(storage)
+    overlapping = [p for p in params if max(start, p.offset) < min(end, p.offset + p.numel)]
+    wrong = [f"{p.name}: {_describe(module.get(p.name))}" for p in overlapping
+             if not (isinstance(module.get(p.name), torch.Tensor) and module[p.name].dtype == dtype
+                     and tuple(module[p.name].shape) == tuple(p.shape))]
+    if wrong:
+        raise CheckpointFormatError(
+            f"{model_file}: the master weights of this checkpoint are derived from its module weights, which must be "
+            f"{str(dtype).removeprefix('torch.')} tensors of the saved shapes, but {wrong[:5]}; the model file was "
+            f"edited or replaced after the save. Restore it, or load an earlier tag"
+        )
+    changed = [name for name, piece in _pieces(overlapping, module, start, end)
+               if derived.digests.get(name) != _digest(piece)]
+    if changed or set(derived.digests) != {p.name for p in overlapping}:
+        raise CheckpointCorruptError(
+            f"{model_file}: the module weights of {(changed or sorted(derived.digests))[:5]} are not the ones the "
+            f"master weights in {shard_file} were saved against (SHA-256 differs); the model file was edited or "
+            f"replaced after the save, so the masters cannot be rebuilt. Restore the original model file, or load "
+            f"an earlier tag"
+        )
+    weight = module_slice(overlapping, module, start, end)
+    return weight if storage == MODULE else join_bf16(weight, derived.residual)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}"
+    return "missing" if value is None else type(value).__name__
+
+
+def derived_problems(data: Any, storage: str, length: int) -> list[str]:
+    """What is wrong with a shard group's stored ``masters`` entry for ``storage`` and ``length`` saved elements
+    (types, dtypes, shapes; exception indices increasing and in range). Reads the small exception list only."""
+    if not isinstance(data, dict) or not isinstance(data.get(_DIGESTS), dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in data[_DIGESTS].items()):
+        return [f"'masters' is not {{{_DIGESTS!r}: {{name: sha256}}, ...}}"]
+    if storage == MODULE:
+        return [] if set(data) == {_DIGESTS} else [f"'masters' holds {sorted(data)}, not only {_DIGESTS!r}"]
+    low, index, value = data.get(_LOW), data.get(_INDEX), data.get(_VALUE)
+    if not (isinstance(low, torch.Tensor) and low.dtype == torch.int16 and tuple(low.shape) == (length,)):
+        return [f"'masters' {_LOW!r} must be int16 ({length},), is {_describe(low)}"]
+    if not (isinstance(index, torch.Tensor) and index.dtype == torch.int64 and index.dim() == 1
+            and isinstance(value, torch.Tensor) and value.dtype == torch.float32 and value.shape == index.shape):
+        return [f"'masters' exceptions must be int64 and float32 of one length, are {_describe(index)} and "
+                f"{_describe(value)}"]
+    if index.numel() and (int(index[0]) < 0 or int(index[-1]) >= length or bool((index[1:] <= index[:-1]).any())):
+        return [f"'masters' {_INDEX!r} must increase within [0, {length})"]
+    return []
