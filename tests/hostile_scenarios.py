@@ -21,6 +21,8 @@ from scenarios import OPTIMIZERS, _error, make_engine, run_phases
 from zero_bnb.format import durable
 from zero_bnb.format.lock import LOCK_NAME
 from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR
+from zero_bnb.format.masters import piece_digest
+from zero_bnb.format.stock_files import MODEL_STATES
 from zero_bnb.testing.consolidate import consolidated_state, state_differences
 from zero_bnb.testing.toy import DEFAULT_RUN as RUN
 from zero_bnb.testing.toy import train_steps
@@ -97,10 +99,38 @@ def _set_qmap(make):
 
 
 def _set_in_shard(key, value=float("nan")):
+    if key == "fp32":
+        return _set_master(value)
     def edit(data):
-        tensors = data["groups"][0]
-        (tensors["fp32"] if key == "fp32" else tensors["state"][key])[0] = value
+        data["groups"][0]["state"][key][0] = value
     return _edit_payload(_SHARD_0, edit)
+
+
+def _set_master(value):
+    """A tamper: the first master weight of ``0.weight`` becomes ``value``. In fp32 training the masters are the
+    module weights of DeepSpeed's model file, so the attacker edits that, the SHA-256 shard 0 records for the
+    weight, and re-signs the manifest."""
+    def tamper(tag_folder: str) -> None:
+        states = torch.load(os.path.join(tag_folder, MODEL_STATES), weights_only=False)
+        weight = states["module"]["0.weight"].clone()
+        weight.view(-1)[0] = value
+        states["module"]["0.weight"] = weight
+        replace_listed_file(tag_folder, MODEL_STATES, states)
+        with open(os.path.join(tag_folder, SUBDIR, MANIFEST_NAME), encoding="utf-8") as handle:
+            start, end = json.load(handle)["groups"][0]["element_ranges"][0]
+        shard = torch.load(os.path.join(tag_folder, _SHARD_0), weights_only=True)
+        shard["groups"][0]["masters"]["module_sha256"]["0.weight"] = piece_digest(
+            weight.view(-1)[start : min(end, weight.numel())])
+        replace_listed_file(tag_folder, _SHARD_0, shard)
+    return tamper
+
+
+def _replace_module_weight(tag_folder: str) -> None:
+    """A tamper: another tool rewrites DeepSpeed's model file after the save (``0.weight`` changed), and the
+    manifest is re-signed; the masters derived from that weight must not be rebuilt from the new one."""
+    states = torch.load(os.path.join(tag_folder, MODEL_STATES), weights_only=False)
+    states["module"]["0.weight"] = states["module"]["0.weight"] * 0.5
+    replace_listed_file(tag_folder, MODEL_STATES, states)
 
 
 #: Values a re-signed checkpoint may carry, each refused by ``verify`` and by a load with one line naming the
@@ -126,6 +156,8 @@ TAMPERED_VALUES = {
     "master_inf_declared_for_another": (
         lambda folder: (_set_in_shard("fp32", float("inf"))(folder), _declare("2.weight", ["fp32"])(folder)),
         "'fp32' of parameter(s) ['0.weight'] holds NaN/Inf"),
+    "module_weight_replaced": (_replace_module_weight, "mp_rank_00_model_states.pt: the module weights of "
+                                                       "['0.weight'] are not the ones the master weights in"),
 }
 
 

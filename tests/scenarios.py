@@ -7,6 +7,7 @@ checks as it can so the suite stays fast.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 
@@ -62,12 +63,12 @@ def resume(rank, world, workdir, optimizer_name, steps_before, steps_after):
                  {"loaded": loaded, "final": final, "losses": after, "global_steps": global_steps})
 
 
-def _stock_engine(dp, optimizer_name="Adam8bit"):
+def _stock_engine(dp, optimizer_name="Adam8bit", **extra):
     import deepspeed
 
     model = build_model()
     optimizer = OPTIMIZERS[optimizer_name](param_groups(model), lr=LR)
-    config = RUN.ds_config(dp, zero_allow_untested_optimizer=True)
+    config = RUN.ds_config(dp, zero_allow_untested_optimizer=True, **extra)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 
@@ -107,6 +108,42 @@ def _adamw_pass_through(context, out):
     )
     ours_adamw.save_checkpoint(os.path.join(workdir, "adamw"), tag="a")
     out["adamw_saved"] = consolidated_state(ours_adamw)
+    stock_adamw.save_checkpoint(os.path.join(workdir, "stock_adamw"), tag="a")
+    out["model_files:fp32"] = _model_files(workdir, "stock_adamw", "adamw", "a")
+
+
+def _model_files(workdir, stock, ours, tag):
+    """Rank 0: the module weights in stock DeepSpeed's and zero_bnb's model files, and zero_bnb's master storage."""
+    if dist.get_rank() != 0:
+        return None
+    read = lambda folder: torch.load(os.path.join(workdir, folder, tag, "mp_rank_00_model_states.pt"),
+                                     weights_only=False)["module"]
+    with open(os.path.join(workdir, ours, tag, "zero_bnb", "manifest.json"), encoding="utf-8") as handle:
+        storages = [group["masters"] for group in json.load(handle)["groups"]]
+    return read(stock), read(ours), storages
+
+
+def _bf16_model_files(context, out):
+    """bf16 ZeRO-2 with torch AdamW, stock DeepSpeed and zero_bnb side by side, then a module weight changed after
+    the step (its group must store its masters whole)."""
+    world, workdir = context["world"], context["workdir"]
+    bf16 = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
+    stock, ours = _stock_engine(world, "AdamW", **bf16), make_engine(world, "AdamW", **bf16)
+    out["bf16_adamw_losses"] = (train_steps(stock, RUN, 0, 3), train_steps(ours, RUN, 0, 3))
+    stock.save_checkpoint(os.path.join(workdir, "stock_bf16"), tag="a")
+    ours.save_checkpoint(os.path.join(workdir, "ours_bf16"), tag="a")
+    out["model_files:bf16"] = _model_files(workdir, "stock_bf16", "ours_bf16", "a")
+    with torch.no_grad():
+        ours.module[0].weight.add_(1.0)  # not the rounding of its master any more: stored whole
+    ours.save_checkpoint(os.path.join(workdir, "ours_bf16"), tag="changed")
+    state = consolidated_state(ours)
+    out["model_files:bf16_changed"] = _model_files(workdir, "stock_bf16", "ours_bf16", "changed")
+    if dist.get_rank() == 0:
+        from zero_bnb.tools.recovery import fp32_state_dict
+
+        out["bf16_changed_masters"] = {name: tensors["fp32"] for name, tensors in state["params"].items()}
+        out["bf16_changed_offline"] = fp32_state_dict(os.path.join(workdir, "ours_bf16"), "changed")
+        out["bf16_zero2_offline"] = fp32_state_dict(os.path.join(workdir, "bf16_zero2"), "b")
 
 
 def _threshold_mismatch(context, out):
@@ -130,6 +167,8 @@ def _bf16_zero2_save(context, out):
         masters = {name: tensors["fp32"] for name, tensors in state["params"].items()}
         out["bf16_zero2_masters"] = masters
         out["bf16_zero2_rounding_differs"] = any(not torch.equal(m, m.bfloat16().float()) for m in masters.values())
+        with open(os.path.join(workdir, "bf16_zero2", "b", "zero_bnb", "manifest.json"), encoding="utf-8") as handle:
+            out["bf16_zero2_storages"] = [group["masters"] for group in json.load(handle)["groups"]]
 
 
 #: ``zero_update_max_numel`` of the piecewise-update check: 1000, rounded down to 768 (3 blocks), so the toy's 8-bit
@@ -177,7 +216,7 @@ def misc_dp2(rank, world, workdir):
     in pieces."""
     out: dict = {}
     run_phases(out, {"world": world, "workdir": workdir}, _stock_baseline, _adamw_pass_through, _threshold_mismatch,
-               _bf16_zero2_save, _piecewise_update)
+               _bf16_zero2_save, _piecewise_update, _bf16_model_files)
     _save_result(os.path.join(workdir, "misc_dp2.pt"), out)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -70,6 +71,11 @@ def test_reload_into_the_same_engine_returns_to_the_saved_state(adam8bit_dp2):
     _, reference = adam8bit_dp2
     _assert_state_equal(reference["saved"], reference["reloaded"], exact_codes=True)
     assert reference["global_steps"] == STEPS_BEFORE
+    # fp32 training: the masters are the module weights of DeepSpeed's model file, not stored a second time.
+    workdir, _ = adam8bit_dp2
+    manifest = json.loads(open(os.path.join(workdir, "ckpt", "mid", "zero_bnb", "manifest.json")).read())
+    assert [group["masters"] for group in manifest["groups"]] == ["module"] * 3
+    assert manifest["module_file"] == "mp_rank_00_model_states.pt"
     # The padding-free 8-bit layout really is 8-bit for the large group at DP=2.
     assert reference["saved"]["raw"][0]["state1"].dtype == torch.uint8
     assert reference["saved"]["raw"][1]["state1"].dtype == torch.float32  # the bias group is below min_8bit_size
@@ -195,6 +201,42 @@ def test_module_weights_after_a_load_are_the_masters_cast_bit_for_bit_on_either_
         for name, master in masters.items():
             assert module[name].dtype == torch.bfloat16 and torch.equal(module[name], master.to(torch.bfloat16)), (
                 path, name, (module[name].float() - master).abs().max().item())
+
+
+def _same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16 if a.element_size() == 2
+                                                                           else torch.int32), b.view(
+        torch.int16 if b.element_size() == 2 else torch.int32))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_module_weights_in_the_model_file_are_stock_deepspeeds_and_the_masters_derive_from_them(misc, dtype):
+    """torch AdamW, same run through stock DeepSpeed and zero_bnb: the model files hold the same module weights, bit
+    for bit, and zero_bnb stores no second copy of them (fp32: masters are the module weights; bf16: 16-bit
+    residuals)."""
+    dp2, _ = misc
+    stock, ours, storages = dp2[f"model_files:{dtype}"]
+    assert sorted(stock) == sorted(ours)
+    for key in stock:
+        assert _same_bits(stock[key], ours[key]), key
+    assert storages == ["module" if dtype == "fp32" else "module+low16"] * len(storages)
+    if dtype == "bf16":
+        assert dp2["bf16_adamw_losses"][0] == dp2["bf16_adamw_losses"][1]
+        assert all(value.dtype == torch.bfloat16 for value in ours.values())
+
+
+def test_bf16_masters_rebuild_exactly_offline_and_a_changed_weight_is_stored_whole(misc):
+    """Masters rebuilt by one process (zero_to_fp32) equal the engine's; a module weight changed after the step
+    makes its group store its masters whole (the others keep residuals), and nothing is rebuilt wrongly."""
+    dp2, _ = misc
+    assert dp2["bf16_zero2_storages"] == ["module+low16"] * len(dp2["bf16_zero2_storages"])
+    for name, master in dp2["bf16_zero2_masters"].items():
+        assert _same_bits(dp2["bf16_zero2_offline"][name], master), name
+    _, changed, storages = dp2["model_files:bf16_changed"]
+    assert storages[0] == "fp32" and set(storages[1:]) == {"module+low16"}, storages
+    for name, master in dp2["bf16_changed_masters"].items():
+        assert _same_bits(dp2["bf16_changed_offline"][name], master), name
+    assert not torch.equal(changed["0.weight"].float(), dp2["bf16_changed_masters"]["0.weight"].bfloat16().float())
 
 
 def test_replicated_threshold_mismatch_is_refused_before_writing(misc):

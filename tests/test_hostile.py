@@ -182,7 +182,8 @@ def test_code_payloads_in_any_unpickled_file_run_nothing(sources, tmp_path):
     zb = _fresh(sources, tmp_path)
     replace_listed_file(str(zb / "A"), os.path.join(SUBDIR, "replicated.pt"), {"groups": payload})
     model = _fresh(sources, tmp_path / "m")
-    replace_listed_file(str(model / "A"), "mp_rank_00_model_states.pt", {"module": payload})
+    # padded: the model file holds the fp32 masters' bytes, which the manifest's sizes are checked against first
+    replace_listed_file(str(model / "A"), "mp_rank_00_model_states.pt", {"module": payload, "pad": torch.zeros(1 << 16)})
     stock = _fresh(sources, tmp_path, "stock")
     torch.save({"optimizer_state_dict": payload}, stock / "A" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     univ = _fresh(sources, tmp_path, "univ")

@@ -17,7 +17,7 @@ EXPECTED = {
     "missing_rank_file": ("CheckpointCorruptError", "zero_bnb/shard_00001-of-00002.pt is missing", "load an earlier tag"),
     "damaged_latest": ("CheckpointFormatError", "latest is damaged", "pass tag= explicitly"),
     "latest_names_missing_tag": ("CheckpointFormatError", "'global_step99'", "does not exist", "tags in", "['A']"),
-    "unknown_format_version": ("CheckpointFormatError", "format_version=99", "reads versions [1, 2]"),
+    "unknown_format_version": ("CheckpointFormatError", "format_version=99", "reads versions [1, 2, 3]"),
     "other_block_size": ("CheckpointMismatchError", "block size is 128, the optimizer's 256"),
     "wrong_model": ("CheckpointMismatchError", "4.weight: saved (90, 96), model (91, 96)", "4.bias"),
     "amsgrad_mismatch": ("CheckpointMismatchError", "group 0 was saved with amsgrad=False", "amsgrad=True"),

@@ -78,10 +78,16 @@ def _size(count: int) -> str:
     return ""
 
 
+_MASTERS = {"fp32": "fp32 master weights in the shards",
+            "module": "the fp32 module weights of DeepSpeed's model file",
+            "module+low16": "the bf16 module weights of DeepSpeed's model file + 16-bit residuals in the shards"}
+
+
 def _print_summary(summary: dict[str, Any]) -> None:
     print(f"checkpoint {summary['path']} (tag {summary['tag']}, format {summary['format_version']})")
     print(f"  saved at DP={summary['saved_dp_size']}, block size {summary['block_size']}, "
           f"{summary['parameters']:,} parameters, {_size(summary['bytes'])} on disk in {len(summary['files'])} files")
+    print("  bytes: " + ", ".join(f"{kind} {_size(count)}" for kind, count in summary["bytes_by_kind"].items()))
     print(f"  optimizer {summary['optimizer_class']} ({summary['optimizer_family']})")
     print("  versions " + ", ".join(f"{k} {v}" for k, v in sorted(summary["versions"].items())))
     if summary["non_finite"]:
@@ -104,6 +110,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
               f"state {precision}, hyper-parameters {hyper}")
         for param in group["parameters"]:
             print(f"    {param['name']:<40} {tuple(param['shape'])!s:<18} offset {param['offset']:,}")
+        masters = group["masters"]
+        print(f"    masters {masters['storage']:<30} {_size(masters['bytes']):>14}  ("
+              + _MASTERS.get(masters["storage"], "") + ")")
         for state in group["states"]:
             print(f"    state {state['key']:<10} {state['kind']:<13} {state['dtype']:<8} {_size(state['bytes']):>14}"
                   f"  ({state['reason']})")

@@ -74,9 +74,11 @@ class ZeroBnbConfig:
             (the work is split across ranks) before it touches the model. Size and format
             checks run either way.
         derived_module_weights: whether DeepSpeed's model file leaves out the trained module
-            weights (they are the fp32 master weights cast to the module dtype, already in the
-            shards; a load rebuilds them). Saves 4 bytes per parameter in fp32 training. Default
-            ``False``: the model file holds the weights, as stock DeepSpeed's does, so stock
+            weights (the shards then hold the fp32 masters whole; a load rebuilds the module weights
+            from them). Only fp16 training saves bytes with it (2 per parameter): by default fp32 and
+            bf16 checkpoints already store each weight once, the masters derived from the module
+            weights (``zero_bnb.format.masters``), and the engine warns that the key is useless there.
+            Default ``False``: the model file holds the weights, as stock DeepSpeed's does, so stock
             ``load_checkpoint``, ``load_module_only`` and other readers see them.
         cpu_update: how a bitsandbytes 8-bit update whose state lives on the CPU (optimizer offload, CPU
             training) runs: ``"auto"`` (default) with zero_bnb's fused kernel (``zero_bnb.kernels``: the

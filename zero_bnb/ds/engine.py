@@ -137,6 +137,13 @@ class ZeroBnbEngine(DeepSpeedEngine):
     def __init__(self, *args: Any, zero_bnb_config: ZeroBnbConfig, **kwargs: Any) -> None:
         self.zero_bnb_config = zero_bnb_config
         super().__init__(*args, **kwargs)
+        if zero_bnb_config.derived_module_weights and not self.fp16_enabled() and self.global_rank == 0:
+            logger.warning(
+                "zero_bnb: zero_derived_module_weights saves nothing in fp32 or bf16 training (checkpoints already "
+                "store each weight once: the master weights derive from the module weights in DeepSpeed's model "
+                "file), and it leaves the module weights out of that file, so stock DeepSpeed cannot read them; "
+                "remove the key (it still saves 2 bytes per parameter with fp16, whose masters are stored whole)"
+            )
 
     # -- construction -------------------------------------------------------------------------
 

@@ -314,8 +314,8 @@ class Manifest:
                  "every parameter name must appear once")
         derived = [g for g, group in enumerate(self.groups) if group.masters != FULL]
         if derived and self.module_file not in {record.path for record in self.files}:
-            fail("module_file", self.module_file, f"groups {derived[:5]} derive their masters from the module weights, "
-                                                  f"so it must name a file of the checkpoint")
+            fail("module_file", self.module_file, f"groups {derived[:5]} derive their masters from its module weights, "
+                                                  f"but {self.module_file or 'it'} is not listed in the manifest's files")
         for g, group in enumerate(self.groups):
             where = f"groups[{g}]"
             if group.masters not in STORAGES:

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 
 from zero_bnb.core.residual import Residual, join_bf16, split_bf16
-from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
+from zero_bnb.errors import CheckpointFormatError
 
 __all__ = ["FULL", "MODULE", "MODULE_BYTES", "MODULE_LOW16", "SHARD_BYTES", "STORAGES", "DerivedMasters", "derive", "derived_problems",
-           "module_dtype", "module_slice", "rebuild"]
+           "module_dtype", "module_slice", "piece_digest", "rebuild"]
 
 FULL = "fp32"
 MODULE = "module"
@@ -84,7 +84,8 @@ def _pieces(params, tensors: Mapping[str, torch.Tensor], start: int, end: int) -
             yield param.name, tensors[param.name].detach().reshape(-1)[lo - param.offset : hi - param.offset]
 
 
-def _digest(piece: torch.Tensor) -> str:
+def piece_digest(piece: torch.Tensor) -> str:
+    """SHA-256 (hex) of a module-weight piece's bytes, as a derived shard group records it."""
     return hashlib.sha256(piece.to("cpu").contiguous().view(torch.uint8).numpy()).hexdigest()
 
 
@@ -101,7 +102,7 @@ def derive(storage: str, master: torch.Tensor, weight: torch.Tensor, params, ten
     stored as ``storage`` (:data:`MODULE` or :data:`MODULE_LOW16`), beside the module weights ``tensors``
     (``weight`` is :func:`module_slice` of them). The caller has checked that the weights are the masters'
     rounding (``core.residual.rounds_to``)."""
-    digests = {name: _digest(piece) for name, piece in _pieces(params, tensors, start, end)}
+    digests = {name: piece_digest(piece) for name, piece in _pieces(params, tensors, start, end)}
     return DerivedMasters(digests, None if storage == MODULE else split_bf16(master, weight))
 
 
@@ -111,8 +112,8 @@ def rebuild(storage: str, derived: DerivedMasters, params, module: Mapping[str, 
 
     Raises:
         CheckpointFormatError: a module weight is missing or has another shape or dtype.
-        CheckpointCorruptError: a module weight differs from the one the shard was saved against
-            (the model file was edited or replaced after the save), naming the parameters.
+            Also: a module weight differs from the one the shard was saved against (the model file was
+            edited or replaced after the save), naming the parameters.
     """
     dtype = module_dtype(storage)
     overlapping = [p for p in params if max(start, p.offset) < min(end, p.offset + p.numel)]
@@ -126,9 +127,9 @@ def rebuild(storage: str, derived: DerivedMasters, params, module: Mapping[str, 
             f"edited or replaced after the save. Restore it, or load an earlier tag"
         )
     changed = [name for name, piece in _pieces(overlapping, module, start, end)
-               if derived.digests.get(name) != _digest(piece)]
+               if derived.digests.get(name) != piece_digest(piece)]
     if changed or set(derived.digests) != {p.name for p in overlapping}:
-        raise CheckpointCorruptError(
+        raise CheckpointFormatError(
             f"{model_file}: the module weights of {(changed or sorted(derived.digests))[:5]} are not the ones the "
             f"master weights in {shard_file} were saved against (SHA-256 differs); the model file was edited or "
             f"replaced after the save, so the masters cannot be rebuilt. Restore the original model file, or load "

@@ -160,6 +160,11 @@ class CheckpointReader:
         """Whether ``tag_folder`` holds a zero_bnb checkpoint (complete or not)."""
         return os.path.isdir(os.path.join(tag_folder, SUBDIR))
 
+    def stored_master_bytes(self, rank: int, group_index: int) -> int:
+        """Bytes of tensor data shard ``rank`` stores for a group's masters (fp32, or residual and exceptions)."""
+        group = self._shard(rank).groups[group_index]
+        return group.fp32.nbytes if group.fp32 is not None else group.derived.nbytes
+
     def piece(self, rank: int, group_index: int, key: str) -> torch.Tensor:
         """Saved tensor ``key`` (:data:`MASTER_KEY` for the fp32 masters, rebuilt if derived) of a group from
         shard ``rank``."""

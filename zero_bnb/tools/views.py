@@ -13,6 +13,7 @@ import torch
 from zero_bnb.core.kinds import is_partitioned
 from zero_bnb.core.state_spec import StateKind
 from zero_bnb.errors import CheckpointUsageError
+from zero_bnb.format.stock_files import MODEL_STATES
 from zero_bnb.tools.checkpoint_paths import locate, open_verified, require_zero_bnb
 from zero_bnb.tools.outputs import check_output_file, replacing_file
 from zero_bnb.tools.recovery import get_fp32_state_dict_from_zero_checkpoint
@@ -26,8 +27,10 @@ OUTPUT_SUFFIXES = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch
 def inspect_checkpoint(path: str, tag: str | None = None) -> dict[str, Any]:
     """A JSON-friendly summary of a zero_bnb checkpoint (verified first).
 
-    Per group: its parameters, and per state key the kind, dtype, bytes on disk, and whether it
-    is 8-bit; plus the saved DP size, block size, optimizer, versions and total bytes.
+    Per group: its parameters, how its fp32 master weights are stored (whole, or derived from the
+    module weights in DeepSpeed's model file) and their bytes, and per state key the kind, dtype,
+    bytes on disk, and whether it is 8-bit; plus the saved DP size, block size, optimizer, versions,
+    total bytes and bytes per kind (``bytes_by_kind``).
     """
     folder_tag, reader = open_verified(path, tag, command="inspect")
     manifest = reader.manifest
@@ -43,12 +46,21 @@ def inspect_checkpoint(path: str, tag: str | None = None) -> dict[str, Any]:
                 nbytes = 0
             states.append({"key": item.key, "kind": item.kind.value, "dtype": item.dtype, "bytes": nbytes,
                            "8bit": item.dtype == "uint8", "reason": item.reason})
+        master_bytes = sum(reader.stored_master_bytes(r, index) for r in range(len(manifest.shards)))
         groups.append({
             "numel": entry.numel,
+            "masters": {"storage": entry.masters, "bytes": master_bytes},
             "parameters": [{"name": p.name, "shape": list(p.shape), "offset": p.offset} for p in entry.params],
             "states": states,
             "hyperparameters": entry.hyperparameters,
         })
+    total = sum(record.size for record in manifest.files)
+    by_kind = {
+        "master weights (shards)": sum(g["masters"]["bytes"] for g in groups),
+        "optimizer state": sum(s["bytes"] for g in groups for s in g["states"]),
+        "model file (module weights, DeepSpeed's)": sum(r.size for r in manifest.files if r.path == _model_file(manifest)),
+    }
+    by_kind["other (file framing, hyper-parameters, manifest)"] = total - sum(by_kind.values())
     return {
         "path": reader.tag_folder,
         "tag": folder_tag,
@@ -57,13 +69,18 @@ def inspect_checkpoint(path: str, tag: str | None = None) -> dict[str, Any]:
         "optimizer_class": manifest.optimizer_class,
         "optimizer_family": manifest.optimizer_spec,
         "parameters": sum(entry.numel for entry in manifest.groups),
-        "bytes": sum(record.size for record in manifest.files),
+        "bytes": total,
+        "bytes_by_kind": by_kind,
         "files": [{"path": f.path, "bytes": f.size, "sha256": f.sha256} for f in manifest.files],
         "non_finite": manifest.non_finite,
         "versions": manifest.versions,
         "format_version": manifest.format_version,
         "groups": groups,
     }
+
+
+def _model_file(manifest) -> str:
+    return manifest.module_file or MODEL_STATES
 
 
 def output_format(path: str) -> str:
