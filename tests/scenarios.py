@@ -112,15 +112,15 @@ def _adamw_pass_through(context, out):
     out["model_files:fp32"] = _model_files(workdir, "stock_adamw", "adamw", "a")
 
 
-def _model_files(workdir, stock, ours, tag):
+def _model_files(workdir, stock, ours, tag, stock_tag="a"):
     """Rank 0: the module weights in stock DeepSpeed's and zero_bnb's model files, and zero_bnb's master storage."""
     if dist.get_rank() != 0:
         return None
-    read = lambda folder: torch.load(os.path.join(workdir, folder, tag, "mp_rank_00_model_states.pt"),
-                                     weights_only=False)["module"]
+    read = lambda folder, tag: torch.load(os.path.join(workdir, folder, tag, "mp_rank_00_model_states.pt"),
+                                          weights_only=False)["module"]
     with open(os.path.join(workdir, ours, tag, "zero_bnb", "manifest.json"), encoding="utf-8") as handle:
         storages = [group["masters"] for group in json.load(handle)["groups"]]
-    return read(stock), read(ours), storages
+    return read(stock, stock_tag), read(ours, tag), storages
 
 
 def _bf16_model_files(context, out):
