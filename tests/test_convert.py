@@ -88,6 +88,35 @@ def test_inspect_summarises_the_checkpoint(work):
     assert not any(s["8bit"] for s in summary["groups"][1]["states"])
     assert {f["path"] for f in summary["files"]} >= {"mp_rank_00_model_states.pt", "zero_bnb/replicated.pt"}
     assert set(summary["versions"]) == {"zero_bnb", "torch", "deepspeed", "bitsandbytes"}
+    # fp32 training: the masters are the module weights of DeepSpeed's model file, stored nowhere else
+    assert [g["masters"] for g in summary["groups"]] == [{"storage": "module", "bytes": 0}] * 3
+    kinds = summary["bytes_by_kind"]
+    assert sum(kinds.values()) == summary["bytes"] and kinds["master weights (shards)"] == 0
+    assert kinds["optimizer state"] == sum(s["bytes"] for g in summary["groups"] for s in g["states"])
+    assert kinds["model file (module weights, DeepSpeed's)"] > 4 * 33946
+    assert "masters module" in text and "bytes: master weights (shards) 0 B" in text
+
+
+def test_checkpoints_of_format_2_with_whole_masters_still_verify_inspect_and_export(work, tmp_path):
+    """A checkpoint as zero_bnb wrote it before masters were derived (format 2: no 'masters', every master in the
+    shards) reads as it did."""
+    from hostile_scenarios import resign
+
+    workdir, runs, _, _ = work
+    _ok(runs, "from_universal")
+    old = tmp_path / "old"
+    shutil.copytree(workdir / "back", old)
+    manifest_path = next(old.glob("*/zero_bnb/manifest.json"))
+    data = json.loads(manifest_path.read_text())
+    assert [group.pop("masters") for group in data["groups"]] == ["fp32"] * 3 and data.pop("module_file") == ""
+    resign(str(manifest_path.parent), {**data, "format_version": 2})
+    assert "manifest format 2" in _ok([cli("verify", old)], 0)
+    summary = json.loads(_ok([cli("inspect", old, "--json")], 0))
+    assert summary["format_version"] == 2 and {g["masters"]["storage"] for g in summary["groups"]} == {"fp32"}
+    _ok([cli("export", old, "--to", "fp32", tmp_path / "old.safetensors")], 0)
+    _ok([cli("export", workdir / "back", "--to", "fp32", tmp_path / "new.safetensors")], 0)
+    before, after = load_file(tmp_path / "old.safetensors"), load_file(tmp_path / "new.safetensors")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_verify_exit_codes(work, tmp_path):
