@@ -1,5 +1,6 @@
 """The on-disk checkpoint format and its safe I/O: the manifest and its validation (``manifest``),
-the shard and replicated payload records with their checks, reader and writer (``payload``),
+the shard and replicated payload records with their checks, reader and writer (``payload``), how
+master weights are stored, whole or derived from the module weights, and rebuilt (``masters``),
 durable fsynced and hashed writes (``durable``), file and checksum checks
 (``integrity``), names that stay inside their folder (``paths``), ``weights_only`` loading
 (``unpickle``), the save-folder lock (``lock``), tags and pointer files (``tags``), the loss
