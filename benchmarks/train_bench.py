@@ -27,6 +27,7 @@ Writes ``benchmarks/results/<mode>.json`` (with machine, versions, date), ``<mod
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -43,6 +44,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import GPT, PRESETS, batch
 from report import summarise, write_reports
+
+from zero_bnb.core.config import ZeroBnbConfig
 
 VARIANTS = ("stock-adamw", "stock-adam8bit", "zero_bnb")
 LR = 1e-4
@@ -311,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
                      "deepspeed": deepspeed.__version__, "bitsandbytes": bitsandbytes.__version__,
                      "python": platform.python_version()},
         "settings": {k: v for k, v in vars(args).items() if k not in ("model", "out")},
+        # the zero_bnb variant's config keys: none are set, so every zero_bnb key has its default (masters derived
+        # from the module weights, which stay in DeepSpeed's model file)
+        "zero_bnb_config": dataclasses.asdict(ZeroBnbConfig()),
         "results": rows,
     }
     default_precision = "fp32" if cpu else "bf16"
