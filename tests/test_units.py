@@ -341,3 +341,32 @@ def test_a_pinned_folder_with_more_files_than_it_holds_open_still_reads_only_the
     assert len(os.listdir("/proc/self/fd")) - descriptors == MAX_HELD + 2
     folder.close()
     assert len(os.listdir("/proc/self/fd")) == descriptors
+
+
+def _signed(data: dict) -> str:
+    """Manifest JSON ``data`` with a valid self-checksum, as anyone can write it."""
+    import hashlib
+
+    data = {key: value for key, value in data.items() if key != "manifest_sha256"}
+    text = json.dumps({"manifest_sha256": "0" * 64, **data}, indent=1)
+    return text.replace("0" * 64, hashlib.sha256(text.encode("utf-8")).hexdigest(), 1)
+
+
+@pytest.mark.parametrize("field,value", [("files", -1), ("groups", 7), ("module_file", 3)])
+def test_a_re_signed_manifest_with_a_scalar_for_a_list_is_refused_not_crashed_on(field, value):
+    data = json.loads(_manifest().to_json())
+    data[field] = value
+    with pytest.raises(CheckpointFormatError, match=f"{field} must be"):
+        Manifest.from_json(_signed(data))
+
+
+def test_derived_masters_need_a_listed_module_file_and_a_known_storage():
+    derived = _manifest().groups[0].__class__(**{**{f: getattr(_manifest().groups[0], f) for f in (
+        "numel", "params", "states", "element_ranges", "block_ranges", "hyperparameters")}, "masters": "module+low16"})
+    with pytest.raises(CheckpointFormatError, match="module_file.*is not listed in the manifest's files"):
+        _manifest(groups=(derived,)).validate()
+    _manifest(groups=(derived,), module_file="zero_bnb/shard_00000-of-00001.pt").validate()  # listed: accepted
+    data = json.loads(_manifest().to_json())
+    data["groups"][0]["masters"] = "fp8"
+    with pytest.raises(CheckpointFormatError, match=r"masters='fp8' is invalid: it must be one of"):
+        Manifest.from_json(_signed(data))

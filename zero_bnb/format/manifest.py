@@ -312,14 +312,15 @@ class Manifest:
         if len(counts) != sum(counts.values()):
             fail("groups[*].params[*].name", sorted(n for n, count in counts.items() if count > 1)[:5],
                  "every parameter name must appear once")
+        for g, group in enumerate(self.groups):
+            if group.masters not in STORAGES:
+                fail(f"groups[{g}].masters", group.masters, f"it must be one of {list(STORAGES)}")
         derived = [g for g, group in enumerate(self.groups) if group.masters != FULL]
         if derived and self.module_file not in {record.path for record in self.files}:
             fail("module_file", self.module_file, f"groups {derived[:5]} derive their masters from its module weights, "
                                                   f"but {self.module_file or 'it'} is not listed in the manifest's files")
         for g, group in enumerate(self.groups):
             where = f"groups[{g}]"
-            if group.masters not in STORAGES:
-                fail(f"{where}.masters", group.masters, f"it must be one of {list(STORAGES)}")
             keys = [state.key for state in group.states]
             if len(set(keys)) != len(keys) or MASTER_KEY in keys:
                 fail(f"{where}.states[*].key", keys, f"state keys must be unique and not {MASTER_KEY!r}")
@@ -404,31 +405,36 @@ def _is(value: Any, kind: type | tuple[type, ...]) -> bool:
     return isinstance(value, kind) and not (isinstance(value, bool) and kind is int)
 
 
+def _items(value: Any) -> list:
+    """``value`` if it is a JSON array, else ``[]`` (its type is reported on its own)."""
+    return value if isinstance(value, list) else []
+
+
 def _check_types(data: dict[str, Any], source: str) -> None:
     """Every field the readers index or compute with has its JSON type (bools are not ints)."""
     problems = [f"{name} must be {getattr(kind, '__name__', kind)}" for name, kind in _FIELD_TYPES.items()
                 if not _is(data.get(name), kind)]
     problems += [f"{name} must be {kind.__name__}" for name, kind in _OPTIONAL_TYPES.items()
                  if name in data and not _is(data[name], kind)]
-    for g, group in enumerate(data.get("groups") or []):
+    for g, group in enumerate(_items(data.get("groups"))):
         if not isinstance(group, dict):
             problems.append(f"groups[{g}] must be an object")
             continue
         ints = [("numel", group.get("numel"))]
-        ints += [(f"params[{p}].offset", param.get("offset")) for p, param in enumerate(group.get("params") or [])
+        ints += [(f"params[{p}].offset", param.get("offset")) for p, param in enumerate(_items(group.get("params")))
                  if isinstance(param, dict)]
-        ints += [(f"params[{p}].shape", size) for p, param in enumerate(group.get("params") or [])
+        ints += [(f"params[{p}].shape", size) for p, param in enumerate(_items(group.get("params")))
                  if isinstance(param, dict) for size in (param.get("shape") if isinstance(param.get("shape"), list) else [None])]
         ints += [(name, bound) for name in ("element_ranges", "block_ranges")
                  for pair in (group.get(name) if isinstance(group.get(name), list) else [[None]])
                  for bound in (pair if isinstance(pair, list) else [None])]
-        ints += [(f"states[{s}].lead", size) for s, state in enumerate(group.get("states") or [])
+        ints += [(f"states[{s}].lead", size) for s, state in enumerate(_items(group.get("states")))
                  if isinstance(state, dict) for size in (state.get("lead", []) if isinstance(state.get("lead", []), list) else [None])]
         problems += [f"groups[{g}].{name} must hold integers" for name, value in ints if not _is(value, int)]
-        strings = [(f"params[{p}].name", param.get("name")) for p, param in enumerate(group.get("params") or [])
+        strings = [(f"params[{p}].name", param.get("name")) for p, param in enumerate(_items(group.get("params")))
                    if isinstance(param, dict)]
         strings += [("masters", group.get("masters", FULL))]
-        strings += [(f"states[{s}].{key}", state.get(key)) for s, state in enumerate(group.get("states") or [])
+        strings += [(f"states[{s}].{key}", state.get(key)) for s, state in enumerate(_items(group.get("states")))
                     if isinstance(state, dict) for key in ("key", "dtype", "reason")]
         problems += [f"groups[{g}].{name} must be a string" for name, value in strings if not isinstance(value, str)]
     batch = data.get("batch", {})
@@ -439,7 +445,7 @@ def _check_types(data: dict[str, Any], source: str) -> None:
     if isinstance(non_finite, dict) and not all(isinstance(v, list) and all(isinstance(k, str) for k in v)
                                                 for v in non_finite.values()):
         problems.append("non_finite must map parameter names to lists of strings")
-    for f, record in enumerate(data.get("files") or []):
+    for f, record in enumerate(_items(data.get("files"))):
         if not (isinstance(record, dict) and isinstance(record.get("path"), str) and _is(record.get("size"), int)
                 and isinstance(record.get("sha256"), str)):
             problems.append(f"files[{f}] must be {{path: string, size: integer, sha256: string}}")
