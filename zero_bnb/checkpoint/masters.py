@@ -4,7 +4,7 @@ DeepSpeed writes every trained module weight into its model file; in fp32 traini
 is the master, in bf16 training it is the master rounded to nearest even (``bit16.copy_(fp32)``
 after every step). A group whose module weights are exactly that on every rank stores its masters
 derived from them (fp32: nothing more; bf16: 16 bits each plus a short exception list); any other
-group (fp16, ``zero_derived_module_weights``, a parameter missing from the model file, weights
+group (fp16, ZeRO stage 3, ``zero_derived_module_weights``, a parameter missing from the model file, weights
 loaded or changed after the last step) stores them whole. Every rank learns the same choice.
 """
 
@@ -47,6 +47,8 @@ def _candidate(optimizer: PartitionedOptimizer, group_index: int, weights: Mappi
     params = optimizer.group_params(group_index)
     if weights is None:
         return FULL, "zero_derived_module_weights leaves the module weights out of the model file"
+    if optimizer.module_weights_partitioned:
+        return FULL, "at ZeRO stage 3 DeepSpeed's model file holds placeholders, not the module weights"
     storage = _STORAGE_BY_DTYPE.get(params[0].dtype, FULL) if params else FULL
     if storage == FULL:
         return FULL, f"its module weights are {params[0].dtype if params else 'absent'}"
@@ -54,6 +56,20 @@ def _candidate(optimizer: PartitionedOptimizer, group_index: int, weights: Mappi
     if absent:
         return FULL, f"parameters {absent[:3]} are not in DeepSpeed's model file under their names"
     return storage, ""
+
+
+def _derive_local(optimizer: PartitionedOptimizer, index: int, weights: Mapping[str, torch.Tensor], names: dict,
+                  storage: str) -> tuple[DerivedMasters | None, int, str]:
+    """This rank's derived part of group ``index`` (``None`` and why when its weights are not the rounded masters)."""
+    start, end = optimizer.geometry(index).element_ranges()[optimizer.dp_rank]
+    params = optimizer.param_entries(index, names)
+    master = optimizer.master_partition(index).detach()[: end - start].to("cpu")
+    by_name = {p.name: weights[p.name].detach() for p in params}
+    weight = module_slice(params, by_name, start, end)
+    if not rounds_to(master, weight):
+        return None, 0, _NOT_ROUNDING
+    derived = derive(storage, master, weight, params, by_name, start, end)
+    return derived, 0 if derived.residual is None else derived.residual.index.numel(), ""
 
 
 def plan_masters(optimizer: PartitionedOptimizer, weights: Mapping[str, torch.Tensor] | None,
@@ -75,17 +91,12 @@ def plan_masters(optimizer: PartitionedOptimizer, weights: Mapping[str, torch.Te
         storage, reason = _candidate(optimizer, index, weights, names)
         derived, exceptions = None, 0
         if storage != FULL:
-            geometry = optimizer.geometry(index)
-            start, end = geometry.element_ranges()[rank]
-            params = optimizer.param_entries(index, names)
-            master = optimizer.master_partition(index).detach()[: end - start].to("cpu")
-            by_name = {p.name: weights[p.name].detach() for p in params}
-            weight = module_slice(params, by_name, start, end)
-            if rounds_to(master, weight):
-                derived = derive(storage, master, weight, params, by_name, start, end)
-                exceptions = 0 if derived.residual is None else derived.residual.index.numel()
-            else:
-                reason = _NOT_ROUNDING
+            try:
+                derived, exceptions, reason = _derive_local(optimizer, index, weights, names, storage)
+            except Exception as error:  # noqa: BLE001  (one rank's failure must not strand the others below)
+                logger.warning("zero_bnb: group %d stores its fp32 master weights whole: deriving them on rank %d "
+                               "failed: %r", index, rank, error)
+                derived, exceptions, reason = None, 0, f"deriving them failed on rank {rank}: {error!r}"
         plans.append((storage, reason, derived))
         local.append((derived is not None or storage == FULL, exceptions))
     gathered: list[Any] = [None] * optimizer.dp_size
