@@ -4,7 +4,7 @@ DeepSpeed writes every trained module weight into its model file; in fp32 traini
 is the master, in bf16 training it is the master rounded to nearest even (``bit16.copy_(fp32)``
 after every step). A group whose module weights are exactly that on every rank stores its masters
 derived from them (fp32: nothing more; bf16: 16 bits each plus a short exception list); any other
-group (fp16, ZeRO stage 3, ``zero_derived_module_weights``, a parameter missing from the model file, weights
+group (fp16, ``zero_derived_module_weights``, ZeRO stage 3, a parameter missing from the model file, weights
 loaded or changed after the last step) stores them whole. Every rank learns the same choice.
 """
 
@@ -46,9 +46,8 @@ def _candidate(optimizer: PartitionedOptimizer, group_index: int, weights: Mappi
     """The storage a group could use, and why not when it cannot (same answer on every rank)."""
     params = optimizer.group_params(group_index)
     if weights is None:
-        return FULL, "zero_derived_module_weights leaves the module weights out of the model file"
-    if optimizer.module_weights_partitioned:
-        return FULL, "at ZeRO stage 3 DeepSpeed's model file holds placeholders, not the module weights"
+        return FULL, ("DeepSpeed's model file holds no module weights to derive them from (zero_derived_module_weights, "
+                      "or ZeRO stage 3)")
     storage = _STORAGE_BY_DTYPE.get(params[0].dtype, FULL) if params else FULL
     if storage == FULL:
         return FULL, f"its module weights are {params[0].dtype if params else 'absent'}"

@@ -288,9 +288,10 @@ class ZeroBnbEngine(DeepSpeedEngine):
             self._zero_bnb_dropped = set()
 
     def _saved_module_weights(self, exclude_frozen_parameters: bool) -> dict[str, Any] | None:
-        """The parameters DeepSpeed's model file will hold, by state-dict key (``None`` with
-        ``zero_derived_module_weights``, which leaves them out): the master weights derive from them."""
-        if self.zero_bnb_config.derived_module_weights:
+        """The parameters DeepSpeed's model file will hold, by state-dict key: the master weights derive from them.
+        ``None`` where it holds none: ``zero_derived_module_weights`` leaves them out, and at ZeRO stage 3 the
+        module's parameters are partitioned placeholders (DeepSpeed names that model file per rank)."""
+        if self.zero_bnb_config.derived_module_weights or self.zero_optimization_partition_weights():
             return None
         return self.module_state_dict(keep_vars=True, exclude_frozen_parameters=exclude_frozen_parameters)
 
