@@ -88,7 +88,7 @@ def test_disable_without_enable_is_a_no_op(user_wrapper):
 
 
 def test_exception_inside_enabled_block_restores_everything(user_wrapper):
-    with pytest.raises(ZeroBnbConfigError, match="stages 1 and 2"):
+    with pytest.raises(ZeroBnbConfigError, match=r"stages 1, 2 and 3, but the config has zero_optimization.stage=0"):
         with zero_bnb.enabled():
             assert zero_bnb.is_enabled()
             _call(STAGE_0)  # zero_bnb refuses stage 0: proof the call was routed to it
