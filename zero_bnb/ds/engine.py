@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -369,7 +370,12 @@ class ZeroBnbEngine(DeepSpeedEngine):
             opened.close()  # everything is read (shards stay memory-mapped)
         saved = opened.saved
         self._zero_bnb_plan = plan
-        self.checkpoint_engine.planned = {plan.model_file: plan.model_states}
+        # DeepSpeed asserts that the model file's path exists before it "reads" it (state_dict_factory.py); a re-save
+        # of the tag can move the folder away at that moment on one rank only, which would fail that rank alone
+        # after the plan was agreed. It is handed an empty private file standing in for the planned model states.
+        stand_in = tempfile.NamedTemporaryFile(prefix="zero_bnb_planned_model_states_", suffix=".pt")
+        self._zero_bnb_model_stand_in = stand_in.name
+        self.checkpoint_engine.planned = {stand_in.name: plan.model_states}
         warn_if_batch_changed(saved.manifest, self, os.path.join(load_dir, folder_tag), self.zero_bnb_front_door)
         self.zero_bnb_loaded_batch = dict(saved.manifest.batch) or None
         partitioned = self.optimizer.module_weights_partitioned
@@ -388,6 +394,9 @@ class ZeroBnbEngine(DeepSpeedEngine):
         finally:
             self._zero_bnb_plan = None
             self.checkpoint_engine.planned = None
+            stand_in.close()
+        if result[0] == stand_in.name:
+            result = (plan.model_file, *result[1:])
         if not optimizer_states:
             # DeepSpeed rebuilt the fp32 masters from the module's (maybe bf16) weights; the exact ones are on disk.
             apply_masters(self.optimizer, plan.optimizer)
@@ -413,8 +422,8 @@ class ZeroBnbEngine(DeepSpeedEngine):
 
     def _get_all_ckpt_names(self, checkpoints_path, tag):
         plan: LoadPlan | None = getattr(self, "_zero_bnb_plan", None)
-        if plan is not None:  # the model file the plan read, not whatever a glob finds there now
-            return [plan.model_file]
+        if plan is not None:  # the model file the plan read (its stand-in), not whatever a glob finds there now
+            return [self._zero_bnb_model_stand_in]
         return super()._get_all_ckpt_names(checkpoints_path, tag)
 
     def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
