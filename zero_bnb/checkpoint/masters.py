@@ -80,7 +80,7 @@ def plan_masters(optimizer: PartitionedOptimizer, weights: Mapping[str, torch.Te
     Args:
         optimizer: the engine's ZeRO optimizer.
         weights: the module weights DeepSpeed's model file will hold, by parameter name (the trained
-            parameters themselves), or ``None`` if it holds none (``zero_derived_module_weights``).
+            parameters themselves), or ``None`` if it holds none (``zero_derived_module_weights``, ZeRO stage 3).
         names: parameter -> name (``engine.param_names``).
     """
     rank = optimizer.dp_rank

@@ -369,16 +369,15 @@ class ZeroBnbEngine(DeepSpeedEngine):
         finally:
             opened.close()  # everything is read (shards stay memory-mapped)
         saved = opened.saved
+        warn_if_batch_changed(saved.manifest, self, os.path.join(load_dir, folder_tag), self.zero_bnb_front_door)
+        self.zero_bnb_loaded_batch = dict(saved.manifest.batch) or None
+        partitioned = self.optimizer.module_weights_partitioned
         self._zero_bnb_plan = plan
         # DeepSpeed asserts that the model file's path exists before it "reads" it (state_dict_factory.py); a re-save
         # of the tag can move the folder away at that moment on one rank only, which would fail that rank alone
         # after the plan was agreed. It is handed an empty private file standing in for the planned model states.
         stand_in = tempfile.NamedTemporaryFile(prefix="zero_bnb_planned_model_states_", suffix=".pt")
-        self._zero_bnb_model_stand_in = stand_in.name
         self.checkpoint_engine.planned = {stand_in.name: plan.model_states}
-        warn_if_batch_changed(saved.manifest, self, os.path.join(load_dir, folder_tag), self.zero_bnb_front_door)
-        self.zero_bnb_loaded_batch = dict(saved.manifest.batch) or None
-        partitioned = self.optimizer.module_weights_partitioned
         try:
             result = super().load_checkpoint(
                 load_dir,
@@ -421,9 +420,9 @@ class ZeroBnbEngine(DeepSpeedEngine):
         return stage3 if self.zero_optimization_partition_weights() else stage12
 
     def _get_all_ckpt_names(self, checkpoints_path, tag):
-        plan: LoadPlan | None = getattr(self, "_zero_bnb_plan", None)
-        if plan is not None:  # the model file the plan read (its stand-in), not whatever a glob finds there now
-            return [self._zero_bnb_model_stand_in]
+        planned = self.checkpoint_engine.planned
+        if planned is not None:  # the model file the plan read (its stand-in), not whatever a glob finds there now
+            return list(planned)
         return super()._get_all_ckpt_names(checkpoints_path, tag)
 
     def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):

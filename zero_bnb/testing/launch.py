@@ -37,7 +37,7 @@ def init_worker(rank: int, world_size: int, store: str) -> None:
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS="1",
+        **_CHILD_ENV,  # already set by run_distributed; processes started another way get it here
     )
     import deepspeed
     import torch
