@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 
+import numpy
 import torch
 import torch.distributed as dist
 from scenarios import OPTIMIZERS, _error, make_engine, run_phases
@@ -481,6 +482,22 @@ def _data_efficiency_entries(c, out):
     out["data_sampler_missing"] = _error(lambda: sampled.load_checkpoint(save, tag="A"))
     out["data_sampler_missing_unchanged"] = bool(_same(sampled, snapshot)) and repr(sampler.state_dict()) == sampler_state
     out["data_sampler_class"] = type(sampler).__name__
+    # A checkpoint of its own carries the sampler's state, NumPy's random state included (an array): it loads.
+    sampler_dir = os.path.join(workdir, "data_sampler")
+    sampled.save_checkpoint(sampler_dir, tag="S")
+    out["data_sampler_saved"] = _sampler_state(sampler)  # rank 0's is in the model file (DeepSpeed's choice)
+    sampler.consumed_samples += 7
+    numpy.random.seed(1234 + rank)
+    out["data_sampler_changed"] = _sampler_state(sampler)
+    out["data_sampler_load"] = _error(lambda: sampled.load_checkpoint(sampler_dir, tag="S"))
+    out["data_sampler_loaded"] = _sampler_state(sampler)
+
+
+def _sampler_state(sampler) -> str:
+    """A curriculum data sampler's state, NumPy's random state spelled out in full."""
+    state = dict(sampler.state_dict())
+    kind, keys, *rest = state.pop("np_rng_state")
+    return repr((sorted(state.items()), kind, keys.tolist(), rest))
 
 
 def _tampered_values(c, out):

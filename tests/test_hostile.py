@@ -536,6 +536,10 @@ def test_random_ltd_and_data_sampler_entries_the_engine_cannot_load_are_refused_
     assert sampler.startswith("CheckpointMismatchError:") and "curriculum data sampler" in sampler, sampler
     assert "holds None" in sampler and "np_rng_state" in sampler and "load_module_only=True" in sampler, sampler
     assert all(out["data_sampler_missing_unchanged"] for out in ranks)
+    # Its own checkpoint (NumPy's random state pickled in the model file) loads and restores the sampler.
+    assert _same(ranks, "data_sampler_load") is None
+    assert all(out["data_sampler_loaded"] == ranks[0]["data_sampler_saved"] != out["data_sampler_changed"]
+               for out in ranks)
 
 
 def test_a_load_during_a_resave_of_its_tag_loads_one_whole_checkpoint_or_says_it_was_replaced(ranks):

@@ -370,3 +370,24 @@ def test_derived_masters_need_a_listed_module_file_and_a_known_storage():
     data["groups"][0]["masters"] = "fp8"
     with pytest.raises(CheckpointFormatError, match=r"masters='fp8' is invalid: it must be one of"):
         Manifest.from_json(_signed(data))
+
+
+def test_safe_load_reads_numpy_random_state_in_deepspeed_files_and_nothing_more(tmp_path):
+    """A curriculum data sampler pickles numpy.random.get_state() (an array) into DeepSpeed's model file."""
+    import numpy
+
+    from zero_bnb.format.unpickle import safe_load
+
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    state = numpy.random.RandomState(5).get_state()
+    torch.save({"np_rng_state": state, "step": numpy.int64(3), "half": numpy.arange(4, dtype=numpy.float16)}, path)
+    loaded = safe_load(str(path), "DeepSpeed model file", deepspeed_classes=True)
+    assert loaded["np_rng_state"][0] == "MT19937" and numpy.array_equal(loaded["np_rng_state"][1], state[1])
+    assert loaded["step"] == 3 and loaded["half"].dtype == numpy.float16
+    # zero_bnb's own files never hold NumPy objects: refused there, naming the class and the way to allow it.
+    with pytest.raises(CheckpointFormatError, match=r"multiarray\._reconstruct.*add_safe_globals"):
+        safe_load(str(path), "shard file")
+    # Object arrays stay refused, named by their dtype class (not called a damaged file).
+    torch.save({"objects": numpy.array([None, 1], dtype=object)}, path)
+    with pytest.raises(CheckpointFormatError, match=r"class numpy\.dtypes\.ObjectDType.*add_safe_globals"):
+        safe_load(str(path), "DeepSpeed model file", deepspeed_classes=True)

@@ -7,9 +7,11 @@ checksum proves that a file is the one the manifest names, not that its author i
 so no file is ever unpickled with ``weights_only=False``.
 
 DeepSpeed pickles a few of its own classes into its files (the fp16 loss scaler, ZeRO's
-stage enum, tensor-fragment addresses). Those, and only those, are allowed by name
-(:data:`DEEPSPEED_GLOBALS`); they are plain records whose unpickling runs no code of the
-file's choosing. Anything else is refused with :class:`~zero_bnb.errors.CheckpointFormatError`
+stage enum, tensor-fragment addresses) and, with curriculum learning, NumPy's random state
+(an array and scalars). Those, and only those, are allowed by name (:data:`DEEPSPEED_GLOBALS`,
+:func:`_numpy_globals`); they are plain records whose unpickling runs no code of the file's
+choosing (a NumPy array is rebuilt from its raw bytes, and the objects of an object array are
+themselves unpickled under the same rules). Anything else is refused with :class:`~zero_bnb.errors.CheckpointFormatError`
 naming the class. A user who trusts a file that holds other classes (in a ``client_state``,
 say) allows them explicitly with ``torch.serialization.add_safe_globals``.
 
@@ -52,12 +54,28 @@ DEEPSPEED_GLOBALS = (
 #: errnos that come from the machine reading a file (permissions, descriptor limits, storage), not its content.
 _MACHINE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFILE, errno.EIO, errno.ENOMEM})
 
-_GLOBAL_PATTERN = re.compile(r"GLOBAL ([\w.]+)")
+#: How torch's weights-only unpickler names a refused class: a global it would import, or a type it would build.
+_GLOBAL_PATTERN = re.compile(r"GLOBAL ([\w.]+)|but got <class '([\w.]+)'>")
+
+
+def _numpy_globals() -> list[Any]:
+    """NumPy's array and scalar rebuilders (``numpy.random.get_state()`` in a curriculum data sampler's state).
+
+    Found through NumPy's own pickling, since their module moved in NumPy 2 (``numpy._core``).
+    """
+    try:
+        import numpy
+    except ImportError:  # no NumPy: no file this process could have written holds NumPy objects
+        return []
+    numeric = numpy.typecodes["AllInteger"] + numpy.typecodes["AllFloat"] + "?"  # no object or structured dtypes
+    dtype_classes = {type(numpy.dtype(code)) for code in numeric}
+    return [numpy.ndarray, numpy.dtype, numpy.zeros(0).__reduce__()[0], numpy.float32(0).__reduce__()[0],
+            *sorted(dtype_classes, key=lambda cls: cls.__name__)]
 
 
 def _deepspeed_globals() -> list[Any]:
     """The allowed DeepSpeed classes, imported on first need (reading zero_bnb's own files needs none)."""
-    found = []
+    found = _numpy_globals()
     for qualified in DEEPSPEED_GLOBALS:
         module, _, name = qualified.rpartition(".")
         try:
@@ -165,14 +183,15 @@ def _unpickle(source: str | BinaryIO, what: str, shown: str, *, mmap: bool, deep
             loaded = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         match = _GLOBAL_PATTERN.search(str(error))
-        if match is None:
+        refused = match and (match.group(1) or match.group(2))
+        if not refused:
             raise CheckpointCorruptError(
                 f"{what} {shown} cannot be read (UnpicklingError: {str(error).splitlines()[0]}); the file is damaged"
             ) from error
         raise CheckpointFormatError(
-            f"{what} {shown} holds a pickled object of class {match.group(1)}, which zero_bnb does not unpickle "
+            f"{what} {shown} holds a pickled object of class {refused}, which zero_bnb does not unpickle "
             f"because unpickling it could run code from the file. If you wrote this file yourself and trust it, "
-            f"allow the class before loading: torch.serialization.add_safe_globals([{match.group(1)}])"
+            f"allow the class before loading: torch.serialization.add_safe_globals([{refused}])"
         ) from error
     except (OSError, MemoryError) as error:
         if not isinstance(error, MemoryError) and error.errno not in _MACHINE_ERRNOS:
