@@ -587,7 +587,7 @@ def test_two_jobs_saving_into_one_folder_never_mix_their_checkpoints(tmp_path):
     for job in jobs:
         for outcome in job["results"]:
             assert outcome is None or ("another job is writing" in outcome and "pid" in outcome), outcome
-    assert sum(outcome is None for job in jobs for outcome in job["results"]) >= 5
+    assert [sum(outcome is None for outcome in job["results"]) for job in jobs] == [5, 5]
     reader = zero_bnb.verify_checkpoint(str(tmp_path / "shared"))  # whoever published last: whole and consistent
     reader.preload()
     weights = {}
