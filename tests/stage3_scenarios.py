@@ -1,8 +1,10 @@
 """ZeRO stage 3 scenarios: one launch per DP size, each running many phases (see ``scenarios.run_phases``).
 
-``stage3_dp2`` trains and saves (Adam8bit fp32, Lion8bit, Adam8bit bf16, Adam8bit under ``deepspeed.zero.Init``)
-and keeps training uninterrupted; ``stage3_resume`` loads those checkpoints at another DP size and keeps
-training. Rank 0 of each launch writes ``stage3_dp{world}.pt`` for the tests to read.
+``stage3_dp2`` trains and saves every case of :data:`CASES` (8-bit families, a 32-bit one and torch AdamW, bf16,
+``deepspeed.zero.Init``, optimizer offload, optimizer + parameter offload) and keeps training uninterrupted;
+``stage3_resume`` loads those checkpoints at another DP size and keeps training: offloaded ones offloaded at DP=3
+and without offload at DP=1, and one saved without offload into an offloaded engine at DP=3. Rank 0 of each launch
+writes ``stage3_dp{world}.pt`` for the tests to read.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import os
 import deepspeed
 import torch
 import torch.distributed as dist
-from scenarios import OPTIMIZERS, _save_result, make_engine, run_phases
+from optimizer_scenarios import OPTIMIZERS
+from scenarios import _save_result, make_engine, run_phases
 
 import zero_bnb
 from zero_bnb.testing.consolidate import consolidated_state
@@ -22,6 +25,11 @@ from zero_bnb.testing.toy import build_model, param_groups, train_steps
 
 STEPS_BEFORE, STEPS_AFTER = 3, 3
 
+#: Optimizer offload as a user writes it (pinned memory is a no-op without CUDA).
+OFFLOAD = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
+#: Optimizer and parameter offload (ZeRO-Infinity without NVMe).
+OFFLOAD_ALL = {**OFFLOAD, "offload_param": {"device": "cpu", "pin_memory": True}}
+
 #: name -> (optimizer, extra config, whether the model is built under deepspeed.zero.Init)
 CASES = {
     "adam8bit": ("Adam8bit", {}, False),
@@ -29,7 +37,13 @@ CASES = {
     "adamw8bit": ("AdamW8bit", {}, False),
     "bf16": ("Adam8bit", {"bf16": {"enabled": True}}, False),
     "zero_init": ("Adam8bit", {}, True),
+    "adam32bit": ("Adam32bit", {}, False),
+    "torch_adamw": ("torch.AdamW", {}, False),
+    "offload": ("Adam8bit", {"zero_optimization": OFFLOAD}, False),
+    "offload_all": ("AdamW8bit", {"bf16": {"enabled": True}, "zero_optimization": OFFLOAD_ALL}, True),
 }
+#: Offloaded cases resume at DP=1 without offload (and at DP=3 offloaded): the files are the same either way.
+OFFLOADED = tuple(case for case, (_, extra, _) in CASES.items() if extra.get("zero_optimization"))
 
 
 def stage3_config(dp: int, **extra) -> dict:
@@ -38,9 +52,15 @@ def stage3_config(dp: int, **extra) -> dict:
     return config
 
 
-def stage3_engine(dp: int, case: str):
-    """The toy model and optimizer under zero_bnb at ZeRO stage 3. Collective."""
+def stage3_engine(dp: int, case: str, offload: bool | str = True):
+    """The toy model and optimizer under zero_bnb at ZeRO stage 3; ``offload=False`` drops the case's offload
+    sections, ``offload="optimizer"`` puts the model of a case without one under optimizer offload. Collective."""
     optimizer_name, extra, zero_init = CASES[case]
+    if offload is False:
+        extra = {**extra, "zero_optimization": {key: value for key, value in extra.get("zero_optimization", {}).items()
+                                                if not key.startswith("offload")}}
+    elif offload == "optimizer":
+        extra = {**extra, "zero_optimization": OFFLOAD}
     config = stage3_config(dp, **extra)
     if zero_init:
         with deepspeed.zero.Init(config_dict_or_path=config):
@@ -69,22 +89,41 @@ def _train_save(case: str):
         engine.load_checkpoint(os.path.join(workdir, case), tag="mid")
         reloaded = consolidated_state(engine)
         out[case] = {"saved": saved, "final": final, "reloaded": reloaded, "losses": losses + after,
-                     "global_steps": engine.global_steps}
+                     "global_steps": engine.global_steps, "offloaded": _offloaded(engine)}
     phase.__name__ = f"train_save_{case}"
     return phase
 
 
-def _resume(case: str):
+def _offloaded(engine) -> dict:
+    """Where DeepSpeed keeps this engine's masters and state: the offload flags and the devices."""
+    optimizer = engine.optimizer
+    states = [value for state in optimizer.optimizer.state.values() for value in state.values()
+              if isinstance(value, torch.Tensor)]
+    return {"offload_optimizer": bool(optimizer.offload_optimizer), "offload_param": bool(optimizer.offload_param),
+            "devices": sorted({str(t.device) for t in [*optimizer.fp32_partitioned_groups_flat, *states]})}
+
+
+def _fused_steps(optimizer) -> int | None:
+    """How many updates the fused CPU 8-bit kernel made (``None``: not installed, e.g. torch AdamW)."""
+    update = optimizer.__dict__.get("update_step")
+    update = getattr(update, "original", update)  # ChunkedUpdate wraps the CpuUpdate
+    return getattr(update, "fused_steps", None)
+
+
+def _resume(case: str, offload: bool | str = True, name: str | None = None):
+    """Load case ``case``'s checkpoint into its engine (``offload``: see :func:`stage3_engine`) and keep training;
+    the results go under ``name`` (default: ``case``)."""
     def phase(context, out):
         world, workdir = context["world"], context["workdir"]
-        engine = stage3_engine(world, case)
+        engine = stage3_engine(world, case, offload=offload)
         engine.load_checkpoint(os.path.join(workdir, case))
         loaded = consolidated_state(engine)
         global_steps = engine.global_steps
         after = train_steps(engine, RUN, STEPS_BEFORE, STEPS_AFTER)
-        out[case] = {"loaded": loaded, "final": consolidated_state(engine), "losses": after,
-                     "global_steps": global_steps}
-    phase.__name__ = f"resume_{case}"
+        out[name or case] = {"loaded": loaded, "final": consolidated_state(engine), "losses": after,
+                     "global_steps": global_steps, "offloaded": _offloaded(engine),
+                     "fused_steps": _fused_steps(engine.optimizer.optimizer)}
+    phase.__name__ = f"resume_{name or case}"
     return phase
 
 
@@ -131,9 +170,11 @@ def stage3_dp2(rank, world, workdir):
 
 def stage3_resume(rank, world, workdir):
     out: dict = {}
-    phases = [_resume(case) for case in CASES]
+    # Offloaded checkpoints load offloaded at DP=3 and without offload at DP=1; one saved without offload loads
+    # offloaded at DP=3.
+    phases = [_resume(case, offload=world != 1 or case not in OFFLOADED) for case in CASES]
     if world == 3:
-        phases += [_across_stages, _module_only]
+        phases += [_resume("adam8bit", offload="optimizer", name="adam8bit_offloaded"), _across_stages, _module_only]
     run_phases(out, {"world": world, "workdir": workdir}, *phases)
     out["partitions"] = _partition_sizes(stage3_engine(world, "adam8bit"))
     _save_result(os.path.join(workdir, f"stage3_dp{world}.pt"), out)

@@ -27,7 +27,7 @@ from zero_bnb.testing.consolidate import state_differences
 from zero_bnb.testing.launch import run_distributed
 
 CASES = tuple(stage3_scenarios.CASES)
-STEPS_BEFORE = stage3_scenarios.STEPS_BEFORE
+STEPS_BEFORE, STEPS_AFTER = stage3_scenarios.STEPS_BEFORE, stage3_scenarios.STEPS_AFTER
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +81,21 @@ def test_reload_into_the_same_engine_returns_to_the_saved_state(runs, case):
     assert reference["global_steps"] == STEPS_BEFORE
 
 
+#: The state dtype of each group (parameter) in the toy's order: weight 0, weight 1, three biases, weight 2.
+EIGHT_BIT = [torch.uint8, torch.uint8, torch.float32, torch.float32, torch.float32, torch.uint8]
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_precision_is_decided_on_the_whole_parameter(runs, case):
-    """Weights (>= 4096 elements) hold 8-bit state, biases fp32, at every DP size (no conversion on resume)."""
+    """Weights (>= 4096 elements) hold 8-bit state, biases fp32, at every DP size (no conversion on resume): the
+    last weight (8,640 elements) is a 2,944-element slice at DP=3, which bitsandbytes alone would keep in fp32.
+    The 32-bit variant and torch AdamW hold fp32 state everywhere."""
+    key = "exp_avg" if case == "torch_adamw" else "state1"
+    expected = [torch.float32] * 6 if case in ("adam32bit", "torch_adamw") else EIGHT_BIT
     for dp in (2, 3, 1):
         raw = _case(runs, 2, case)["saved"]["raw"] if dp == 2 else _case(runs, dp, case)["loaded"]["raw"]
-        kinds = [group["state1"].dtype for group in raw]
-        assert kinds == [torch.uint8, torch.uint8, torch.float32, torch.float32, torch.float32, torch.uint8], (dp, kinds)
+        kinds = [group[key].dtype for group in raw]
+        assert kinds == expected, (dp, kinds)
 
 
 @pytest.mark.parametrize("dp", [3, 1])
@@ -101,11 +109,40 @@ def test_resume_at_another_dp_size_is_exact_and_training_continues(runs, case, d
     assert resumed["losses"][0] == pytest.approx(expected[0], rel=1e-6)
     # Later steps: fp32 measured 1.1e-7 relative, master drift 3.7e-8; bf16 (gradients reduced in bf16 in another
     # order) 4.3e-4 relative and 1.6e-3.
-    bf16 = case == "bf16"
+    bf16 = "bf16" in stage3_scenarios.CASES[case][1]
     assert resumed["losses"] == pytest.approx(expected, rel=1e-3 if bf16 else 1e-6)
     drift = max((tensors["fp32"] - resumed["final"]["params"][name]["fp32"]).abs().max().item()
                 for name, tensors in reference["final"]["params"].items())
     assert drift <= (5e-3 if bf16 else 1e-6), drift
+
+
+@pytest.mark.parametrize("case", stage3_scenarios.OFFLOADED)
+def test_offloaded_stage3_runs_offloaded_and_resumes_with_or_without_offload(runs, case):
+    """DeepSpeed's offload paths ran (saved and resumed at DP=3 offloaded, DP=1 not), the 8-bit updates went through
+    the fused CPU kernel; state and losses are checked by the resume test above for the same cases."""
+    param = "offload_param" in stage3_scenarios.CASES[case][1]["zero_optimization"]
+    assert _case(runs, 2, case)["offloaded"] == {"offload_optimizer": True, "offload_param": param, "devices": ["cpu"]}
+    assert _case(runs, 3, case)["offloaded"] == {"offload_optimizer": True, "offload_param": param, "devices": ["cpu"]}
+    assert _case(runs, 1, case)["offloaded"] == {"offload_optimizer": False, "offload_param": False, "devices": ["cpu"]}
+    for dp in (3, 1):  # 3 steps x 3 weights with 8-bit state
+        assert _case(runs, dp, case)["fused_steps"] == 3 * STEPS_AFTER, dp
+
+
+def test_offload_changes_nothing_in_fp32_training_and_its_checkpoints(runs):
+    """Adam8bit offloaded at stage 3 trains, saves and continues bit for bit as without offload (fp32, CPU)."""
+    offloaded, plain = _case(runs, 2, "offload"), _case(runs, 2, "adam8bit")
+    assert offloaded["losses"] == plain["losses"]
+    _assert_same_state(plain["saved"], offloaded["saved"])
+    _assert_same_state(plain["final"], offloaded["final"])
+
+
+def test_a_checkpoint_saved_without_offload_resumes_offloaded_at_another_dp_size(runs):
+    reference, resumed = _case(runs, 2, "adam8bit"), _case(runs, 3, "adam8bit_offloaded")
+    assert resumed["offloaded"]["offload_optimizer"] is True
+    _assert_same_state(reference["saved"], resumed["loaded"])
+    # bit for bit as the non-offloaded resume at the same DP size (offload changes no arithmetic in fp32)
+    assert resumed["losses"] == _case(runs, 3, "adam8bit")["losses"]
+    assert resumed["losses"] == pytest.approx(reference["losses"][STEPS_BEFORE:], rel=1e-6)
 
 
 def _dequantized_close(saved: dict, loaded: dict) -> None:
@@ -143,8 +180,15 @@ def test_weights_only_loads_restore_exact_masters_and_module_weights(runs, load)
 
 
 @pytest.mark.parametrize("zero, words", [
-    ({"offload_optimizer": {"device": "cpu"}}, "offload_optimizer.device='cpu'"),
-    ({"offload_param": {"device": "nvme"}}, "offload_param.device='nvme'"),
+    ({"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}},
+     "offload_optimizer.device='nvme' (ZeRO-Infinity's NVMe swapping writes the optimizer state to its own swap files; "
+     "use \"device\": \"cpu\""),
+    ({"offload_param": {"device": "nvme"}}, "offload_param.device='nvme' (ZeRO-Infinity's NVMe swapping writes the "
+                                            "parameter partitions to its own swap files; use \"device\": \"cpu\""),
+    ({"offload_param": {"device": "gpu"}}, "offload_param.device='gpu' (use \"cpu\" or \"none\")"),
+    ({"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "offload_optimizer.ratio=0.5 (partial offload steps the "
+     "parameters it keeps on the accelerator with torch AdamW and needs DeepSpeedCPUAdam, not your optimizer; remove"),
+    ({"offload_optimizer": {"device": "cpu", "super_offload": True}}, "offload_optimizer.super_offload=true (remove"),
     ({"zero_hpz_partition_size": 2}, "zero_hpz_partition_size=2"),
     ({"mics_shard_size": 2}, "mics_shard_size=2"),
     ({"zero_quantized_gradients": True}, "zero_quantized_gradients=true"),
@@ -160,6 +204,13 @@ def test_unsupported_stage3_settings_are_refused_by_name_before_deepspeed_starts
     assert words in str(refused.value)
 
 
+def test_an_offload_section_that_is_not_an_object_is_named_at_stage3():
+    model = build_model()
+    config = stage3_scenarios.stage3_config(2, zero_optimization={"offload_param": "cpu"})
+    with pytest.raises(ZeroBnbConfigError, match="zero_optimization.offload_param must be an object such as"):
+        zero_bnb.initialize(model=model, optimizer=bnb.optim.Adam8bit(model.parameters()), config=config)
+
+
 def test_stage3_through_a_front_door_is_refused_until_tested():
     model = build_model()
     with pytest.raises(ZeroBnbConfigError, match="ZeRO stage 3 through trainer"):
@@ -167,23 +218,55 @@ def test_stage3_through_a_front_door_is_refused_until_tested():
                             config=stage3_scenarios.stage3_config(2), zero_bnb_front_door="trainer")
 
 
-def test_the_tools_read_a_stage3_checkpoint(runs, tmp_path, capsys):
-    """verify, inspect, export and zero_to_fp32 (rank 0's model file of every rank's); convert refuses by name."""
-    folder = os.path.join(runs["workdir"], "adam8bit")
-    masters = {name: t["fp32"] for name, t in _case(runs, 2, "adam8bit")["saved"]["params"].items()}
+def _read_with_the_tools(runs, case: str, tmp_path, capsys) -> str:
+    """verify, inspect, export (with the moments) and zero_to_fp32 on ``case``'s checkpoint (rank 0's model file of
+    every rank's): weights and moments as the engine saved them. Returns inspect's output."""
+    folder = os.path.join(runs["workdir"], case)
+    saved = _case(runs, 2, case)["saved"]["params"]
+    moments = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"} if case == "torch_adamw" else \
+        {"state1": "exp_avg", "state2": "exp_avg_sq"}
     assert cli_main(["verify", os.path.join(folder, "mid")]) == 0
+    capsys.readouterr()
     assert cli_main(["inspect", os.path.join(folder, "mid")]) == 0
-    assert "decided on the whole parameter: the same at every DP size" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert cli_main(["export", "--to", "fp32", "--moments", os.path.join(folder, "mid"), str(tmp_path / "all.pt")]) == 0
+    exported = torch.load(tmp_path / "all.pt", weights_only=True)
+    assert exported.keys() == {f"{n}{suffix}" for n in saved for suffix in ("", ".exp_avg", ".exp_avg_sq")}
+    for name, tensors in saved.items():
+        for key, moment in moments.items():
+            assert torch.equal(exported[f"{name}.{moment}"], tensors[key]), (name, key)
+    assert zero_to_fp32_main([folder, str(tmp_path / "recovered")]) == 0
+    recovered = torch.load(tmp_path / "recovered" / "pytorch_model.bin", weights_only=True)
+    assert recovered.keys() == saved.keys()
+    for name, tensors in saved.items():
+        assert torch.equal(exported[name], tensors["fp32"]) and torch.equal(recovered[name], tensors["fp32"]), name
+    capsys.readouterr()
+    return shown
+
+
+@pytest.mark.parametrize("case", ["adam8bit", "offload_all", "adam32bit", "torch_adamw"])
+def test_the_tools_read_stage3_checkpoints_and_inspect_names_each_parameters_precision(runs, case, tmp_path, capsys):
+    """The exported weights and moments are the saved ones (bf16 + zero.Init + optimizer and parameter offload too);
+    inspect shows each parameter's state precision as it was decided, on the whole parameter."""
+    shown = _read_with_the_tools(runs, case, tmp_path, capsys)
+    groups = [line for line in shown.splitlines() if line.startswith("  group ")]
+    expected = ["fp32"] * 6 if case in ("adam32bit", "torch_adamw") else \
+        ["8-bit" if dtype == torch.uint8 else "fp32" for dtype in EIGHT_BIT]
+    assert [line.split(" state ")[1].split()[0].rstrip(",") for line in groups] == expected, groups
+    if case != "torch_adamw":  # bitsandbytes' decision (torch AdamW has none to make)
+        bits = 32 if case == "adam32bit" else 8
+        assert all(f"optim_bits {bits}; decided on the whole parameter: the same at every DP size" in line
+                   for line in groups), groups
+
+
+def test_the_tools_read_a_stage3_checkpoint(runs, tmp_path, capsys):
+    """Masters stored whole; convert refuses by name."""
+    folder = os.path.join(runs["workdir"], "adam8bit")
     # a stage-3 model file holds partitioned placeholders, so the masters are stored whole (the first save of a
     # stage-3 engine with derived masters failed to publish: its model file has another name)
     with open(os.path.join(folder, "mid", "zero_bnb", "manifest.json"), encoding="utf-8") as handle:
         manifest = json.load(handle)
     assert {group["masters"] for group in manifest["groups"]} == {"fp32"} and manifest["module_file"] == ""
-    assert cli_main(["export", "--to", "fp32", os.path.join(folder, "mid"), str(tmp_path / "weights.pt")]) == 0
-    assert zero_to_fp32_main([folder, str(tmp_path / "recovered")]) == 0
-    for path in (tmp_path / "weights.pt", tmp_path / "recovered" / "pytorch_model.bin"):
-        weights = torch.load(path, weights_only=True)
-        assert weights.keys() == masters.keys() and all(torch.equal(weights[n], masters[n]) for n in masters), path
     capsys.readouterr()
     assert cli_main(["convert", "--to", "universal", os.path.join(folder, "mid"), str(tmp_path / "universal")]) == 2
     assert "is a ZeRO stage-3 checkpoint; converting it to a universal checkpoint is not supported yet" in \

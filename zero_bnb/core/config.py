@@ -255,7 +255,9 @@ def prepare_offload(ds_config: dict[str, Any], client_optimizer: Any) -> bool:
     for client optimizers. Settings DeepSpeed cannot honour at stages 1 and 2 are refused:
     ``device: "nvme"`` (DeepSpeed then skips the optimizer state on load), a partial ``ratio``,
     ``super_offload`` and ``offload_param`` (ZeRO-3 features it would ignore), and an explicit
-    ``zero_force_ds_cpu_optimizer: true`` next to an optimizer zero_bnb declares. Local, pure.
+    ``zero_force_ds_cpu_optimizer: true`` next to an optimizer zero_bnb declares. At stage 3 DeepSpeed honours
+    ``offload_param`` too; :func:`zero_bnb.ds.stage3.refuse_stage3_settings` decides what is refused there
+    (before this runs). Local, pure.
 
     Args:
         ds_config: the DeepSpeed config (zero_bnb's keys removed); changed in place.
@@ -272,7 +274,8 @@ def prepare_offload(ds_config: dict[str, Any], client_optimizer: Any) -> bool:
     if not isinstance(zero, Mapping):
         return False
     param = _offload_section(zero, "offload_param")
-    if param is not None and str(param.get("device", "none")) != "none":
+    stage3 = zero.get("stage") == 3  # zero_bnb.ds.stage3.refuse_stage3_settings decides stage 3's offload settings
+    if param is not None and str(param.get("device", "none")) != "none" and not stage3:
         raise ZeroBnbConfigError(
             f"zero_optimization.offload_param.device={param.get('device')!r} offloads parameters, a ZeRO stage 3 "
             f"feature that DeepSpeed ignores at stages 1 and 2 (zero_bnb's stages); remove offload_param. "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -126,6 +127,40 @@ def install_block_partitioning() -> None:
         _installed = True
 
 
+def _offload_problems(zero: Mapping[str, Any]) -> list[str]:
+    """What zero_bnb refuses of stage 3's offload sections (a section that is not an object is left to
+    :func:`zero_bnb.core.config.prepare_offload`, which names it).
+
+    Accepted: ``offload_optimizer`` and ``offload_param`` with ``device: "cpu"``. The fp32 partitions, the
+    gradients' fp32 copies and the optimizer state live in CPU memory, the client optimizer steps there (8-bit
+    state through the fused CPU kernel, :mod:`zero_bnb.kernels.cpu_update`), and parameter partitions wait in
+    CPU memory between gathers; every buffer DeepSpeed allocates for them is sized by the (block-aligned)
+    partition, so the layout is the one without offload and a checkpoint is the same files either way.
+    """
+    problems = []
+    for key in ("offload_optimizer", "offload_param"):
+        section = zero.get(key)
+        if not isinstance(section, Mapping):
+            continue
+        device = str(section.get("device", "none") or "none")
+        if device == "nvme":
+            problems.append(f"zero_optimization.{key}.device='nvme' (ZeRO-Infinity's NVMe swapping writes the "
+                            f"{'optimizer state' if key == 'offload_optimizer' else 'parameter partitions'} to its own "
+                            f"swap files; use \"device\": \"cpu\" (the 8-bit state is a quarter of fp32 Adam's))")
+        elif key == "offload_param" and device not in ("none", "cpu"):
+            problems.append(f"zero_optimization.offload_param.device={device!r} (use \"cpu\" or \"none\")")
+    optimizer = zero.get("offload_optimizer")
+    if isinstance(optimizer, Mapping) and str(optimizer.get("device", "none")) == "cpu":
+        ratio = optimizer.get("ratio", 1.0)
+        if ratio != 1.0:
+            problems.append(f"zero_optimization.offload_optimizer.ratio={ratio!r} (partial offload steps the "
+                            f"parameters it keeps on the accelerator with torch AdamW and needs DeepSpeedCPUAdam, not "
+                            f"your optimizer; remove ratio to offload everything)")
+        if optimizer.get("super_offload"):
+            problems.append("zero_optimization.offload_optimizer.super_offload=true (remove it)")
+    return problems
+
+
 def refuse_stage3_settings(ds_config: dict) -> None:
     """Refuse stage-3 settings zero_bnb does not support, naming the setting and the alternative.
 
@@ -135,12 +170,7 @@ def refuse_stage3_settings(ds_config: dict) -> None:
     from zero_bnb.core.config import ZeroBnbConfigError
 
     zero = ds_config.get("zero_optimization") or {}
-    problems = []
-    for key in ("offload_optimizer", "offload_param"):
-        device = (zero.get(key) or {}).get("device", "none")
-        if device not in (None, "none"):
-            problems.append(f"zero_optimization.{key}.device={device!r} (offload at stage 3 is not supported "
-                            f"yet; use stage 2 with offload_optimizer cpu, or stage 3 without offload)")
+    problems = _offload_problems(zero)
     for key in ("zero_hpz_partition_size", "mics_shard_size"):
         if zero.get(key) not in (None, 0, 1, -1):
             problems.append(f"zero_optimization.{key}={zero.get(key)!r} (hierarchical partitions / MiCS; remove it)")
