@@ -10,6 +10,7 @@ import json
 import os
 
 import bitsandbytes as bnb
+import deepspeed.utils.zero_to_fp32 as deepspeed_zero_to_fp32
 import pytest
 import stage3_scenarios
 import torch
@@ -219,8 +220,9 @@ def test_stage3_through_a_front_door_is_refused_until_tested():
 
 
 def _read_with_the_tools(runs, case: str, tmp_path, capsys) -> str:
-    """verify, inspect, export (with the moments) and zero_to_fp32 on ``case``'s checkpoint (rank 0's model file of
-    every rank's): weights and moments as the engine saved them. Returns inspect's output."""
+    """verify, inspect, export (with the moments), zero_to_fp32 and DeepSpeed's
+    ``get_fp32_state_dict_from_zero_checkpoint`` (under ``zero_bnb.enable()``) on ``case``'s checkpoint: weights and
+    moments as the engine saved them. Returns inspect's output."""
     folder = os.path.join(runs["workdir"], case)
     saved = _case(runs, 2, case)["saved"]["params"]
     moments = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"} if case == "torch_adamw" else \
@@ -235,11 +237,18 @@ def _read_with_the_tools(runs, case: str, tmp_path, capsys) -> str:
     for name, tensors in saved.items():
         for key, moment in moments.items():
             assert torch.equal(exported[f"{name}.{moment}"], tensors[key]), (name, key)
+    assert os.access(os.path.join(folder, "zero_to_fp32.py"), os.X_OK)  # the folder's script runs this main
     assert zero_to_fp32_main([folder, str(tmp_path / "recovered")]) == 0
     recovered = torch.load(tmp_path / "recovered" / "pytorch_model.bin", weights_only=True)
-    assert recovered.keys() == saved.keys()
+    zero_bnb.enable()
+    try:  # DeepSpeed's own function, as a stage-3 user calls it after training
+        stock = deepspeed_zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(folder)
+    finally:
+        zero_bnb.disable()
+    assert recovered.keys() == saved.keys() and stock.keys() == saved.keys()
     for name, tensors in saved.items():
-        assert torch.equal(exported[name], tensors["fp32"]) and torch.equal(recovered[name], tensors["fp32"]), name
+        for weights in (exported, recovered, stock):
+            assert torch.equal(weights[name], tensors["fp32"]), name
     capsys.readouterr()
     return shown
 
