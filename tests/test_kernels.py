@@ -19,12 +19,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zero_bnb.kernels import build
-from zero_bnb.kernels.fused import fused_quantize, fused_update
+from zero_bnb.kernels.fused import fused_quantize, fused_update, quantizer_path
 from zero_bnb.kernels.hyper import BLOCK, FAMILIES, TWO_STATE, UpdateHyper, step_scalars
 from zero_bnb.kernels.reference import quantize_codes, reference_update, sign_fix
 
 QMAP1 = F.create_dynamic_map(signed=True)
 QMAP2 = F.create_dynamic_map(signed=False)
+TINY_STEP = QMAP1.clone()
+TINY_STEP[128] = 1e-35  # a step near 5e-36: too far below 1 for the permute quantizer's 30 exponent rows
+#: maps other than bitsandbytes' two, (map, signed): the kernel takes any sorted 256-entry map
+OTHER_MAPS = {"linear signed": (F.create_linear_map(signed=True), True),
+              "linear unsigned": (F.create_linear_map(signed=False), False),
+              "tiny step signed": (TINY_STEP, True)}
 #: families whose state-1 moment is never negative (its codes sit in the upper half of the signed map)
 NON_NEGATIVE = ("rmsprop", "adagrad")
 
@@ -165,6 +171,50 @@ def test_quantizer_gives_the_binary_search_code_at_every_midpoint_and_bucket_edg
         want = sign_fix(want, x, qmap)
     got = fused_quantize(x, qmap, signed).long()
     differ = (got != want).nonzero().flatten()
+    assert differ.numel() == 0, f"{differ.numel()} codes differ, e.g. x={x[differ[:5]].tolist()}"
+
+
+def expected_codes(x: torch.Tensor, qmap: torch.Tensor, signed: bool) -> torch.Tensor:
+    want = quantize_codes(x, qmap, signed)
+    return sign_fix(want, x, qmap) if signed else want
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_MAPS))
+def test_quantizer_gives_the_binary_search_code_with_other_maps(name):
+    qmap, signed = OTHER_MAPS[name]
+    x = probe_values(qmap)
+    got = fused_quantize(x, qmap, signed).long()
+    differ = (got != expected_codes(x, qmap, signed)).nonzero().flatten()
+    assert differ.numel() == 0, f"{differ.numel()} codes differ, e.g. x={x[differ[:5]].tolist()}"
+
+
+def _cpu_flags() -> set[str]:
+    return set(build._cpu_flags().split(":", 1)[-1].split())
+
+
+def test_bitsandbytes_maps_take_the_permute_quantizer_and_others_fall_back():
+    """With AVX512-VBMI bitsandbytes' two maps are quantized by byte permutes (no gather); a map whose steps
+    reach far below 1 takes the 16-bit table's gathers. Both give the binary search's codes (tests above)."""
+    flags = _cpu_flags()
+    fallback = "gather" if "avx512f" in flags else "scalar"
+    fast = "permute" if {"avx512f", "avx512bw", "avx512vbmi"} <= flags else fallback
+    assert quantizer_path(QMAP1, True) == fast and quantizer_path(QMAP2, False) == fast
+    assert quantizer_path(TINY_STEP, True) == fallback
+
+
+magnitudes = st.integers(0, 0x40000000)  # float bits of [0, 2]: zero, subnormals, every binade up to 2
+any_bits = st.integers(0, 2**32 - 1)  # also NaN, Inf and huge values
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(magnitudes, magnitudes.map(lambda bits: bits | 0x80000000), any_bits),
+                min_size=1, max_size=300), st.sampled_from(sorted(["dynamic signed", "dynamic unsigned",
+                                                                   *OTHER_MAPS])))
+def test_quantizer_gives_the_binary_search_code_for_any_float(bits, name):
+    qmap, signed = {"dynamic signed": (QMAP1, True), "dynamic unsigned": (QMAP2, False), **OTHER_MAPS}[name]
+    x = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    got = fused_quantize(x, qmap, signed).long()
+    differ = (got != expected_codes(x, qmap, signed)).nonzero().flatten()
     assert differ.numel() == 0, f"{differ.numel()} codes differ, e.g. x={x[differ[:5]].tolist()}"
 
 

@@ -29,6 +29,8 @@ __all__ = ["KernelBuildError", "bind", "build_library", "cache_dir", "load_libra
 logger = logging.getLogger(__name__)
 
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "blockwise_update.cpp")
+#: Every file the source includes (part of the cache key).
+HEADERS = tuple(os.path.join(os.path.dirname(SOURCE), name) for name in ("quantize_tables.h", "codec.h"))
 #: -ffp-contract=off: no fused multiply-add, so the kernel rounds as the plain-torch reference does.
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++17")
 #: Where the compiled library is cached (default ``~/.cache/zero_bnb/kernels``).
@@ -64,7 +66,8 @@ def _cpu_flags() -> str:
 
 
 def _key(compiler: list[str]) -> str:
-    """The cache key: source, flags, the compiler command (``CXX`` may carry flags) and its version, CPU flags."""
+    """The cache key: source and headers, flags, the compiler command (``CXX`` may carry flags) and its version,
+    CPU flags."""
     try:
         version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as error:
@@ -73,7 +76,8 @@ def _key(compiler: list[str]) -> str:
             f"failed ({error}); install a C++ compiler with OpenMP (e.g. apt-get install g++) or set CXX to one"
         ) from error
     digest = hashlib.sha256()
-    for part in (open(SOURCE, "rb").read(), " ".join(FLAGS).encode(), "\0".join(compiler).encode(), version.encode(),
+    sources = b"".join(open(path, "rb").read() for path in (SOURCE, *HEADERS))
+    for part in (sources, " ".join(FLAGS).encode(), "\0".join(compiler).encode(), version.encode(),
                  _cpu_flags().encode()):
         digest.update(part)
         digest.update(b"\0")
@@ -139,6 +143,9 @@ def bind(path: str) -> ctypes.CDLL:
     quantize = library.zero_bnb_quantize
     quantize.restype = None
     quantize.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    path = library.zero_bnb_quantizer_path
+    path.restype = ctypes.c_int
+    path.argtypes = [ctypes.c_void_p, ctypes.c_int]
     return library
 
 

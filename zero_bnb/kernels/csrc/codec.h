@@ -1,0 +1,180 @@
+// Quantize and dequantize one 256-element block through a map's tables (included by blockwise_update.cpp).
+#pragma once
+
+#include "quantize_tables.h"
+
+namespace {
+
+// The table's code for x (bits u); false where x is NaN, Inf, >= 2 in magnitude or in a bucket of many steps.
+inline bool lookup(const Map& map, uint32_t u, uint8_t* code) {
+    const uint32_t top = (u & 0x7fffffffu) >> 16;
+    const uint32_t row = top < map.base ? 0 : (top > kTop ? kTop + 1 : top) - map.base;
+    const uint32_t entry = map.table[row + ((u >> 31) ? map.half : 0)];
+    *code = static_cast<uint8_t>((u & 0xffffu) > (entry >> 16) ? entry >> 8 : entry);
+    return entry != kMany;
+}
+
+template <bool SIGNED>
+void quantize_slow(const Map& map, const float* s, float absmax, uint8_t* out, int j) {
+    const float x = s[j] / absmax;
+    if (!lookup(map, bits_of(x), out + j)) out[j] = code_of<SIGNED>(map.code, x, s[j]);
+}
+
+#if defined(__AVX512F__)
+// The table's codes for 16 values of x (stored to out); the mask of those that need the binary search.
+inline __mmask16 lookup16(const Map& map, __m512 x, uint8_t* out) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i top = _mm512_srli_epi32(_mm512_slli_epi32(u, 1), 17);  // magnitude >> 16
+    __m512i row = _mm512_min_epu32(_mm512_subs_epu16(top, _mm512_set1_epi32(static_cast<int>(map.base))),
+                                   _mm512_set1_epi32(static_cast<int>(kTop + 1 - map.base)));
+    row = _mm512_ternarylogic_epi32(row, _mm512_srl_epi32(u, _mm_cvtsi32_si128(static_cast<int>(map.sign_shift))),
+                                    _mm512_set1_epi32(static_cast<int>(map.half)), 0xF8);  // row | (u' & half)
+    const __m512i entry = _mm512_i32gather_epi32(row, map.table.data(), 4);
+    const __mmask16 stepped = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0xffff)),
+                                                      _mm512_srli_epi32(entry, 16));
+    const __m512i c = _mm512_mask_blend_epi32(stepped, entry, _mm512_srli_epi32(entry, 8));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c));  // the low bytes
+    return _mm512_cmpeq_epi32_mask(entry, _mm512_setzero_si512());
+}
+#endif
+
+#if defined(__AVX512VBMI__)
+// Where 64 looked-up floats land after the byte interleave of dequantize (within 128-bit lanes): the codes
+// are permuted by it first, so the floats come out in order. packus_epi32 then packus_epi16 of four
+// vectors of 16 lanes puts their lanes in this order too. It is its own inverse (a 4 x 4 transpose).
+alignas(64) constexpr uint8_t kInterleave[64] = {
+    0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4, 5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39, 52, 53,
+    54, 55, 8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45,
+    46, 47, 60, 61, 62, 63};
+// table[index] for 64 byte indices into a 256-byte table (high: the indices' top bits).
+inline __m512i lookup256(const uint8_t* table, __m512i index, __mmask64 high) {
+    return _mm512_mask_blend_epi8(
+        high, _mm512_permutex2var_epi8(_mm512_load_si512(table), index, _mm512_load_si512(table + 64)),
+        _mm512_permutex2var_epi8(_mm512_load_si512(table + 128), index, _mm512_load_si512(table + 192)));
+}
+
+// Four byte planes (64 lanes in kInterleave order) into 4 x 16 dwords in lane order.
+inline void interleave_planes(const __m512i b[4], __m512i values[4]) {
+    const __m512i low01 = _mm512_unpacklo_epi8(b[0], b[1]), high01 = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i low23 = _mm512_unpacklo_epi8(b[2], b[3]), high23 = _mm512_unpackhi_epi8(b[2], b[3]);
+    values[0] = _mm512_unpacklo_epi16(low01, low23);
+    values[1] = _mm512_unpackhi_epi16(low01, low23);
+    values[2] = _mm512_unpacklo_epi16(high01, high23);
+    values[3] = _mm512_unpackhi_epi16(high01, high23);
+}
+
+// quantize_2D of s / absmax plus the sign fix for 64 values, without a gather (the tables of Steps): the
+// top 16 bits of each x's magnitude give its row and bucket (16-bit lanes: a row lookup
+// and a variable shift), the bucket its first code (a 512-byte table, 8 permutes), that code the magnitude
+// where it is left (4 byte planes), and one comparison moves the code one step. x is exact (a division, as
+// in the reference). NaN, Inf, |x| >= 2 and an unsigned map's negative x take the binary search.
+template <bool SIGNED>
+inline void quantize64(const Map& map, const float* __restrict__ s, float absmax, uint8_t* __restrict__ out) {
+    const Steps& t = map.steps;
+    const __m512 scale = _mm512_set1_ps(absmax);
+    const __m512i base = _mm512_load_si512(t.base), shift = _mm512_load_si512(t.shift);
+    const __m512i bias = _mm512_set1_epi16(static_cast<int16_t>(t.emin - 1)), last = _mm512_set1_epi16(31);
+    const __m512i byte = _mm512_set1_epi16(0xff), order = _mm512_load_si512(kInterleave);
+    const __m512i one = _mm512_set1_epi8(1), split = _mm512_set1_epi8(static_cast<char>(std::min(t.split, 255)));
+    __m512i u[4];
+    for (int r = 0; r < 4; ++r) u[r] = _mm512_castps_si512(_mm512_div_ps(_mm512_loadu_ps(s + 16 * r), scale));
+    __mmask32 slow[2];
+    __m512i key[2];
+    for (int h = 0; h < 2; ++h) {
+        const __m512i top = _mm512_packus_epi32(_mm512_srli_epi32(u[2 * h], 16), _mm512_srli_epi32(u[2 * h + 1], 16));
+        const __m512i signed_exponent = _mm512_srli_epi16(top, 7);  // an unsigned map's negative x: >= 256
+        const __m512i e = SIGNED ? _mm512_and_si512(signed_exponent, byte) : signed_exponent;
+        slow[h] = _mm512_cmpge_epu16_mask(e, _mm512_set1_epi16(128));
+        const __m512i row = _mm512_min_epu16(_mm512_subs_epu16(e, bias), last);
+        key[h] = _mm512_add_epi16(_mm512_permutexvar_epi16(row, base),
+                                  _mm512_srlv_epi16(_mm512_and_si512(top, _mm512_set1_epi16(0x7f)),
+                                                    _mm512_permutexvar_epi16(row, shift)));
+        if (SIGNED) key[h] = _mm512_add_epi16(key[h], _mm512_and_si512(signed_exponent, _mm512_set1_epi16(0x100)));
+    }
+    const __m512i low = _mm512_packus_epi16(_mm512_and_si512(key[0], byte), _mm512_and_si512(key[1], byte));
+    const __mmask64 b7 = _mm512_movepi8_mask(low);
+    const __mmask64 b8 = _mm512_movepi8_mask(
+        _mm512_packus_epi16(_mm512_srli_epi16(key[0], 1), _mm512_srli_epi16(key[1], 1)));
+    const __m512i first = _mm512_mask_blend_epi8(b8, lookup256(t.first, low, b7), lookup256(t.first + 256, low, b7));
+    const __mmask64 f7 = _mm512_movepi8_mask(first);
+    __m512i planes[4], leave[4];
+    for (int k = 0; k < 4; ++k) planes[k] = lookup256(t.exit[k], first, f7);
+    interleave_planes(planes, leave);
+    __mmask16 moved[4];
+    for (int r = 0; r < 4; ++r) moved[r] = _mm512_cmpge_epu32_mask(u[r], leave[r]);
+    __mmask64 step = _mm512_kunpackd(_mm512_kunpackw(moved[3], moved[2]), _mm512_kunpackw(moved[1], moved[0]));
+    __m512i codes = _mm512_permutexvar_epi8(order, first);
+    if (SIGNED) {
+        const __mmask64 down = _mm512_cmplt_epu8_mask(codes, split);
+        codes = _mm512_mask_sub_epi8(codes, step & down, codes, one);
+        step &= ~down;
+    }
+    codes = _mm512_mask_add_epi8(codes, step, codes, one);
+    _mm512_storeu_si512(out, codes);
+    if (slow[0] | slow[1]) {
+        for (int i = 0; i < 64; ++i) {
+            const float x = s[i] / absmax;
+            const uint32_t e = bits_of(x) >> 23;
+            if ((SIGNED ? e & 0xff : e) >= 128) out[i] = code_of<SIGNED>(map.code, x, s[i]);
+        }
+    }
+}
+
+#endif
+
+// Dequantize 256 codes through a 256-entry map and scale by absmax. With AVX512-VBMI the map sits in 16
+// registers as four 256-byte planes (byte k of every value's bits): 64 codes look up each plane with two
+// 128-byte permutes and a blend, and the bytes are interleaved back into floats, about three times
+// faster than a 16-lane gather per 16 codes. Else an explicit gather where AVX-512 exists (compilers
+// tuned for AMD Zen emulate gathers with scalar loads), else scalar.
+inline void dequantize(const Map& map, const uint8_t* __restrict__ c, float absmax, float* __restrict__ out) {
+#if defined(__AVX512VBMI__)
+    const __m512i order = _mm512_load_si512(kInterleave);
+    const __m512 scale = _mm512_set1_ps(absmax);
+    for (int j = 0; j < kBlock; j += 64) {
+        const __m512i index = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(c + j));
+        const __mmask64 high = _mm512_movepi8_mask(index);
+        __m512i b[4], values[4];
+        for (int k = 0; k < 4; ++k) b[k] = lookup256(map.planes[k], index, high);
+        interleave_planes(b, values);
+        for (int r = 0; r < 4; ++r)
+            _mm512_storeu_ps(out + j + 16 * r, _mm512_mul_ps(_mm512_castsi512_ps(values[r]), scale));
+    }
+#elif defined(__AVX512F__)
+    const __m512 scale = _mm512_set1_ps(absmax);
+    for (int j = 0; j < kBlock; j += 16) {
+        const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j)));
+        _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_i32gather_ps(index, map.code, 4), scale));
+    }
+#else
+    const float* __restrict__ code = map.code;
+#pragma omp simd
+    for (int j = 0; j < kBlock; ++j) out[j] = code[c[j]] * absmax;
+#endif
+}
+
+// quantize_2D of s / absmax for one block, plus (signed maps) the state-1 sign fix (kernels.cu 1120).
+template <bool SIGNED>
+void quantize(const Map& map, const float* __restrict__ s, float absmax, uint8_t* __restrict__ out) {
+#if defined(__AVX512VBMI__)
+    if (map.steps.usable) {
+        for (int j = 0; j < kBlock; j += 64) quantize64<SIGNED>(map, s + j, absmax, out + j);
+        return;
+    }
+#endif
+#if defined(__AVX512F__)
+    const __m512 scale = _mm512_set1_ps(absmax);
+    uint32_t slow = 0;
+    for (int j = 0; j < kBlock; j += 16) {
+        const __mmask16 lanes = lookup16(map, _mm512_div_ps(_mm512_loadu_ps(s + j), scale), out + j);
+        slow |= static_cast<uint32_t>(lanes != 0) << (j / 16);
+    }
+    for (; slow; slow &= slow - 1)
+        for (int j = 16 * __builtin_ctz(slow), end = j + 16; j < end; ++j)
+            quantize_slow<SIGNED>(map, s, absmax, out, j);
+#else
+    for (int j = 0; j < kBlock; ++j) quantize_slow<SIGNED>(map, s, absmax, out, j);
+#endif
+}
+
+}  // namespace
