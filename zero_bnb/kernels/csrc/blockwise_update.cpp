@@ -30,6 +30,14 @@ struct Scalars {
 
 // fmaxf over |s| from -FLT_MAX, NaN ignored (kernels.cu 1043): order-free, so a vector max is exact.
 inline float absmax_of(const float* __restrict__ s) {
+#if defined(__AVX512F__)
+    __m512 m[4];
+    for (int r = 0; r < 4; ++r) m[r] = _mm512_set1_ps(-FLT_MAX);
+    for (int j = 0; j < kBlock; j += 64)
+        for (int r = 0; r < 4; ++r)  // max_ps gives its second operand when the first is NaN
+            m[r] = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(s + j + 16 * r)), m[r]);
+    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3])));
+#else
     float m = -FLT_MAX;
 #pragma omp simd reduction(max : m)
     for (int j = 0; j < kBlock; ++j) {
@@ -37,6 +45,7 @@ inline float absmax_of(const float* __restrict__ s) {
         m = std::isnan(a) ? m : (a > m ? a : m);
     }
     return m;
+#endif
 }
 
 // One block's data: in place for a whole block, a padded copy for the last partial one.
