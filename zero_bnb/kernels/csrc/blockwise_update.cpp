@@ -158,7 +158,7 @@ void one_state(const Scalars& s, const View& b, const Map& map1, float* a1) {
             moved = param - s.lr * m;
         } else if (FAMILY == LION) {
             const float direction = old[j] * s.beta1 + s.one_minus_beta1 * g;
-            const float sign = static_cast<float>((direction > 0.0f) - (direction < 0.0f));
+            const float sign = direction > 0.0f ? 1.0f : (direction < 0.0f ? -1.0f : 0.0f);  // 0 for NaN
             m = old[j] * s.beta2 + s.one_minus_beta2 * g;
             moved = param - s.lr * sign;
         } else {
