@@ -1,7 +1,7 @@
 """Checkpoint tools: inspect/verify/convert/export through the real CLI, and resuming what they write.
 
-Sources are real checkpoints (zero_bnb and stock DeepSpeed, Adam8bit, DP=2); converted ones are
-loaded by stock DeepSpeed (universal, ``torch.optim.AdamW``) and by zero_bnb at DP=1 and DP=3.
+Sources are real checkpoints (zero_bnb and stock DeepSpeed, Adam8bit, DP=2, ZeRO stages 1 and 3); converted
+ones are loaded by stock DeepSpeed (universal, ``torch.optim.AdamW``) and by zero_bnb at DP=1 and DP=3.
 """
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ import ast
 import contextlib
 import io
 import json
+import math
 import shutil
 
+import bitsandbytes.functional as bnb_functional
 import pytest
 import torch
 from convert_scenarios import ONE_STATE, STEPS, resume_converted, write_sources
@@ -44,6 +46,11 @@ def work(tmp_path_factory):
         **{f"rescue_{family}": cli("convert", workdir / f"stock_{family}", "--to", "zero_bnb",
                                    workdir / f"rescued_{family}", "--optimizer", family) for family in ONE_STATE},
         "rescue_unnamed": cli("convert", workdir / f"stock_{ONE_STATE[0]}", "--to", "zero_bnb", workdir / "unnamed"),
+        "rescue3": cli("convert", workdir / "stock3" / "s3", "--to", "zero_bnb", workdir / "rescued3"),
+        "rescue3_aligned": cli("convert", workdir / "stock3_aligned", "--to", "zero_bnb", workdir / "rescued3_aligned"),
+        "export3_aligned": cli("export", workdir / "rescued3_aligned", "--to", "fp32", workdir / "aligned3.safetensors",
+                               "--moments"),
+        "to_universal3": cli("convert", workdir / "zero_bnb3", "--to", "universal", workdir / "universal3" / "s3"),
         "export": cli("export", workdir / "zero_bnb", "--to", "fp32", workdir / "weights.safetensors", "--moments"),
         "inspect": cli("inspect", workdir / "zero_bnb"),
         "inspect_json": cli("inspect", workdir / "zero_bnb" / "s3", "--json"),
@@ -152,6 +159,12 @@ def test_bad_paths_and_requests_give_clear_errors(work, tmp_path):
          "--out-tag applies to --to zero_bnb"),
         (("convert", workdir / "rescued_Lion8bit", "--to", "universal", tmp_path / "u"), 2,
          "whose moments ['exp_avg'] are not Adam's ['exp_avg', 'exp_avg_sq']"),
+        # ZeRO stage 3: the same checks
+        (("convert", workdir / "stock3" / "s3", "--to", "zero_bnb", workdir / "stock3"), 2, "overlaps"),
+        (("convert", workdir / "zero_bnb3", "--to", "universal", workdir / "zero_bnb3" / "s3"), 2, "overlaps"),
+        (("convert", workdir / "zero_bnb3", "--to", "zero_bnb", tmp_path / "x"), 2, "already a zero_bnb checkpoint"),
+        (("convert", workdir / "stock3", "--to", "universal", tmp_path / "x"), 2,
+         "is a stock DeepSpeed checkpoint, not a zero_bnb one; convert reads"),
     ]
     for args, expected_code, message in cases:
         code, out, err = cli(*args)
@@ -278,3 +291,150 @@ def test_derived_module_weights_are_rebuilt_on_load(work, dp):
     for name, tensors in saved.items():
         assert torch.equal(resumed[dp]["derived"]["params"][name]["fp32"], tensors["fp32"]), name
         assert torch.equal(resumed[dp]["derived_module"][name], tensors["fp32"]), name
+
+
+def _stock3_moments(tag_folder) -> dict[str, dict[str, torch.Tensor]]:
+    """Each parameter's moments as stock DeepSpeed's ZeRO-3 run held them, read without zero_bnb: every rank's flat
+    sub-group state dequantized by bitsandbytes with that rank's own absmax, cut into ``ceil(numel / dp)`` slices."""
+    files = sorted(tag_folder.glob("zero_pp_rank_*_mp_rank_00_optim_states.pt"))
+    ranks = [torch.load(f, weights_only=False)["optimizer_state_dict"]["optimizer_state_dict"]["state"] for f in files]
+    shapes = torch.load(tag_folder / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False)["param_shapes"]
+    moments = {}
+    for g, group_shapes in enumerate(shapes):
+        flats = {}
+        for key, absmax, qmap in (("state1", "absmax1", "qmap1"), ("state2", "absmax2", "qmap2")):
+            per_rank = []
+            for state in ranks:
+                quant = {**state[g], **state[g].get("__bnb_optimizer_quant_state__", {})}
+                codes = quant[key]
+                per_rank.append(bnb_functional.dequantize_blockwise(codes, absmax=quant[absmax], code=quant[qmap],
+                                                                    blocksize=256)
+                                if codes.dtype == torch.uint8 else codes.float())
+            flats[key] = per_rank
+        offset = 0
+        for name, shape in group_shapes.items():
+            numel, size = shape.numel(), math.ceil(shape.numel() / len(ranks))
+            moments[name] = {key: torch.cat([flat[offset : offset + size] for flat in per_rank])[:numel]
+                             for key, per_rank in flats.items()}
+            offset += size
+    return moments
+
+
+@pytest.mark.parametrize("dp", [1, 3])
+def test_rescued_stock_stage3_checkpoint_resumes_at_any_dp_size(work, dp):
+    """A stock DeepSpeed ZeRO-3 + Adam8bit checkpoint (DP=2), converted once, resumes under zero_bnb at stage 3 at
+    DP=1 and DP=3: masters exact, 8-bit moments requantized once on each parameter's grid, losses as the stock run's;
+    the stock checkpoint itself is refused by name with the conversion to run."""
+    workdir, runs, sources, resumed = work
+    report = _report(_ok(runs, "rescue3"))
+    assert report["saved_dp_size"] == 2 and report["zero_stage"] == 3
+    # 0.weight and 2.weight share one flat tensor per rank and 4.weight's slices are 4320 elements: no 8-bit block
+    # lies on a parameter's grid, so both moments of every weight were requantized once
+    assert report["requantized_elements"] == 2 * (9600 + 15360 + 8640)
+    rescued = resumed[dp]["rescued3"]
+    for name, weight in sources["stock3_weights"].items():
+        assert torch.equal(rescued["params"][name]["fp32"], weight), name
+    assert [c["step"] for c in rescued["counters"]] == [STEPS] * 6  # one group per parameter
+    # precision decided on the whole parameter (weights 8-bit, biases fp32), as zero_bnb's stage 3 keeps it
+    assert [g["state1"].dtype for g in rescued["raw"]] == [torch.uint8] * 2 + [torch.float32] * 3 + [torch.uint8]
+    # the printed errors are the ones the loaded state shows against the stock run's own (dequantized) moments
+    stock = _stock3_moments(workdir / "stock3" / "s3")
+    for key, moment in (("state1", "exp_avg"), ("state2", "exp_avg_sq")):
+        difference = {n: rescued["params"][n][key].flatten() - stock[n][key] for n in stock}
+        worst_abs = max(float(d.abs().max()) for d in difference.values())
+        worst_rms = max(float(d.norm() / stock[n][key].norm()) for n, d in difference.items() if "weight" in n)
+        assert report["max_abs_error"][moment] == pytest.approx(worst_abs, rel=1e-6), (key, report, worst_abs)
+        assert report["relative_rms_error"][moment] == pytest.approx(worst_rms, rel=1e-5), (key, report, worst_rms)
+        assert worst_rms > 0
+        within(f"rescued stock ZeRO-3 {moment} vs the stock run's (relative RMS)", worst_rms, 1e-2)
+        for name in ("0.bias", "2.bias", "4.bias"):  # fp32 in the stock run too: copied exactly
+            assert not difference[name].any(), (name, key)
+    within(f"rescued stock ZeRO-3 at DP={dp} vs stock (rel.)",
+           worst_relative(sources["stock3_after"], resumed[dp]["rescued3_after"]), REQUANTIZED_LOSS_BOUND)
+    refused = resumed[dp]["stock3_direct"]
+    assert refused.startswith("CheckpointMismatchError") and "stock DeepSpeed ZeRO stage-3 checkpoint" in refused
+    assert "zero-bnb convert" in refused, refused
+
+
+def test_rescued_stock_stage3_checkpoint_resumes_at_stage2(work):
+    _, _, sources, resumed = work
+    loaded = resumed[3]["rescued3_stage2"]
+    for name, weight in sources["stock3_weights"].items():
+        assert torch.equal(loaded["params"][name]["fp32"], weight), name
+    # stage 2 keeps one flat group per param group: the weights' moments are requantized on its grid (once more)
+    within("rescued stock ZeRO-3 into stage 2 at DP=3 vs stock (rel.)",
+           worst_relative(sources["stock3_after"], resumed[3]["rescued3_stage2_after"]), REQUANTIZED_LOSS_BOUND)
+
+
+def test_stock_stage3_state_already_on_the_block_grid_is_rescued_exactly(work):
+    """With sub_group_size 4000 each weight has a flat tensor of its own; 2.weight's slices (7680 elements = 30
+    blocks) start on blocks of the parameter and of the flat tensor, so its codes and absmax are taken as they are."""
+    workdir, runs, _, _ = work
+    report = _report(_ok(runs, "rescue3_aligned"))
+    assert report["requantized_elements"] == 2 * (9600 + 8640)  # 0.weight (4800-element slices) and 4.weight only
+    _ok(runs, "export3_aligned")
+    exported = load_file(workdir / "aligned3.safetensors")
+    stock = _stock3_moments(workdir / "stock3_aligned" / "s3")
+    for key, moment in (("state1", "exp_avg"), ("state2", "exp_avg_sq")):
+        assert torch.equal(exported[f"2.weight.{moment}"].flatten(), stock["2.weight"][key]), moment
+        assert not torch.equal(exported[f"0.weight.{moment}"].flatten(), stock["0.weight"][key]), moment
+
+
+@pytest.mark.parametrize("dp", [1, 3])
+def test_stock_deepspeed_stage3_loads_the_universal_output_of_a_stage3_checkpoint(work, dp):
+    """zero_bnb ZeRO-3 checkpoint (DP=2) -> universal -> stock DeepSpeed ZeRO-3 + torch AdamW at DP=1 and DP=3."""
+    _, runs, sources, resumed = work
+    report = _report(_ok(runs, "to_universal3"))
+    assert report["zero_stage"] == 3 and report["parameters"] == 6
+    loaded = resumed[dp]
+    for name, saved in sources["zero_bnb3_saved"]["params"].items():
+        assert torch.equal(loaded["universal3"][name]["fp32"], saved["fp32"]), name
+        assert torch.equal(loaded["universal3"][name]["exp_avg"], saved["state1"]), name  # dequantized 8-bit
+        assert torch.equal(loaded["universal3"][name]["exp_avg_sq"], saved["state2"]), name
+    assert loaded["universal3_steps"] == [float(STEPS)]
+    # Stock DeepSpeed 0.19.8's ZeRO-3 universal loader gives every param group the first one's hyper-parameters and
+    # every sub-group one step tensor (stage3.py load_hp_checkpoint_state_from_checkpoint_dir_stage3); the converter
+    # says so, and the phase applies what it says before training on.
+    assert loaded["universal3_weight_decay"] == [0.1, 0.1, 0.1] and loaded["universal3_step_tensors"] == 1
+    assert "one shared step tensor" in report["stock_zero3_note"]
+    assert "first one's hyper-parameters ({'lr': 0.01" in report["stock_zero3_note"]
+    assert loaded["universal3_steps_after"] == [float(STEPS + MORE)]  # each state its own step again
+    within(f"universal (from stage 3) into stock stage-3 fp32 AdamW at DP={dp} vs zero_bnb (rel.)",
+           worst_relative(sources["zero_bnb3_after"], loaded["universal3_after"]), 1e-4)
+
+
+def test_damaged_or_mixed_stock_stage3_checkpoints_are_refused_in_one_line(work, tmp_path):
+    """A missing or truncated rank file, files of two saves, stage-1 and stage-3 files mixed: exit 1, one line
+    naming the file or the difference, nothing written."""
+    workdir, _, _, _ = work
+    source = workdir / "stock3" / "s3"
+
+    def copy(name):
+        folder = tmp_path / name / "s3"
+        shutil.copytree(source, folder)
+        return folder
+
+    missing = copy("missing")
+    (missing / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    truncated = copy("truncated")
+    rank1 = truncated / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    rank1.write_bytes(rank1.read_bytes()[: rank1.stat().st_size // 2])
+    other_save = copy("other_save")  # optimizer files of a run with other sub-groups
+    for rank in (0, 1):
+        name = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        shutil.copyfile(workdir / "stock3_aligned" / "s3" / name, other_save / name)
+    mixed = copy("mixed")  # a stage-1 model file beside stage-3 optimizer files
+    for path in mixed.glob("*model_states.pt"):
+        path.unlink()
+    shutil.copyfile(workdir / "stock" / "s3" / "mp_rank_00_model_states.pt", mixed / "mp_rank_00_model_states.pt")
+    cases = {
+        missing: "holds 2 stage-3 model-states files but optimizer files of ranks 0..0 only",
+        truncated: "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        other_save: "the stock stage-3 rank files hold [4] sub-groups, DeepSpeed's model file 3",
+        mixed: "files come from different saves",
+    }
+    for folder, message in cases.items():
+        out = tmp_path / f"{folder.parent.name}_out"
+        code, stdout, err = cli("convert", folder, "--to", "zero_bnb", out)
+        assert code == 1 and message in err and err.count("\n") == 1, (folder, stdout, err)
+        assert not out.exists(), folder

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from deepspeed.utils.zero_to_fp32 import zero3_partitioned_param_info
 from hypothesis import given
 from hypothesis import strategies as st
 
 from zero_bnb.core.layout import plan_copy
-from zero_bnb.core.stage3 import gathered_numel, padding_size, parameter_geometry
+from zero_bnb.core.stage3 import gathered_numel, padding_size, parameter_geometry, stock_slice_ranges
 
 BLOCK = 256
 numels = st.integers(min_value=0, max_value=300_000)
@@ -61,6 +62,17 @@ def test_a_slice_at_one_dp_size_is_filled_from_the_slices_of_another(numel, save
         assert all(s.src_offset >= 0 for s in blocks)
 
 
+@given(numels, dps)
+def test_stock_slices_are_deepspeeds_and_tile_the_parameter(numel, dp):
+    """Stock stage 3's slices (what the rescue of a stock checkpoint reads): DeepSpeed's own arithmetic."""
+    size, padding = zero3_partitioned_param_info(numel, dp)
+    ranges = stock_slice_ranges(numel, dp)
+    assert size * dp == numel + padding and len(ranges) == dp
+    assert ranges[0][0] == 0 and ranges[-1][1] == numel
+    assert all(end == start for (_, end), (start, _) in zip(ranges, ranges[1:]))  # consecutive, no gap
+    assert all(start == min(rank * size, numel) and end - start <= size for rank, (start, end) in enumerate(ranges))
+
+
 @pytest.mark.parametrize("numel, dp, partition", [(9600, 2, 4864), (9600, 3, 3328), (9600, 1, 9728), (90, 2, 256),
                                                    (15360, 2, 7680), (0, 4, 0)])
 def test_known_partition_sizes(numel, dp, partition):
@@ -72,6 +84,8 @@ def test_bad_arguments_are_refused():
         padding_size(10, 0, BLOCK)
     with pytest.raises(ValueError, match="gathered_numel"):
         gathered_numel(-1, 2)
+    with pytest.raises(ValueError, match="stock_slice_ranges"):
+        stock_slice_ranges(10, 0)
 
 
 def test_the_tools_take_every_ranks_stage3_model_file_and_refuse_a_gap(tmp_path):

@@ -21,9 +21,9 @@ group per parameter, whatever the DP size.
 
 from __future__ import annotations
 
-from zero_bnb.core.layout import GroupGeometry
+from zero_bnb.core.layout import GroupGeometry, ceil_div
 
-__all__ = ["gathered_numel", "padding_size", "parameter_geometry"]
+__all__ = ["gathered_numel", "padding_size", "parameter_geometry", "stock_slice_ranges"]
 
 
 def parameter_geometry(numel: int, dp: int, block_size: int) -> GroupGeometry:
@@ -43,3 +43,14 @@ def gathered_numel(partition_numel: int, dp: int) -> int:
     if partition_numel < 0 or dp < 1:
         raise ValueError(f"gathered_numel needs partition_numel >= 0 and dp >= 1, got {partition_numel} and {dp}")
     return partition_numel * dp
+
+
+def stock_slice_ranges(numel: int, dp: int) -> tuple[tuple[int, int], ...]:
+    """Per rank, the elements ``[start, end)`` of one parameter that stock DeepSpeed's stage 3 gives rank ``r``
+    of ``dp``: slices of ``ceil(numel / dp)`` (``partition_parameters.py``, ``_padding_size``), the last ones
+    cut at ``numel`` (possibly empty). Each rank's flat sub-group holds its whole slice, padding included, so the
+    next parameter starts ``ceil(numel / dp)`` elements later on every rank."""
+    if numel < 0 or dp < 1:
+        raise ValueError(f"stock_slice_ranges needs numel >= 0 and dp >= 1, got {numel} and {dp}")
+    size = ceil_div(numel, dp)
+    return tuple((min(r * size, numel), min((r + 1) * size, numel)) for r in range(dp))

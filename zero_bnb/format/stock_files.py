@@ -17,14 +17,16 @@ from zero_bnb.format.manifest import ParamEntry
 from zero_bnb.format.paths import check_name
 from zero_bnb.format.unpickle import check_checkpoint_file, safe_load
 
-__all__ = ["MODEL_STATES", "UNIVERSAL_STATE", "WRITTEN_BY_ZERO_BNB", "group_states", "model_file_of", "model_states_files",
-           "param_entries", "read_rank_files", "stage3_model_states", "stock_dp_world_size", "zero_file_names"]
+__all__ = ["MODEL_STATES", "UNIVERSAL_STATE", "WRITTEN_BY_ZERO_BNB", "fp32_partitions", "group_hyperparameters",
+           "group_states", "is_stage3", "model_file_of", "model_states_files", "param_entries", "read_rank_files",
+           "stage3_model_states", "stock_dp_world_size", "zero_file_names"]
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 #: The file that marks a DeepSpeed universal checkpoint's tag folder (relative to it).
 UNIVERSAL_STATE = os.path.join("zero", "optimizer_state.pt")
 
 _BNB_WRAPPED = "__bnb_optimizer_quant_state__"
+_STAGE3_FLATS = "fp32_flat_groups"
 
 #: The sentence a plain DeepSpeed engine shows when it is given a zero_bnb checkpoint (the user forgot
 #: ``zero_bnb.enable()``). zero_bnb stores it, as plain text, in the model file's ``dp_world_size``.
@@ -51,12 +53,40 @@ def _unwrap(state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+def is_stage3(optimizer_sd: dict[str, Any]) -> bool:
+    """Whether a stock rank file's ``optimizer_state_dict`` was written at ZeRO stage 3 (``_rigid_state_dict`` of
+    ``runtime/zero/stage3.py``: the base optimizer's state under ``optimizer_state_dict``, one fp32 flat partition
+    per sub-group under ``fp32_flat_groups``) rather than at stage 1/2 (``base_optimizer_state``,
+    ``single_partition_of_fp32_groups``, one per param group)."""
+    return _STAGE3_FLATS in optimizer_sd
+
+
+def fp32_partitions(optimizer_sd: dict[str, Any]) -> list[Any]:
+    """This rank's fp32 flat partition of every flat group (stages 1/2) or sub-group (stage 3)."""
+    return optimizer_sd[_STAGE3_FLATS if is_stage3(optimizer_sd) else "single_partition_of_fp32_groups"]
+
+
+def _base_state(optimizer_sd: dict[str, Any]) -> Any:
+    return optimizer_sd["optimizer_state_dict" if is_stage3(optimizer_sd) else "base_optimizer_state"]
+
+
 def group_states(optimizer_sd: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per-group base-optimizer state of one stock rank file (rigid or elastic layout)."""
-    base = optimizer_sd["base_optimizer_state"]
-    if isinstance(base, dict):  # rigid: the base optimizer's own state_dict()
-        return [_unwrap(base["state"].get(group["params"][0], {})) for group in base["param_groups"]]
+    """Per flat group (stage 3: per sub-group, in order) the base-optimizer state of one stock rank file (rigid or
+    elastic layout)."""
+    base = _base_state(optimizer_sd)
+    if isinstance(base, dict):  # rigid: the base optimizer's own state_dict(), one index per flat tensor in order
+        return [_unwrap(base["state"].get(index, {})) for group in base["param_groups"] for index in group["params"]]
     return [_unwrap(group_state) for group_state in base]  # elastic: one dict per group
+
+
+def group_hyperparameters(optimizer_sd: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Per flat group (stage 3: per sub-group) the hyper-parameters of the param group holding it; ``None`` for
+    DeepSpeed's elastic layout, which stores none."""
+    base = _base_state(optimizer_sd)
+    if not isinstance(base, dict):
+        return None
+    return [{k: v for k, v in group.items() if k != "params"} for group in base["param_groups"]
+            for _ in group["params"]]
 
 
 def zero_file_names(tag_folder: str) -> list[str]:

@@ -15,6 +15,7 @@ Every input file is read with ``weights_only=True``.
 
 from __future__ import annotations
 
+import inspect
 import os
 from importlib import metadata
 from typing import Any
@@ -50,6 +51,7 @@ from zero_bnb.format.stock_files import (
     MODEL_STATES,
     UNIVERSAL_STATE,
     group_states,
+    is_stage3,
     model_file_of,
     model_states_files,
     param_entries,
@@ -67,9 +69,18 @@ __all__ = ["TARGET_OPTIMIZERS", "from_universal", "rescue_stock", "to_universal"
 
 # Keys of DeepSpeed's universal checkpoint files (deepspeed.checkpoint.constants), part of their format.
 PARAM, CAT_DIM, PARAM_GROUPS = "param", "cat_dim", "param_groups"
+#: Where stock DeepSpeed's ZeRO-3 universal loader reads the step and hyper-parameters in ``zero/optimizer_state.pt``
+#: (``runtime/zero/stage3.py`` ``load_hp_checkpoint_state_from_checkpoint_dir_stage3``: ``[...]["state"][0]["step"]``
+#: and ``[...][PARAM_GROUPS][0]``).
+OPTIMIZER_STATE_DICT = "optimizer_state_dict"
 
 TARGET_OPTIMIZERS = UNIVERSAL_TARGETS
 _ADAM_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+#: What the user of stock DeepSpeed's ZeRO-3 universal loader (0.19.8) must undo after ``load_checkpoint``.
+_STOCK_ZERO3_NOTE = (
+    "stock DeepSpeed's ZeRO-3 universal loader gives all sub-groups one shared step tensor, which torch's Adam then "
+    "advances once per sub-group: after load_checkpoint give each state its own (for s in "
+    "engine.optimizer.optimizer.state.values(): s['step'] = s['step'].clone())")
 #: The moments a DeepSpeed universal checkpoint holds for torch's Adam/AdamW, which stock DeepSpeed loads it into.
 _UNIVERSAL_MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -89,7 +100,8 @@ def to_universal(path: str, out: str, *, tag: str | None = None, force: bool = F
     ``exp_avg_sq.pt`` (8-bit moments dequantized exactly) and ``step.pt``;
     ``zero/optimizer_state.pt`` holds the Adam hyper-parameters and loss scaler. Stock DeepSpeed
     loads it with ``checkpoint.load_universal: true`` into ``torch.optim.AdamW`` (or ``Adam``)
-    at any DP size.
+    at any DP size, at the ZeRO stage the checkpoint was written at (the model files differ:
+    one ``mp_rank_00_model_states.pt`` at stages 1/2, one per rank at stage 3, all copied).
 
     Raises:
         CheckpointUsageError: ``out`` overlaps the input, exists (without ``force``) or has a
@@ -110,13 +122,14 @@ def to_universal(path: str, out: str, *, tag: str | None = None, force: bool = F
             f"moments with `zero-bnb export {path} --to fp32 OUT.safetensors --moments`"
         )
     model_files = model_states_files(reader.tag_folder)
-    if MODEL_STATES not in model_files:
-        raise CheckpointUsageError(
-            f"{reader.tag_folder} is a ZeRO stage-3 checkpoint; converting it to a universal checkpoint is not "
-            f"supported yet. It loads at any DP size as it is (zero_bnb.initialize at stage 3, or stage 2), or export "
-            f"the weights with `zero-bnb export {path} --to fp32 OUT.safetensors`"
-        )
+    stage3 = MODEL_STATES not in model_files
     groups = gather_full(reader)
+    steps = sorted({float(group.state.get("step", 0)) for group in groups})
+    if stage3 and len(steps) > 1:
+        raise CheckpointUsageError(
+            f"{reader.tag_folder} holds groups at different steps {steps}; stock DeepSpeed's ZeRO-3 universal loader "
+            f"gives every parameter one step. Keep it as a zero_bnb checkpoint (it loads at any DP size)"
+        )
     weights = {name: value for group in groups for name, value in per_parameter(group, group.fp32).items()}
     for name, source in dict(model_files).items():
         model_states = reader.load(name, "DeepSpeed model file", deepspeed_classes=True)  # the verified bytes
@@ -143,14 +156,23 @@ def to_universal(path: str, out: str, *, tag: str | None = None, force: bool = F
             param_groups.append({**hyper, "params": [index]})
         wrapper = live_wrapper(dict(reader.replicated.wrapper))  # stock DeepSpeed unpickles this file
         optimizer_state = {name: wrapper.get(name) for name in WRAPPER_SCALARS}
-        optimizer_state.update({"ds_version": metadata.version("deepspeed"), "zero_stage": 1,
+        optimizer_state.update({"ds_version": metadata.version("deepspeed"), "zero_stage": 3 if stage3 else 1,
                                 "partition_count": manifest.dp_world_size, PARAM_GROUPS: param_groups})
+        if stage3:  # where stock stage 3 reads them (the one step is a tensor, as torch's Adam keeps it)
+            optimizer_state[OPTIMIZER_STATE_DICT] = {"state": {0: {"step": torch.tensor(steps[0] if steps else 0.0)}},
+                                                     PARAM_GROUPS: param_groups}
         save_torch(optimizer_state, os.path.join(zero_folder, "optimizer_state.pt"), root=staging)
         for name, model_states in model_files.items():
             save_torch(model_states, os.path.join(staging, name), root=staging)
-    return {"output": os.path.join(out_dir, out_tag), "parameters": written,
-            "moments": sorted(spec.moment_names.values()),
-            "dropped_hyperparameters": sorted({k for g in groups for k in g.param_group} - {*_ADAM_HYPERPARAMETERS})}
+    report = {"output": os.path.join(out_dir, out_tag), "parameters": written, "zero_stage": 3 if stage3 else "1 or 2",
+              "moments": sorted(spec.moment_names.values()),
+              "dropped_hyperparameters": sorted({k for g in groups for k in g.param_group} - {*_ADAM_HYPERPARAMETERS})}
+    if stage3:
+        report["stock_zero3_note"] = _STOCK_ZERO3_NOTE + (
+            f"; and it gives every param group the first one's hyper-parameters "
+            f"({ {k: v for k, v in param_groups[0].items() if k != 'params'} }): set the others' again"
+            if len({repr(sorted((k, v) for k, v in g.items() if k != "params")) for g in param_groups}) > 1 else "")
+    return report
 
 
 def _load_universal(path: str, tag: str | None) -> tuple[str, str, dict, list[tuple[ParamEntry, ...]]]:
@@ -273,50 +295,83 @@ def from_universal(path: str, out_dir: str, *, tag: str | None = None, out_tag: 
             "max_abs_error": report.max_abs_error, "relative_rms_error": report.relative_rms_error}
 
 
-def rescue_stock(path: str, out_dir: str, *, tag: str | None = None, out_tag: str | None = None,
-                 force: bool = False, optimizer: str | None = None) -> dict[str, Any]:
-    """Rewrite a stock DeepSpeed ZeRO-1 + bitsandbytes checkpoint (any DP size) as a zero_bnb checkpoint.
+def _default_min_8bit_size(spec: OptimizerSpec, optimizer: str | None) -> int:
+    """bitsandbytes' default ``min_8bit_size`` of the class that wrote a stock checkpoint (named, or the family's)."""
+    cls = getattr(bnb.optim, optimizer or spec.classes[0])
+    return int(inspect.signature(cls).parameters["min_8bit_size"].default)
 
-    Each rank's 8-bit partition is dequantized with its own ``absmax`` and map, then requantized
-    once on the aligned global grid (partitions that were already block-aligned are copied
-    exactly). Works for every declared bitsandbytes family: Adam and AdEMAMix are told by their
-    state keys, the one-state families (Lion, SGD, RMSprop, Adagrad) need ``optimizer`` (the
-    class name, e.g. ``"Lion8bit"``). Returns the error introduced.
-    """
-    tag_folder, out_tag = _target(path, tag, out_dir, out_tag, latest=LATEST_NAME, force=force)
+
+def _read_stock(tag_folder: str, optimizer: str | None) -> tuple[StockCheckpoint, OptimizerSpec, str, str]:
+    """The stock checkpoint of ``tag_folder`` in zero_bnb's layout: one group per flat group (ZeRO stages 1/2) or
+    per parameter (stage 3); with its family and the model file to keep (name, path)."""
     names = zero_file_names(tag_folder)
     if not names:
         raise CheckpointFormatError(f"{tag_folder} holds no stock DeepSpeed ZeRO optimizer files (zero_pp_rank_*)")
     model_name, model_file = model_file_of(tag_folder)
-    if model_name != MODEL_STATES:
-        raise CheckpointUsageError(
-            f"{tag_folder} is a stock DeepSpeed ZeRO stage-3 checkpoint; converting it to zero_bnb is not supported "
-            f"yet (only stages 1 and 2). Resume it with stock DeepSpeed at its DP size"
+    stage3 = model_name != MODEL_STATES
+    model_count = len(model_states_files(tag_folder))
+    if stage3 and model_count != len(names):
+        raise CheckpointFormatError(
+            f"{tag_folder} holds {model_count} stage-3 model-states files but optimizer files of ranks 0..{len(names) - 1} "
+            f"only ({len(names)}); a rank's file is missing or left over from another save. Copy the complete tag "
+            f"folder as DeepSpeed wrote it"
         )
     rank_sds = read_rank_files(names)
     with malformed(f"stock DeepSpeed checkpoint {tag_folder}"):
+        written_at3 = {is_stage3(sd) for sd in rank_sds}
+        if written_at3 != {stage3}:
+            raise CheckpointFormatError(
+                f"{tag_folder} holds {'per-rank stage-3' if stage3 else 'stage-1/2'} model files but optimizer files "
+                f"written at ZeRO stage {'3' if True in written_at3 else '1/2'}; the files come from different saves"
+            )
         spec = _stock_family(rank_sds, optimizer, tag_folder)
-        stock = StockCheckpoint.from_rank_states(
-            rank_sds, spec=spec, rule=StateRule(unsharded_keys=frozenset(spec.replicated_by_default)),
-            params=param_entries(model_file), optimizer_class="stock DeepSpeed checkpoint", log=False)
-        groups = gather_full(stock)
+        rule = StateRule(unsharded_keys=frozenset(spec.replicated_by_default))
+        if stage3:
+            stock = StockCheckpoint.from_stage3_rank_states(
+                rank_sds, spec=spec, rule=rule, sub_groups=param_entries(model_file),
+                optimizer_class="stock DeepSpeed checkpoint", min_8bit_size=_default_min_8bit_size(spec, optimizer))
+        else:
+            stock = StockCheckpoint.from_rank_states(rank_sds, spec=spec, rule=rule, params=param_entries(model_file),
+                                                     optimizer_class="stock DeepSpeed checkpoint", log=False)
+    return stock, spec, model_name, model_file
+
+
+def rescue_stock(path: str, out_dir: str, *, tag: str | None = None, out_tag: str | None = None,
+                 force: bool = False, optimizer: str | None = None) -> dict[str, Any]:
+    """Rewrite a stock DeepSpeed ZeRO + bitsandbytes checkpoint (stage 1, 2 or 3, any DP size) as a zero_bnb
+    checkpoint.
+
+    Master weights, counters and hyper-parameters are copied exactly. 8-bit state already on the
+    aligned grid is copied exactly; other 8-bit state (partitions not on the block grid; at stage 3,
+    any parameter whose slices do not start on blocks of its sub-group's flat tensor) is dequantized
+    per rank with its own ``absmax`` and map, then requantized once on the aligned global grid
+    (stage 3: on each parameter's own grid, for parameters of at least bitsandbytes' default
+    ``min_8bit_size`` elements, as zero_bnb's stage 3 decides; smaller ones keep the dequantized fp32
+    values). A stage-3 input gives one group per parameter, zero_bnb's stage-3 layout, which loads
+    at stage 3 at any DP size without another requantization (and at stages 1/2 as any stage-3
+    checkpoint does). Works for every declared bitsandbytes family: Adam and AdEMAMix are told by
+    their state keys, the one-state families (Lion, SGD, RMSprop, Adagrad) need ``optimizer`` (the
+    class name, e.g. ``"Lion8bit"``). Returns the error introduced.
+    """
+    tag_folder, out_tag = _target(path, tag, out_dir, out_tag, latest=LATEST_NAME, force=force)
+    stock, spec, model_name, model_file = _read_stock(tag_folder, optimizer)
     report = QuantizationReport()
     with malformed(f"stock DeepSpeed checkpoint {tag_folder}"):
+        groups = gather_full(stock)
         for index, group in enumerate(groups):
-            original = group_states(rank_sds[0])[index]
-            for triple in spec.quantized:  # 8-bit moments that unaligned partitions made fp32: back to 8 bits once
-                key = triple.codes
-                if key in group.state and group.state[key].dtype != torch.uint8 and original[key].dtype == torch.uint8:
-                    qmap = original[triple.qmap]
-                    group.state[key], group.state[triple.absmax] = quantize_moment(
-                        group.state[key], qmap, spec.block_size, spec.moment_names.get(key, key), report)
-                    group.state[triple.qmap] = qmap
+            for key, qmap in stock.requantize.get(index, {}).items():  # dequantized 8-bit moments: 8 bits again, once
+                triple = spec.triple_for(key)
+                group.state[key], group.state[triple.absmax] = quantize_moment(
+                    group.state[key], qmap, spec.block_size, spec.moment_names.get(key, key), report)
+                group.state[triple.qmap] = qmap
             group.states = _entries(group.state, "rescued from a stock DeepSpeed checkpoint", spec)
     wrapper = dict(stock.replicated.wrapper)
     published = write_checkpoint(out_dir, out_tag, groups, spec=spec,
                                  block_size=spec.block_size, optimizer_class="bitsandbytes (rescued)",
-                                 wrapper=wrapper, extra_files={MODEL_STATES: model_file}, replace=force)
-    return {"output": published, "saved_dp_size": len(names), "requantized_elements": report.quantized_elements,
+                                 wrapper=wrapper, extra_files={model_name: model_file}, replace=force)
+    return {"output": published, "saved_dp_size": stock.manifest.dp_world_size,
+            "zero_stage": 3 if model_name != MODEL_STATES else "1 or 2",
+            "requantized_elements": report.quantized_elements,
             "max_abs_error": report.max_abs_error, "relative_rms_error": report.relative_rms_error}
 
 
