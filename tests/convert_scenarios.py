@@ -45,12 +45,16 @@ def _full_weights(engine) -> dict:
     return {name: safe_get_full_fp32_param(param) for name, param in engine.module.named_parameters()}
 
 
+def _save_and_continue(engine, c, out, name: str) -> None:
+    """Train, save as ``name``, record the saved state and the steps of the run that never stopped."""
+    train_steps(engine, RUN, 0, STEPS)
+    engine.save_checkpoint(os.path.join(c["workdir"], name), tag="s3")
+    out[f"{name}_saved"] = consolidated_state(engine)
+    out[f"{name}_after"] = train_steps(engine, RUN, STEPS, MORE)
+
+
 def _zero_bnb_sources(c, out):
-    ours = make_engine(c["world"])
-    train_steps(ours, RUN, 0, STEPS)
-    ours.save_checkpoint(os.path.join(c["workdir"], "zero_bnb"), tag="s3")
-    out["zero_bnb_saved"] = consolidated_state(ours)
-    out["zero_bnb_after"] = train_steps(ours, RUN, STEPS, MORE)
+    _save_and_continue(make_engine(c["world"]), c, out, "zero_bnb")
     derived = make_engine(c["world"], zero_derived_module_weights=True)
     train_steps(derived, RUN, 0, STEPS)
     derived.save_checkpoint(os.path.join(c["workdir"], "derived"), tag="s3")
@@ -83,11 +87,7 @@ def _stock3_source(name: str):
 
 
 def _zero_bnb3_source(c, out):
-    ours = stage3_zero_bnb(c["world"])
-    train_steps(ours, RUN, 0, STEPS)
-    ours.save_checkpoint(os.path.join(c["workdir"], "zero_bnb3"), tag="s3")
-    out["zero_bnb3_saved"] = consolidated_state(ours)
-    out["zero_bnb3_after"] = train_steps(ours, RUN, STEPS, MORE)
+    _save_and_continue(stage3_zero_bnb(c["world"]), c, out, "zero_bnb3")
 
 
 def write_sources(rank, world, workdir):

@@ -16,7 +16,7 @@ import shutil
 import bitsandbytes.functional as bnb_functional
 import pytest
 import torch
-from convert_scenarios import ONE_STATE, STEPS, resume_converted, write_sources
+from convert_scenarios import MORE, ONE_STATE, STEPS, resume_converted, write_sources
 from safetensors.torch import load_file
 from scenarios import Recorded, cli, within, worst_relative
 

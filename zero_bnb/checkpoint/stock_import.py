@@ -113,7 +113,7 @@ class StockCheckpoint:
             raise CheckpointMismatchError(
                 f"{folder} is a stock DeepSpeed ZeRO stage-3 checkpoint (DP={saved_dp}); its 8-bit blocks straddle "
                 f"parameters and ranks, so zero_bnb reads it only through a one-time conversion: `zero-bnb convert "
-                f"{folder} --to zero_bnb OUT` (the result loads at any DP size, at ZeRO stage 3, 2 or 1)"
+                f"{folder} --to zero_bnb OUT` (the result loads at any DP size, at ZeRO stage 3 or 2)"
             )
         if saved_dp != optimizer.dp_size:
             raise CheckpointMismatchError(
@@ -217,7 +217,10 @@ class StockCheckpoint:
         return cls._assemble(rank_sds, spec, optimizer_class, groups, replicated_groups, pieces, requantize)
 
     @classmethod
-    def _assemble(cls, rank_sds, spec, optimizer_class, groups, replicated_groups, pieces, requantize) -> StockCheckpoint:
+    def _assemble(cls, rank_sds: list[dict[str, Any]], spec: OptimizerSpec, optimizer_class: str,
+                  groups: list[GroupEntry], replicated_groups: list[ReplicatedGroup],
+                  pieces: dict[tuple[int, int, str], torch.Tensor],
+                  requantize: dict[int, dict[str, torch.Tensor]]) -> StockCheckpoint:
         manifest = Manifest(
             dp_world_size=len(rank_sds),
             block_size=spec.block_size,
