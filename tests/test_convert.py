@@ -404,9 +404,12 @@ def test_stock_deepspeed_stage3_loads_the_universal_output_of_a_stage3_checkpoin
 
 
 def test_damaged_or_mixed_stock_stage3_checkpoints_are_refused_in_one_line(work, tmp_path):
-    """A missing or truncated rank file, files of two saves, stage-1 and stage-3 files mixed: exit 1, one line
-    naming the file or the difference, nothing written."""
+    """A missing or truncated rank file, files of two saves, stage-1 and stage-3 files mixed, a rank file or model
+    file that would run code: exit 1, one line naming the file or the difference, nothing written, nothing run."""
+    from hostile_scenarios import Payload
+
     workdir, _, _, _ = work
+    sentinel = tmp_path / "pwned"
     source = workdir / "stock3" / "s3"
 
     def copy(name):
@@ -427,7 +430,14 @@ def test_damaged_or_mixed_stock_stage3_checkpoints_are_refused_in_one_line(work,
     for path in mixed.glob("*model_states.pt"):
         path.unlink()
     shutil.copyfile(workdir / "stock" / "s3" / "mp_rank_00_model_states.pt", mixed / "mp_rank_00_model_states.pt")
+    code_in_rank = copy("code_in_rank")
+    torch.save({"optimizer_state_dict": Payload(f"touch {sentinel}")},
+               code_in_rank / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    code_in_model = copy("code_in_model")
+    torch.save({"param_shapes": Payload(f"touch {sentinel}")}, code_in_model / "zero_pp_rank_0_mp_rank_00_model_states.pt")
     cases = {
+        code_in_rank: "posix.system",
+        code_in_model: "posix.system",
         missing: "holds 2 stage-3 model-states files but optimizer files of ranks 0..0 only",
         truncated: "zero_pp_rank_1_mp_rank_00_optim_states.pt",
         other_save: "the stock stage-3 rank files hold [4] sub-groups, DeepSpeed's model file 3",
@@ -438,3 +448,4 @@ def test_damaged_or_mixed_stock_stage3_checkpoints_are_refused_in_one_line(work,
         code, stdout, err = cli("convert", folder, "--to", "zero_bnb", out)
         assert code == 1 and message in err and err.count("\n") == 1, (folder, stdout, err)
         assert not out.exists(), folder
+    assert not sentinel.exists()
