@@ -49,7 +49,7 @@ def _fused_available(mode: str) -> bool:
             _warned = True
             logger.warning(
                 "zero_bnb: the fused CPU 8-bit optimizer update could not be built (%s); using bitsandbytes' CPU path, "
-                "which was 8-22x slower in benchmarks/results/cpu_optimizer_step.md. Install a C++ compiler with "
+                "which was 12-26x slower in benchmarks/results/cpu_optimizer_step.md. Install a C++ compiler with "
                 "OpenMP (e.g. apt-get install g++) and run `zero-bnb build-kernels` to get the fast one", error,
             )
         return False

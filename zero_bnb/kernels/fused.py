@@ -82,15 +82,15 @@ def fused_update(
         raise ValueError(f"the fused kernel refused optimizer {hyper.name!r} (status {status})")
 
 
-def fused_quantize(x: torch.Tensor, qmap: torch.Tensor, signed: bool) -> torch.Tensor:
+def fused_quantize(x: torch.Tensor, qmap: torch.Tensor, signed: bool, library: ctypes.CDLL | None = None) -> torch.Tensor:
     """The kernel's codes for ``x`` (values already divided by their absmax), sign fix included when ``signed``.
 
     The same function the update applies to each moment; :func:`~zero_bnb.kernels.reference.quantize_codes`
-    specifies it.
+    specifies it. ``library``: as in :func:`fused_update`.
     """
     x = x.detach().to(torch.float32).contiguous().view(-1)
     out = torch.empty(x.numel(), dtype=torch.uint8)
-    load_library().zero_bnb_quantize(_check("qmap", qmap, torch.float32, 256), int(signed), x.data_ptr(), x.numel(),
+    (library or load_library()).zero_bnb_quantize(_check("qmap", qmap, torch.float32, 256), int(signed), x.data_ptr(), x.numel(),
                                      out.data_ptr())
     return out
 

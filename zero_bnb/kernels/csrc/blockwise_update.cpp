@@ -249,17 +249,20 @@ int zero_bnb_blockwise_update(int family, const Scalars* scalars, int64_t n, flo
 // by their absmax: the quantizer alone, for tests and measurements.
 void zero_bnb_quantize(const float* qmap, int is_signed, const float* x, int64_t n, uint8_t* out) {
     const Map& map = map_for(qmap, is_signed != 0);
-    for (int64_t start = 0; start < n; start += kBlock) {
-        alignas(64) float s[kBlock] = {0.0f};
-        alignas(64) uint8_t codes[kBlock];
-        const int valid = static_cast<int>(n - start < kBlock ? n - start : kBlock);
-        std::memcpy(s, x + start, valid * sizeof(float));
+    const auto block = [&](const float* s, uint8_t* codes) {
         if (is_signed)
             quantize<true>(map, s, 1.0f, codes);
         else
             quantize<false>(map, s, 1.0f, codes);
-        std::memcpy(out + start, codes, valid);
-    }
+    };
+    const int64_t whole = n / kBlock * kBlock;
+    for (int64_t start = 0; start < whole; start += kBlock) block(x + start, out + start);
+    if (whole == n) return;
+    alignas(64) float s[kBlock] = {0.0f};  // the last, partial block, padded
+    alignas(64) uint8_t codes[kBlock];
+    std::memcpy(s, x + whole, (n - whole) * sizeof(float));
+    block(s, codes);
+    std::memcpy(out + whole, codes, n - whole);
 }
 
 // How this build quantizes with qmap: 2 through the permute tables (AVX512-VBMI), 1 through the 16-bit
