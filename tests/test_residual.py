@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from zero_bnb.core.residual import join_bf16, rounds_to, split_bf16
 from zero_bnb.errors import CheckpointFormatError
 from zero_bnb.format.manifest import ParamEntry
-from zero_bnb.format.masters import MODULE, MODULE_LOW16, derive, derived_problems, module_slice, rebuild
+from zero_bnb.format.masters import (FULL, MODULE, MODULE_LOW16, casts_like_masters, check_module, derive,
+                                     derived_problems, module_slice, rebuild)
 
 
 def _floats(bits: list[int]) -> torch.Tensor:
@@ -112,8 +113,11 @@ def test_an_edited_model_file_is_named_not_combined_into_wrong_masters():
     derived = derive(MODULE_LOW16, module_slice(params, masters, 0, 21), module_slice(params, module, 0, 21),
                      params, module, 0, 21)
     edited = dict(module, b=module["b"] + 1)
-    with pytest.raises(CheckpointFormatError, match=r"m\.pt: the module weights of \['b'\].*s\.pt"):
-        rebuild(MODULE_LOW16, derived, params, edited, 0, 21, model_file="m.pt", shard_file="s.pt")
+    for check in (rebuild, check_module):  # a load's check without a rebuild refuses the same
+        with pytest.raises(CheckpointFormatError, match=r"m\.pt: the module weights of \['b'\].*s\.pt"):
+            check(MODULE_LOW16, derived, params, edited, 0, 21, model_file="m.pt", shard_file="s.pt")
+    assert check_module(MODULE_LOW16, derived, params, module, 0, 21, model_file="m.pt", shard_file="s.pt") == \
+        list(params)
     with pytest.raises(CheckpointFormatError, match=r"c: float32 \(2, 2\)"):
         rebuild(MODULE_LOW16, derived, params, dict(module, c=masters["c"]), 0, 21, model_file="m.pt",
                 shard_file="s.pt")
@@ -136,3 +140,17 @@ def test_malformed_stored_residuals_are_refused():
     assert derived_problems(dict(good, exception_index=torch.tensor([1]), exception_value=torch.zeros(2)),
                             MODULE_LOW16, 21)
     assert derived_problems(good, MODULE, 21)  # a residual where the manifest says none
+
+
+def test_module_weights_stand_for_the_masters_cast_only_where_they_are_that_cast():
+    """A load copies the model file's weights instead of rebuilding masters only where they are ``master.to(dtype)``
+    bit for bit: fp32 module weights are the masters (any cast of them is the masters' cast); bf16 ones are the
+    masters' rounding to bf16 only (into fp32 or fp16 parameters the masters must be rebuilt)."""
+    master = torch.randn(4096) * 3
+    weight = master.to(torch.bfloat16)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert casts_like_masters(MODULE, dtype)
+        same = torch.equal(weight.to(dtype).view(-1).float(), master.to(dtype).float())
+        assert casts_like_masters(MODULE_LOW16, dtype) == (dtype == torch.bfloat16)
+        assert same == (dtype == torch.bfloat16)  # the bf16 weights are the masters' cast only into bf16
+        assert not casts_like_masters(FULL, dtype)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -155,6 +155,9 @@ class LoadPlan:
     model_states: dict[str, Any]
     saved: SavedState
     trained: dict[torch.nn.Parameter, str]
+    #: Trained parameters' names -> model-file weights that are their masters cast to the parameter's dtype, bit for
+    #: bit (masters derived from them, every piece checked by one rank of the plan): copied instead of rebuilt.
+    as_cast: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def plan_load(engine, opened: Opened, model_file: str, *, optimizer_states: bool, strict: bool,
@@ -189,7 +192,11 @@ def plan_load(engine, opened: Opened, model_file: str, *, optimizer_states: bool
     check_model_states(engine, model_states, model_file, strict=strict, module_only=module_only,
                        scheduler_states=scheduler_states, trained=trained_shapes(engine.module, trained))
     plan_trained_weights(engine.module, trained, model_states, master if custom_load_fn else None)
-    return LoadPlan(optimizer, model_file, model_states, saved, trained)
+    as_cast = {}
+    if opened.reader is not None:  # this rank's share of the derived masters' module weights, the rest by the others
+        opened.reader.check_module_weights(dist.get_rank(), dist.get_world_size())
+        as_cast = opened.reader.module_weights_as_cast({name: param.dtype for param, name in trained.items()})
+    return LoadPlan(optimizer, model_file, model_states, saved, trained, as_cast)
 
 
 def apply_module_weights(optimizer: PartitionedOptimizer, plan: LoadPlan) -> None:
@@ -199,7 +206,9 @@ def apply_module_weights(optimizer: PartitionedOptimizer, plan: LoadPlan) -> Non
 
     On the CPU, each rank copies every trained parameter's masters straight from the checkpoint's
     pieces (memory-mapped, checked by the plan) into the parameter: a memory copy, which beats a
-    collective there (gloo moves far fewer bytes per second than a page-cache copy). On an
+    collective there (gloo moves far fewer bytes per second than a page-cache copy). Where the
+    masters derive from DeepSpeed's module weights and those are the masters cast (``plan.as_cast``),
+    the module weights are copied instead, so no rank rebuilds another rank's masters. On an
     accelerator, each rank casts its applied partition into the flat group the module's weights are
     views of and the ranks all-gather it, as DeepSpeed's step does: no rank reads another's masters.
 
@@ -210,7 +219,9 @@ def apply_module_weights(optimizer: PartitionedOptimizer, plan: LoadPlan) -> Non
         master = master_weights(plan.saved)
         with torch.no_grad():
             for param, name in plan.trained.items():
-                if param.is_contiguous():
+                if name in plan.as_cast:
+                    param.data.copy_(plan.as_cast[name].view(param.shape))
+                elif param.is_contiguous():
                     master(name, out=param.data.view(-1))
                 else:
                     param.data.copy_(master(name))

@@ -28,8 +28,8 @@ import torch
 from zero_bnb.core.residual import Residual, join_bf16, split_bf16
 from zero_bnb.errors import CheckpointFormatError
 
-__all__ = ["FULL", "MODULE", "MODULE_BYTES", "MODULE_LOW16", "SHARD_BYTES", "STORAGES", "DerivedMasters", "derive", "derived_problems",
-           "module_dtype", "module_slice", "piece_digest", "rebuild"]
+__all__ = ["FULL", "MODULE", "MODULE_BYTES", "MODULE_LOW16", "SHARD_BYTES", "STORAGES", "DerivedMasters", "casts_like_masters",
+           "check_module", "derive", "derived_problems", "module_dtype", "module_slice", "piece_digest", "rebuild"]
 
 FULL = "fp32"
 MODULE = "module"
@@ -106,9 +106,11 @@ def derive(storage: str, master: torch.Tensor, weight: torch.Tensor, params, ten
     return DerivedMasters(digests, None if storage == MODULE else split_bf16(master, weight))
 
 
-def rebuild(storage: str, derived: DerivedMasters, params, module: Mapping[str, Any], start: int, end: int, *,
-            model_file: str, shard_file: str) -> torch.Tensor:
-    """The fp32 masters of the range ``[start, end)`` from the model file's ``module`` dict and ``derived``.
+def check_module(storage: str, derived: DerivedMasters, params, module: Mapping[str, Any], start: int, end: int, *,
+                 model_file: str, shard_file: str) -> list:
+    """Check that the model file's ``module`` dict holds, for the range ``[start, end)``, the module weights a shard
+    group stored as ``storage`` was saved against (dtype, shape, SHA-256 of each piece); returns the parameters
+    (``ParamEntry``) overlapping the range.
 
     Raises:
         CheckpointFormatError: a module weight is missing or has another shape or dtype.
@@ -135,8 +137,23 @@ def rebuild(storage: str, derived: DerivedMasters, params, module: Mapping[str, 
             f"replaced after the save, so the masters cannot be rebuilt. Restore the original model file, or load "
             f"an earlier tag"
         )
+    return overlapping
+
+
+def rebuild(storage: str, derived: DerivedMasters, params, module: Mapping[str, Any], start: int, end: int, *,
+            model_file: str, shard_file: str) -> torch.Tensor:
+    """The fp32 masters of the range ``[start, end)`` from the model file's ``module`` dict and ``derived``,
+    after :func:`check_module` (which raises what this raises)."""
+    overlapping = check_module(storage, derived, params, module, start, end, model_file=model_file,
+                               shard_file=shard_file)
     weight = module_slice(overlapping, module, start, end)
     return weight if storage == MODULE else join_bf16(weight, derived.residual)
+
+
+def casts_like_masters(storage: str, dtype: torch.dtype) -> bool:
+    """Whether module weights stored for ``storage`` are, bit for bit, the masters cast to ``dtype``: fp32 module
+    weights are the masters (any cast of them is the masters' cast); bf16 ones are the masters' rounding to bf16."""
+    return storage == MODULE or (storage == MODULE_LOW16 and dtype == torch.bfloat16)
 
 
 def _describe(value: Any) -> str:

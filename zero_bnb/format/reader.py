@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping
 
 import torch
 
@@ -16,7 +17,7 @@ from zero_bnb.format.integrity import check_file_list, verify_checksums
 from zero_bnb.core.kinds import is_partitioned, saved_ranges
 from zero_bnb.core.state_spec import StateKind
 from zero_bnb.format.manifest import MANIFEST_NAME, MASTER_KEY, MAX_MANIFEST_BYTES, SUBDIR, decode_manifest
-from zero_bnb.format.masters import FULL, rebuild
+from zero_bnb.format.masters import FULL, casts_like_masters, check_module, rebuild
 from zero_bnb.format.payload import ReplicatedPayload, ShardPayload, read_replicated, read_shard
 from zero_bnb.format.pinned import PinnedFolder
 from zero_bnb.format.tags import resolve_tag
@@ -58,6 +59,7 @@ class CheckpointReader:
         self._replicated: ReplicatedPayload | None = None
         self._shards: dict[int, ShardPayload] = {}
         self._masters: dict[tuple[int, int], torch.Tensor] = {}
+        self._checked: set[tuple[int, int]] = set()  # (shard, group) whose module weights were checked
         self._module: dict | None = None  # the model file's module weights, for derived masters
         self._unclaimed: dict[str, object] = {}  # a model file read for masters, not yet handed to load()
 
@@ -138,13 +140,45 @@ class CheckpointReader:
     def _derived_master(self, rank: int, group_index: int) -> torch.Tensor:
         key = (rank, group_index)
         if key not in self._masters:
-            entry = self.manifest.groups[group_index]
-            start, end = entry.element_ranges[rank]
-            self._masters[key] = rebuild(
-                entry.masters, self._shard(rank).groups[group_index].derived, entry.params, self._module_weights(),
-                start, end, model_file=os.path.join(self.tag_folder, self.manifest.module_file),
-                shard_file=os.path.join(self.tag_folder, SUBDIR, self.manifest.shards[rank]))
+            self._masters[key] = self._derived(rank, group_index, rebuild)
+            self._checked.add(key)
         return self._masters[key]
+
+    def _derived(self, rank: int, group_index: int, how):
+        entry = self.manifest.groups[group_index]
+        start, end = entry.element_ranges[rank]
+        return how(entry.masters, self._shard(rank).groups[group_index].derived, entry.params, self._module_weights(),
+                   start, end, model_file=os.path.join(self.tag_folder, self.manifest.module_file),
+                   shard_file=os.path.join(self.tag_folder, SUBDIR, self.manifest.shards[rank]))
+
+    def check_module_weights(self, rank: int = 0, world_size: int = 1) -> None:
+        """Check this process's share (shards ``rank``, ``rank + world_size``, ...) of the module weights that
+        derived masters are rebuilt from (dtype, shape and SHA-256 of every piece, as a rebuild checks them),
+        without rebuilding; shards whose masters were rebuilt here already were checked then. Call after
+        :meth:`preload`. Once every process of a load has called it with its rank, every piece was checked by one
+        of them, and :meth:`module_weights_as_cast` may hand out the model file's weights.
+
+        Raises:
+            CheckpointFormatError: as :func:`~zero_bnb.format.masters.check_module`.
+        """
+        for shard in range(rank, len(self.manifest.shards), world_size):
+            for index, entry in enumerate(self.manifest.groups):
+                if entry.masters != FULL and (shard, index) not in self._checked:
+                    self._derived(shard, index, check_module)
+                    self._checked.add((shard, index))
+
+    def module_weights_as_cast(self, dtypes: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
+        """The model file's module weights (memory-mapped) of the parameters in ``dtypes`` (name -> the dtype the
+        caller casts its master weight to) that are, bit for bit, the master weight cast to that dtype: those of
+        groups whose masters derive from the module weights, where
+        :func:`~zero_bnb.format.masters.casts_like_masters`. Copying them costs no rebuild. Valid once their
+        pieces were checked (:meth:`check_module_weights`)."""
+        found = {}
+        for entry in self.manifest.groups:
+            if entry.masters != FULL:
+                found.update((p.name, self._module_weights()[p.name]) for p in entry.params
+                             if p.name in dtypes and casts_like_masters(entry.masters, dtypes[p.name]))
+        return found
 
     def close(self) -> None:
         """Release the pinned folder's descriptors (memory-mapped shards stay readable)."""
