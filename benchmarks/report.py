@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import statistics
 from dataclasses import asdict
 
-__all__ = ["TARGETS", "summarise", "write_reports"]
+__all__ = ["TARGETS", "cell", "machine", "percentile", "summarise", "write_reports"]
 
 #: (figure, variant compared with, largest allowed ratio zero_bnb / that variant)
 TARGETS = (
@@ -18,9 +19,22 @@ TARGETS = (
 )
 
 
-def _percentile(values: list[float], fraction: float) -> float:
+def percentile(values: list[float], fraction: float) -> float:
+    """The ``fraction`` quantile of ``values`` (nearest rank below)."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def machine() -> dict:
+    """Where a benchmark ran: platform, CPU model (from ``/proc/cpuinfo`` where ``platform`` has none), CPU count."""
+    processor = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            processor = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")),
+                             processor)
+    except OSError:
+        pass
+    return {"platform": platform.platform(), "processor": processor or platform.machine(), "cpus": os.cpu_count()}
 
 
 def summarise(raw: dict, *, model: str, config, args: dict, step_bytes_per_param: dict[str, int]) -> dict:
@@ -33,8 +47,8 @@ def summarise(raw: dict, *, model: str, config, args: dict, step_bytes_per_param
         optimizer_step = statistics.median(record["optimizer_step_s"])
         figures = {
             "step_s": step,
-            "step_s_p10": _percentile(record["step_s"], 0.1),
-            "step_s_p90": _percentile(record["step_s"], 0.9),
+            "step_s_p10": percentile(record["step_s"], 0.1),
+            "step_s_p90": percentile(record["step_s"], 0.9),
             "samples_per_s": args["micro_batch"] * dp / step,
             "optimizer_step_s": optimizer_step,
             "memory_bytes_per_rank": statistics.median(record["memory_bytes"]),
@@ -70,7 +84,8 @@ def summarise(raw: dict, *, model: str, config, args: dict, step_bytes_per_param
             "targets": targets}
 
 
-def _cell(value, unit: str = "") -> str:
+def cell(value, unit: str = "") -> str:
+    """A table cell: text as it is, ``-`` for none, bytes (``B``) in MiB, seconds as ``ms`` or ``s``, else 2 decimals."""
     if isinstance(value, str):
         return value
     if value is None:
@@ -109,14 +124,14 @@ def _markdown(report: dict) -> str:
             for variant in ("stock-adamw", "stock-adam8bit", "zero_bnb"):
                 figures_of = row["variants"][variant]
                 if key is None:
-                    cells.append(f"{_cell(figures_of['step_s_p10'], unit)} - {_cell(figures_of['step_s_p90'], unit)}")
+                    cells.append(f"{cell(figures_of['step_s_p10'], unit)} - {cell(figures_of['step_s_p90'], unit)}")
                 else:
-                    cells.append(_cell(figures_of.get(key), unit))
+                    cells.append(cell(figures_of.get(key), unit))
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines += ["", "| target (zero_bnb / baseline) | baseline | ratio | limit | met |", "| --- | --- | --- | --- | --- |"]
         for figure, target in row["targets"].items():
             met = {True: "yes", False: "**no**", None: "-"}[target["met"]]
-            lines.append(f"| {figure} | {target['vs']} | {_cell(target['ratio'])} | {target['target']} | {met} |")
+            lines.append(f"| {figure} | {target['vs']} | {cell(target['ratio'])} | {target['target']} | {met} |")
     return "\n".join(lines) + "\n"
 
 
