@@ -180,12 +180,7 @@ def measure(rank, world, args, workdir, result_path):
             record["parameters"] = sum(p.numel() for p in engine.module.parameters())
             if round_index == 0:
                 folder = os.path.join(workdir, variant)
-                dist.barrier()
-                start = time.perf_counter()
-                engine.save_checkpoint(folder, tag="bench")
-                dist.barrier()
-                record["save_s"] = time.perf_counter() - start
-                record["checkpoint_bytes"] = _folder_bytes(os.path.join(folder, "bench"))
+                record["save_s"], record["checkpoint_bytes"] = timed_save(engine, folder)
                 start = time.perf_counter()
                 engine.load_checkpoint(folder, tag="bench")
                 dist.barrier()
@@ -196,13 +191,26 @@ def measure(rank, world, args, workdir, result_path):
             json.dump(results, handle)
 
 
-def peak_memory(rank, world, args, variant, result_path):
-    """A launch for one variant (CPU): peak RSS growth over the process's state after imports and setup."""
+def timed_save(engine, folder: str) -> tuple[float, int]:
+    """Save ``engine`` under tag ``bench`` of ``folder`` on every rank; returns the seconds (barrier to barrier) and
+    the bytes of the tag folder. Collective."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    engine.save_checkpoint(folder, tag="bench")
+    dist.barrier()
+    return time.perf_counter() - start, _folder_bytes(os.path.join(folder, "bench"))
+
+
+def peak_memory(rank, world, args, variant, result_path, build=None):
+    """A launch for one variant (CPU): peak RSS growth over the process's state after imports and setup.
+    ``build(variant, args, world)`` makes the engine (default: this benchmark's variants)."""
     import resource
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     baseline = _rss()
-    engine = _build(variant, args, world)
+    engine = (build or _build)(variant, args, world)
     _train(engine, args, rank, 0, args.warmup + 1, None)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
     if rank == 0:
@@ -235,12 +243,13 @@ def resume(rank, world, args, workdir, result_path):
             json.dump(times, handle)
 
 
-def _convert_to_universal(workdir: str) -> float:
-    """DeepSpeed's own converter on variant 1's checkpoint, in this process; returns seconds."""
+def convert_to_universal(workdir: str, variant: str = "stock-adamw") -> float:
+    """DeepSpeed's own converter on ``variant``'s checkpoint (tag ``bench``) into ``workdir/universal``, in this
+    process; returns seconds."""
     from deepspeed.checkpoint import ds_to_universal
 
     output = os.path.join(workdir, "universal", "bench")
-    arguments = argparse.Namespace(input_folder=os.path.join(workdir, "stock-adamw", "bench"), output_folder=output,
+    arguments = argparse.Namespace(input_folder=os.path.join(workdir, variant, "bench"), output_folder=output,
                                    num_extract_workers=2, num_merge_workers=2, keep_temp_folder=False, strict=True,
                                    inject_missing_state=True)  # non-Megatron models need it
     start = time.perf_counter()
@@ -264,7 +273,7 @@ def run_model(args, model: str) -> dict:
                 with open(result_path) as handle:
                     raw[variant]["memory_bytes"] = [json.load(handle)]
         if args.resume_dp:
-            convert_s = _convert_to_universal(workdir)
+            convert_s = convert_to_universal(workdir)
             resume_path = os.path.join(workdir, "resume.json")
             run_distributed(resume, args.resume_dp, args, workdir, resume_path)
             with open(resume_path) as handle:
