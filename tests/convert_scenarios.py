@@ -26,10 +26,13 @@ from zero_bnb.testing.toy import build_model, param_groups, train_steps
 
 STEPS, MORE = 3, 2
 ONE_STATE = ("Lion8bit", "SGD8bit")
-#: Stock ZeRO-3 sources: name -> extra zero_optimization settings. DeepSpeed's default sub-groups pack 0.weight and
-#: 2.weight into one flat tensor per rank (every 8-bit block off the parameters' grids); sub_group_size 4000 gives
-#: each weight a sub-group of its own, where 2.weight's slices (7680 = 30 blocks) start on blocks: copied exactly.
-STOCK3 = {"stock3": {}, "stock3_aligned": {"sub_group_size": 4000}}
+#: Stock ZeRO-3 sources: name -> extra config (``zero_optimization`` keys merged with stage 3). DeepSpeed's default
+#: sub-groups pack 0.weight and 2.weight into one flat tensor per rank (every 8-bit block off the parameters' grids);
+#: sub_group_size 4000 gives each weight a sub-group of its own, where 2.weight's slices (7680 = 30 blocks) start on
+#: blocks: copied exactly; the third trains with the optimizer offloaded to the CPU (ZeRO-Offload).
+STOCK3 = {"stock3": {}, "stock3_aligned": {"zero_optimization": {"sub_group_size": 4000}},
+          "stock3_offload": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}},
+                             "zero_force_ds_cpu_optimizer": False}}
 
 
 def stage3_zero_bnb(world: int, **config):
@@ -75,7 +78,9 @@ def _stock_source(family: str, folder: str, prefix: str):
 
 def _stock3_source(name: str):
     def phase(c, out):
-        stock = _stock_engine(c["world"], "Adam8bit", zero_optimization={"stage": 3, **STOCK3[name]})
+        extra = dict(STOCK3[name])
+        zero = {"stage": 3, **extra.pop("zero_optimization", {})}
+        stock = _stock_engine(c["world"], "Adam8bit", zero_optimization=zero, **extra)
         train_steps(stock, RUN, 0, STEPS)
         stock.save_checkpoint(os.path.join(c["workdir"], name), tag="s3")
         out[f"{name}_weights"] = _full_weights(stock)

@@ -50,6 +50,9 @@ def work(tmp_path_factory):
         "rescue3_aligned": cli("convert", workdir / "stock3_aligned", "--to", "zero_bnb", workdir / "rescued3_aligned"),
         "export3_aligned": cli("export", workdir / "rescued3_aligned", "--to", "fp32", workdir / "aligned3.safetensors",
                                "--moments"),
+        "rescue3_offload": cli("convert", workdir / "stock3_offload", "--to", "zero_bnb", workdir / "rescued3_offload"),
+        "export3_offload": cli("export", workdir / "rescued3_offload", "--to", "fp32", workdir / "offload3.safetensors",
+                               "--moments"),
         "to_universal3": cli("convert", workdir / "zero_bnb3", "--to", "universal", workdir / "universal3" / "s3"),
         "export": cli("export", workdir / "zero_bnb", "--to", "fp32", workdir / "weights.safetensors", "--moments"),
         "inspect": cli("inspect", workdir / "zero_bnb"),
@@ -378,6 +381,25 @@ def test_stock_stage3_state_already_on_the_block_grid_is_rescued_exactly(work):
     for key, moment in (("state1", "exp_avg"), ("state2", "exp_avg_sq")):
         assert torch.equal(exported[f"2.weight.{moment}"].flatten(), stock["2.weight"][key]), moment
         assert not torch.equal(exported[f"0.weight.{moment}"].flatten(), stock["0.weight"][key]), moment
+
+
+def test_a_stock_stage3_checkpoint_trained_with_optimizer_offload_is_rescued(work):
+    """Stock ZeRO-3 with ``offload_optimizer: cpu`` (ZeRO-Offload) and Adam8bit writes the same files: the rescue
+    gives the stock run's masters exactly and its moments requantized once."""
+    workdir, runs, sources, _ = work
+    report = _report(_ok(runs, "rescue3_offload"))
+    assert report["zero_stage"] == 3 and report["requantized_elements"] == 2 * (9600 + 15360 + 8640)
+    _ok(runs, "export3_offload")
+    exported = load_file(workdir / "offload3.safetensors")
+    stock = _stock3_moments(workdir / "stock3_offload" / "s3")
+    for name, weight in sources["stock3_offload_weights"].items():
+        assert torch.equal(exported[name], weight), name
+        for key, moment in (("state1", "exp_avg"), ("state2", "exp_avg_sq")):
+            difference = exported[f"{name}.{moment}"].flatten() - stock[name][key]
+            if name.endswith("bias"):  # fp32 state: exact
+                assert not difference.any(), (name, moment)
+            else:
+                assert 0 < float(difference.norm() / stock[name][key].norm()) < 1e-2, (name, moment)
 
 
 @pytest.mark.parametrize("dp", [1, 3])
