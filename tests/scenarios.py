@@ -347,3 +347,40 @@ def within(label: str, measured: float, bound: float) -> None:
 def worst_relative(reference, values) -> float:
     """Largest ``|value - reference| / |reference|`` over paired lists (of equal length)."""
     return max(abs(v - r) / abs(r) for r, v in zip(reference, values, strict=True))
+
+
+def check_zero_to_fp32_habits(folder: str, masters: dict[str, torch.Tensor], out: str) -> None:
+    """DeepSpeed's ``zero_to_fp32`` functions as users call them, on the toy model's zero_bnb checkpoint in save folder
+    ``folder`` whose fp32 master weights are ``masters``: imported from the folder's ``zero_to_fp32.py`` (as
+    ``from zero_to_fp32 import ...`` does), and from ``deepspeed.utils.zero_to_fp32`` under ``zero_bnb.enable()``.
+    ``load_state_dict_from_zero_checkpoint`` puts the masters into a fresh model; ``convert_zero_checkpoint_to_fp32_
+    state_dict`` writes them to ``pytorch_model.bin``; ``convert_zero_checkpoint_to_state_dict`` in bf16 writes them
+    rounded to bf16 (``model.safetensors``). Outputs go under ``out``."""
+    import importlib.util
+
+    import deepspeed.utils.zero_to_fp32 as stock
+    from safetensors.torch import load_file
+
+    import zero_bnb
+
+    spec = importlib.util.spec_from_file_location("zero_to_fp32", os.path.join(folder, "zero_to_fp32.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    zero_bnb.enable()
+    try:
+        for label, module in (("script", script), ("deepspeed", stock)):
+            fresh = build_model(seed=1)
+            assert not torch.equal(fresh[0].weight, masters["0.weight"])
+            model = module.load_state_dict_from_zero_checkpoint(fresh, folder)
+            weights = {name: value.detach() for name, value in model.named_parameters()}
+            module.convert_zero_checkpoint_to_fp32_state_dict(folder, os.path.join(out, label))
+            written = torch.load(os.path.join(out, label, "pytorch_model.bin"), weights_only=True)
+            module.convert_zero_checkpoint_to_state_dict(folder, os.path.join(out, label + "-bf16"), dtype="bf16",
+                                                         safe_serialization=True)
+            rounded = load_file(os.path.join(out, label + "-bf16", "model.safetensors"))
+            assert weights.keys() == written.keys() == rounded.keys() == masters.keys(), (label, sorted(written))
+            for name, master in masters.items():
+                assert torch.equal(weights[name], master) and torch.equal(written[name], master), (label, name)
+                assert torch.equal(rounded[name], master.to(torch.bfloat16)), (label, name)
+    finally:
+        zero_bnb.disable()

@@ -1,10 +1,10 @@
 """ZeRO stage 3 scenarios: one launch per DP size, each running many phases (see ``scenarios.run_phases``).
 
-``stage3_dp2`` trains and saves every case of :data:`CASES` (8-bit families, a 32-bit one and torch AdamW, bf16,
-``deepspeed.zero.Init``, optimizer offload, optimizer + parameter offload) and keeps training uninterrupted;
-``stage3_resume`` loads those checkpoints at another DP size and keeps training: offloaded ones offloaded at DP=3
-and without offload at DP=1, and one saved without offload into an offloaded engine at DP=3. Rank 0 of each launch
-writes ``stage3_dp{world}.pt`` for the tests to read.
+``stage3_dp2`` trains and saves every case of :data:`CASES` (every declared 8-bit family, a 32-bit one and torch
+AdamW, bf16, ``deepspeed.zero.Init``, optimizer offload, optimizer + parameter offload) and keeps training
+uninterrupted; ``stage3_resume`` loads those checkpoints at another DP size and keeps training: offloaded ones
+offloaded at DP=3 and without offload at DP=1, and one saved without offload into an offloaded engine at DP=3. Rank 0
+of each launch writes ``stage3_dp{world}.pt`` for the tests to read.
 """
 
 from __future__ import annotations
@@ -41,6 +41,15 @@ CASES = {
     "torch_adamw": ("torch.AdamW", {}, False),
     "offload": ("Adam8bit", {"zero_optimization": OFFLOAD}, False),
     "offload_all": ("AdamW8bit", {"bf16": {"enabled": True}, "zero_optimization": OFFLOAD_ALL}, True),
+    # the other declared families; AdEMAMix (two moments stacked in state1, and state2) in fp32 and bf16, Lion (one
+    # state) in bf16 offloaded
+    "paged_adamw8bit": ("PagedAdamW8bit", {}, False),
+    "ademamix8bit": ("AdEMAMix8bit", {}, False),
+    "ademamix8bit_bf16": ("AdEMAMix8bit", {"bf16": {"enabled": True}}, False),
+    "sgd8bit": ("SGD8bit", {}, False),
+    "rmsprop8bit": ("RMSprop8bit", {}, False),
+    "adagrad8bit": ("Adagrad8bit", {}, False),
+    "lion8bit_offload_bf16": ("Lion8bit", {"bf16": {"enabled": True}, "zero_optimization": OFFLOAD}, False),
 }
 #: Offloaded cases resume at DP=1 without offload (and at DP=3 offloaded): the files are the same either way.
 OFFLOADED = tuple(case for case, (_, extra, _) in CASES.items() if extra.get("zero_optimization"))
@@ -76,12 +85,31 @@ def _partition_sizes(engine) -> dict[str, int]:
     return {engine.param_names[p]: p.ds_tensor.ds_numel for p in engine.module.parameters()}
 
 
+def _nonzero_padding(engine) -> list[str]:
+    """Where a slice's padding (its elements past the parameter's end) is not zero, in the fp32 master or the
+    module's slice, on any rank (DeepSpeed allocates slices uninitialised; with L2 weight decay garbage there became
+    state and the absmax of the block it shares with real elements). Collective."""
+    optimizer = engine.optimizer
+    found = []
+    for index in range(optimizer.num_groups):
+        (param,) = optimizer.group_params(index)
+        size = param.ds_tensor.numel()
+        real = max(0, min(size, param.ds_numel - optimizer.dp_rank * size))
+        for label, tensor in (("master", optimizer.master_partition(index)), ("slice", param.ds_tensor)):
+            if tensor.detach()[real:].count_nonzero().item():  # NaN counts too
+                found.append(f"{engine.param_names[param]} {label} on rank {optimizer.dp_rank}")
+    everywhere: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everywhere, found)
+    return sorted(entry for entries in everywhere for entry in entries)
+
+
 def _train_save(case: str):
     def phase(context, out):
         world, workdir = context["world"], context["workdir"]
         engine = stage3_engine(world, case)
         out[f"{case}_partitions"] = _partition_sizes(engine)
         losses = train_steps(engine, RUN, 0, STEPS_BEFORE)
+        nonzero_padding = _nonzero_padding(engine)
         engine.save_checkpoint(os.path.join(workdir, case), tag="mid")
         saved = consolidated_state(engine)
         after = train_steps(engine, RUN, STEPS_BEFORE, STEPS_AFTER)
@@ -89,7 +117,8 @@ def _train_save(case: str):
         engine.load_checkpoint(os.path.join(workdir, case), tag="mid")
         reloaded = consolidated_state(engine)
         out[case] = {"saved": saved, "final": final, "reloaded": reloaded, "losses": losses + after,
-                     "global_steps": engine.global_steps, "offloaded": _offloaded(engine)}
+                     "global_steps": engine.global_steps, "offloaded": _offloaded(engine),
+                     "nonzero_padding": nonzero_padding}
     phase.__name__ = f"train_save_{case}"
     return phase
 
@@ -121,8 +150,9 @@ def _resume(case: str, offload: bool | str = True, name: str | None = None):
         global_steps = engine.global_steps
         after = train_steps(engine, RUN, STEPS_BEFORE, STEPS_AFTER)
         out[name or case] = {"loaded": loaded, "final": consolidated_state(engine), "losses": after,
-                     "global_steps": global_steps, "offloaded": _offloaded(engine),
-                     "fused_steps": _fused_steps(engine.optimizer.optimizer)}
+                             "global_steps": global_steps, "offloaded": _offloaded(engine),
+                             "fused_steps": _fused_steps(engine.optimizer.optimizer),
+                             "nonzero_padding": _nonzero_padding(engine)}
     phase.__name__ = f"resume_{name or case}"
     return phase
 

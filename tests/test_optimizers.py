@@ -20,7 +20,7 @@ from optimizer_scenarios import (
     runnable,
     save_all,
 )
-from scenarios import result, within
+from scenarios import check_zero_to_fp32_habits, result, within
 
 from zero_bnb.core.state_spec import UnsupportedOptimizerError, spec_for
 from zero_bnb.testing.consolidate import state_differences
@@ -47,8 +47,14 @@ FAMILY_RESUMED_BOUND = {"RMSprop8bit": 2e-1, "Adagrad8bit": 1e-2}
 
 
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("optimizers")
+def matrix_dir(tmp_path_factory):
+    """The matrix's folder: one save folder per row (``<case>``), and each launch's results."""
+    return tmp_path_factory.mktemp("optimizers")
+
+
+@pytest.fixture(scope="module")
+def matrix(matrix_dir):
+    workdir = matrix_dir
     run_distributed(save_all, 2, str(workdir))
     run_distributed(load_all, 3, str(workdir))
     run_distributed(load_offloaded_at_dp1, 1, str(workdir))
@@ -222,6 +228,14 @@ def test_offload_trains_like_the_same_run_without_offload(matrix):
     checked, differences = state_differences(result([saved], "Adam8bit-fp32-zero2")["state"],
                                              result([saved], "Adam8bit-fp32-zero2-offload"))
     assert not differences and checked >= 12, differences
+
+
+def test_deepspeeds_zero_to_fp32_functions_read_a_stage1_checkpoint(matrix, matrix_dir, tmp_path):
+    """DeepSpeed's zero_to_fp32 functions (the folder's script, and DeepSpeed's module under zero_bnb.enable()) on a
+    ZeRO-1 row's checkpoint give its masters (stages 2 and 3: tests/test_stage3.py)."""
+    case = "Adam8bit-fp32-zero1"
+    masters = {name: tensors["fp32"] for name, tensors in result([matrix[0]], case)["state"]["params"].items()}
+    check_zero_to_fp32_habits(str(matrix_dir / case), masters, str(tmp_path))
 
 
 @pytest.mark.parametrize("cls", [bnb.optim.AdEMAMix32bit, bnb.optim.PagedAdEMAMix32bit])

@@ -14,16 +14,22 @@ import deepspeed.utils.zero_to_fp32 as deepspeed_zero_to_fp32
 import pytest
 import stage3_scenarios
 import torch
-from scenarios import result
+from scenarios import check_zero_to_fp32_habits, result, within, worst_relative
 
 import zero_bnb
 from zero_bnb.cli import main as cli_main
+from zero_bnb.cli.zero_to_fp32 import (
+    convert_zero_checkpoint_to_fp32_state_dict,
+    convert_zero_checkpoint_to_state_dict,
+)
 from zero_bnb.cli.zero_to_fp32 import main as zero_to_fp32_main
 from zero_bnb.core.config import ZeroBnbConfigError
+from zero_bnb.errors import CheckpointError, CheckpointUsageError
 from zero_bnb.ds.initialize import initialize as zero_bnb_initialize
 from zero_bnb.testing.toy import build_model
 
 from zero_bnb.core.stage3 import parameter_geometry
+from zero_bnb.core.state_spec import spec_named
 from zero_bnb.testing.consolidate import state_differences
 from zero_bnb.testing.launch import run_distributed
 
@@ -69,6 +75,16 @@ def test_every_slice_starts_on_a_block(runs, dp):
         assert size == parameter_geometry(shapes[name], dp, 256).partition_numel, name
 
 
+@pytest.mark.parametrize("dp", [2, 3, 1])
+@pytest.mark.parametrize("case", CASES)
+def test_the_padding_of_every_slice_stays_zero(runs, case, dp):
+    """DeepSpeed allocates a slice uninitialised and copies only the parameter's elements into it; the padding that
+    makes it whole blocks must be zero in the module's slice and the fp32 master after training (garbage there, with
+    L2 weight decay as SGD8bit, RMSprop8bit and Adagrad8bit apply it, became momentum and the absmax of the block it
+    shares with real elements: SGD8bit's loss went to inf at its third step at DP=2)."""
+    assert _case(runs, dp, case)["nonzero_padding"] == []
+
+
 def test_zero_init_parameters_are_partitioned_again_on_blocks(runs):
     assert _case(runs, 2, "zero_init_partitions") == _case(runs, 2, "adam8bit_partitions")
     # The same model and data trained the same, whether DeepSpeed or zero.Init partitioned it first.
@@ -86,17 +102,35 @@ def test_reload_into_the_same_engine_returns_to_the_saved_state(runs, case):
 EIGHT_BIT = [torch.uint8, torch.uint8, torch.float32, torch.float32, torch.float32, torch.uint8]
 
 
+def _expected_precision(case: str) -> list[torch.dtype]:
+    """The 32-bit variant and torch AdamW hold fp32 state everywhere; AdEMAMix8bit is built with
+    ``min_8bit_size=1`` (``optimizer_scenarios.OPTIMIZERS``): 8-bit everywhere, biases of one partial block too."""
+    optimizer = stage3_scenarios.CASES[case][0]
+    if optimizer in ("Adam32bit", "torch.AdamW"):
+        return [torch.float32] * 6
+    return [torch.uint8] * 6 if optimizer == "AdEMAMix8bit" else EIGHT_BIT
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_precision_is_decided_on_the_whole_parameter(runs, case):
     """Weights (>= 4096 elements) hold 8-bit state, biases fp32, at every DP size (no conversion on resume): the
     last weight (8,640 elements) is a 3,072-element slice at DP=3, which bitsandbytes alone would keep in fp32.
     The 32-bit variant and torch AdamW hold fp32 state everywhere."""
     key = "exp_avg" if case == "torch_adamw" else "state1"
-    expected = [torch.float32] * 6 if case in ("adam32bit", "torch_adamw") else EIGHT_BIT
+    expected = _expected_precision(case)
     for dp in (2, 3, 1):
         raw = _case(runs, 2, case)["saved"]["raw"] if dp == 2 else _case(runs, dp, case)["loaded"]["raw"]
         kinds = [group[key].dtype for group in raw]
         assert kinds == expected, (dp, kinds)
+
+
+#: Master drift after the resumed steps where a family's update amplifies reduction-order noise (measured
+#: 2026-11-24): Lion's update is lr * sign(...), so an element whose sign the other summation order flips moves by
+#: 2 * lr in that step (bf16: 4.0e-2 at DP=3, two flips; bound one flip per step); AdEMAMix8bit, every parameter
+#: 8-bit, moved one moment across a code boundary of the 8-bit map (3.8e-5 at DP=3; bound about 2.5x). The other
+#: new families stay within the fp32 bound: SGD8bit 7.5e-9, Adagrad8bit 3.0e-8, RMSprop8bit 6.8e-7 (its toy run's
+#: loss grows 3600-fold in one step).
+DRIFT_BOUND = {"lion8bit_offload_bf16": 2 * stage3_scenarios.LR * STEPS_AFTER, "ademamix8bit": 1e-4}
 
 
 @pytest.mark.parametrize("dp", [3, 1])
@@ -111,10 +145,11 @@ def test_resume_at_another_dp_size_is_exact_and_training_continues(runs, case, d
     # Later steps: fp32 measured 1.1e-7 relative, master drift 5.0e-8 (torch AdamW); bf16 (gradients reduced in bf16
     # in another order) 4.3e-4 relative and 2.0e-3 (offload_all at DP=1).
     bf16 = "bf16" in stage3_scenarios.CASES[case][1]
-    assert resumed["losses"] == pytest.approx(expected, rel=1e-3 if bf16 else 1e-6)
+    within(f"stage-3 {case} at DP={dp}: resumed losses (rel.)", worst_relative(expected, resumed["losses"]),
+           1e-3 if bf16 else 1e-6)
     drift = max((tensors["fp32"] - resumed["final"]["params"][name]["fp32"]).abs().max().item()
                 for name, tensors in reference["final"]["params"].items())
-    assert drift <= (5e-3 if bf16 else 1e-6), drift
+    within(f"stage-3 {case} at DP={dp}: master drift", drift, DRIFT_BOUND.get(case, 5e-3 if bf16 else 1e-6))
 
 
 @pytest.mark.parametrize("case", stage3_scenarios.OFFLOADED)
@@ -225,18 +260,20 @@ def _read_with_the_tools(runs, case: str, tmp_path, capsys) -> str:
     moments as the engine saved them. Returns inspect's output."""
     folder = os.path.join(runs["workdir"], case)
     saved = _case(runs, 2, case)["saved"]["params"]
-    moments = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"} if case == "torch_adamw" else \
-        {"state1": "exp_avg", "state2": "exp_avg_sq"}
+    with open(os.path.join(folder, "mid", "zero_bnb", "manifest.json"), encoding="utf-8") as handle:
+        moments = spec_named(json.load(handle)["optimizer_spec"]).moment_names  # state key -> exported name
     assert cli_main(["verify", os.path.join(folder, "mid")]) == 0
     capsys.readouterr()
     assert cli_main(["inspect", os.path.join(folder, "mid")]) == 0
     shown = capsys.readouterr().out
     assert cli_main(["export", "--to", "fp32", "--moments", os.path.join(folder, "mid"), str(tmp_path / "all.pt")]) == 0
     exported = torch.load(tmp_path / "all.pt", weights_only=True)
-    assert exported.keys() == {f"{n}{suffix}" for n in saved for suffix in ("", ".exp_avg", ".exp_avg_sq")}
+    assert exported.keys() == {*saved, *(f"{n}.{moments[key]}" for n in saved for key in saved[n] if key in moments)}
+    assert len(exported) > len(saved)
     for name, tensors in saved.items():
         for key, moment in moments.items():
-            assert torch.equal(exported[f"{name}.{moment}"], tensors[key]), (name, key)
+            if key in tensors:
+                assert torch.equal(exported[f"{name}.{moment}"], tensors[key]), (name, key)
     assert os.access(os.path.join(folder, "zero_to_fp32.py"), os.X_OK)  # the folder's script runs this main
     assert zero_to_fp32_main([folder, str(tmp_path / "recovered")]) == 0
     recovered = torch.load(tmp_path / "recovered" / "pytorch_model.bin", weights_only=True)
@@ -253,19 +290,39 @@ def _read_with_the_tools(runs, case: str, tmp_path, capsys) -> str:
     return shown
 
 
-@pytest.mark.parametrize("case", ["adam8bit", "offload_all", "adam32bit", "torch_adamw"])
+@pytest.mark.parametrize("case", ["adam8bit", "offload_all", "adam32bit", "torch_adamw", "ademamix8bit_bf16",
+                                  "sgd8bit", "rmsprop8bit", "adagrad8bit", "lion8bit_offload_bf16"])
 def test_the_tools_read_stage3_checkpoints_and_inspect_names_each_parameters_precision(runs, case, tmp_path, capsys):
-    """The exported weights and moments are the saved ones (bf16 + zero.Init + optimizer and parameter offload too);
-    inspect shows each parameter's state precision as it was decided, on the whole parameter."""
+    """The exported weights and moments (under each family's universal names) are the saved ones (bf16 + zero.Init +
+    optimizer and parameter offload too); inspect shows each parameter's state precision as it was decided, on the
+    whole parameter."""
     shown = _read_with_the_tools(runs, case, tmp_path, capsys)
     groups = [line for line in shown.splitlines() if line.startswith("  group ")]
-    expected = ["fp32"] * 6 if case in ("adam32bit", "torch_adamw") else \
-        ["8-bit" if dtype == torch.uint8 else "fp32" for dtype in EIGHT_BIT]
+    expected = ["8-bit" if dtype == torch.uint8 else "fp32" for dtype in _expected_precision(case)]
     assert [line.split(" state ")[1].split()[0].rstrip(",") for line in groups] == expected, groups
     if case != "torch_adamw":  # bitsandbytes' decision (torch AdamW has none to make)
         bits = 32 if case == "adam32bit" else 8
         assert all(f"optim_bits {bits}; decided on the whole parameter: the same at every DP size" in line
                    for line in groups), groups
+
+
+@pytest.mark.parametrize("case", ["stage2", "offload_all"])
+def test_deepspeeds_zero_to_fp32_functions_read_stage2_and_stage3_checkpoints(runs, case, tmp_path):
+    """load_state_dict_from_zero_checkpoint, convert_zero_checkpoint_to_fp32_state_dict and
+    convert_zero_checkpoint_to_state_dict (bf16), from the folder's zero_to_fp32.py and from DeepSpeed's module under
+    zero_bnb.enable(), on a ZeRO-2 checkpoint and a stage-3 one (bf16, zero.Init, optimizer and parameter offload):
+    the masters."""
+    masters = {name: tensors["fp32"] for name, tensors in _case(runs, 2, case)["saved"]["params"].items()}
+    check_zero_to_fp32_habits(os.path.join(runs["workdir"], case), masters, str(tmp_path))
+
+
+def test_zero_to_fp32_names_a_wrong_dtype_and_a_missing_checkpoint(runs, tmp_path):
+    folder = os.path.join(runs["workdir"], "adam8bit")
+    with pytest.raises(CheckpointUsageError, match=r"output dtype 'int8' is not supported; choose one of \['bf16'"):
+        convert_zero_checkpoint_to_state_dict(folder, str(tmp_path / "out"), dtype="int8")
+    with pytest.raises(CheckpointError, match="nowhere"):
+        convert_zero_checkpoint_to_fp32_state_dict(str(tmp_path / "nowhere"), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_tools_read_a_stage3_checkpoint(runs, tmp_path, capsys):

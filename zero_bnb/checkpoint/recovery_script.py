@@ -24,9 +24,11 @@ _SCRIPT = '''#!/usr/bin/env python
 
 Same use as DeepSpeed's zero_to_fp32.py:
     python zero_to_fp32.py . OUTPUT_DIR [-t TAG] [--safe_serialization]
-or, in Python:
+or, in Python, DeepSpeed's functions of the script:
     from zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     state_dict = get_fp32_state_dict_from_zero_checkpoint(".")
+    load_state_dict_from_zero_checkpoint(model, "."), convert_zero_checkpoint_to_fp32_state_dict(".", OUTPUT_DIR),
+    convert_zero_checkpoint_to_state_dict(".", OUTPUT_DIR, dtype=torch.bfloat16)
 Needs zero_bnb installed (pip install zero_bnb).
 """
 import os
@@ -38,8 +40,13 @@ _HERE = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
 _PATH = list(sys.path)
 sys.path[:] = [entry for entry in sys.path if os.path.realpath(os.path.abspath(entry or os.curdir)) != _HERE]
 try:
-    from zero_bnb.cli.zero_to_fp32 import main
-    from zero_bnb.tools.recovery import get_fp32_state_dict_from_zero_checkpoint  # noqa: F401
+    from zero_bnb.cli.zero_to_fp32 import (  # noqa: F401 - DeepSpeed's script offers these
+        convert_zero_checkpoint_to_fp32_state_dict,
+        convert_zero_checkpoint_to_state_dict,
+        get_fp32_state_dict_from_zero_checkpoint,
+        load_state_dict_from_zero_checkpoint,
+        main,
+    )
 finally:
     if __name__ != "__main__":
         sys.path[:] = _PATH  # imported: the caller's sys.path is theirs

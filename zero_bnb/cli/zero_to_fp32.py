@@ -2,20 +2,101 @@
 
 ``python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR [-t TAG] [--safe_serialization]`` writes
 ``pytorch_model.bin`` (or ``model.safetensors``) with the consolidated fp32 module state dict
-(:func:`zero_bnb.tools.recovery.get_fp32_state_dict_from_zero_checkpoint`).
+(:func:`zero_bnb.tools.recovery.get_fp32_state_dict_from_zero_checkpoint`). The functions users import
+from DeepSpeed's script (``deepspeed/utils/zero_to_fp32.py``, 0.19.8) are here with its signatures, so
+``from zero_to_fp32 import load_state_dict_from_zero_checkpoint`` (or ``convert_zero_checkpoint_to_fp32_state_dict``)
+in a save folder works on zero_bnb checkpoints of every ZeRO stage.
+
+Local, single process; no DeepSpeed engine and no ``torch.distributed``.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
-from zero_bnb.errors import CheckpointError
+import torch
+
+from zero_bnb.errors import CheckpointError, CheckpointUsageError
 from zero_bnb.tools.recovery import get_fp32_state_dict_from_zero_checkpoint
 from zero_bnb.tools.views import write_state_dict
 
-__all__ = ["main"]
+__all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "convert_zero_checkpoint_to_state_dict",
+           "get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint", "main"]
+
+logger = logging.getLogger(__name__)
+
+#: Output dtypes by the names DeepSpeed's ``convert_zero_checkpoint_to_state_dict`` accepts.
+OUTPUT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+                 "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def _output_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    name = dtype.removeprefix("torch.").lower() if isinstance(dtype, str) else None
+    resolved = OUTPUT_DTYPES.get(name) if name is not None else dtype
+    if resolved not in OUTPUT_DTYPES.values():
+        raise CheckpointUsageError(f"output dtype {dtype!r} is not supported; choose one of {sorted(OUTPUT_DTYPES)} "
+                                   f"(or the torch dtypes float32, float16, bfloat16)")
+    return resolved
+
+
+def _write(checkpoint_dir: str, output_dir: str, *, dtype: torch.dtype | str, safe_serialization: bool,
+           tag: str | None, exclude_frozen_parameters: bool, max_shard_size: str | int | None) -> tuple[str, int]:
+    dtype = _output_dtype(dtype)
+    state = get_fp32_state_dict_from_zero_checkpoint(os.fspath(checkpoint_dir), tag, exclude_frozen_parameters)
+    if dtype != torch.float32:  # buffers that are not floating point keep their dtype, as in DeepSpeed's
+        cast: dict[int, torch.Tensor] = {}  # tied names keep sharing one tensor
+        state = {name: cast.setdefault(id(value), value.to(dtype)) if value.is_floating_point() else value
+                 for name, value in state.items()}
+    if max_shard_size is not None:
+        logger.info("zero_bnb: max_shard_size=%s is accepted for DeepSpeed's signature; one file is written",
+                    max_shard_size)
+    out = os.path.join(os.fspath(output_dir), "model.safetensors" if safe_serialization else "pytorch_model.bin")
+    return out, write_state_dict(state, out, metadata={"format": "pt"})  # tied names too: every name is written
+
+
+def convert_zero_checkpoint_to_state_dict(checkpoint_dir, output_dir, dtype: torch.dtype | str = torch.float32,
+                                          max_shard_size: str | int | None = "5GB", safe_serialization: bool = False,
+                                          tag: str | None = None, exclude_frozen_parameters: bool = False) -> str:
+    """DeepSpeed's function of that name, for zero_bnb checkpoints (any ZeRO stage, any saved DP size).
+
+    Writes ``output_dir/pytorch_model.bin`` (``model.safetensors`` with ``safe_serialization``) with the
+    module's state dict: the fp32 master weights, tied names, buffers and frozen parameters, floating-point
+    tensors cast to ``dtype`` (``torch.float32``/``float16``/``bfloat16`` or their names). The file replaces
+    an existing one only once complete. ``max_shard_size`` is accepted for DeepSpeed's signature; one file is
+    written (``from_pretrained`` and ``torch.load`` read it at any size). Returns the file's path.
+
+    Raises:
+        CheckpointUsageError: an unsupported ``dtype``.
+        CheckpointError: the checkpoint cannot be read (named, with the fix); nothing is written.
+    """
+    return _write(checkpoint_dir, output_dir, dtype=dtype, safe_serialization=safe_serialization, tag=tag,
+                  exclude_frozen_parameters=exclude_frozen_parameters, max_shard_size=max_shard_size)[0]
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_shard_size: str | int | None = "5GB",
+                                               safe_serialization: bool = False, tag: str | None = None,
+                                               exclude_frozen_parameters: bool = False) -> str:
+    """DeepSpeed's function of that name: :func:`convert_zero_checkpoint_to_state_dict` in fp32."""
+    return convert_zero_checkpoint_to_state_dict(checkpoint_dir, output_dir, torch.float32, max_shard_size,
+                                                 safe_serialization, tag, exclude_frozen_parameters)
+
+
+def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir, tag: str | None = None):
+    """DeepSpeed's function of that name: move ``model`` to the CPU and load the checkpoint's fp32 weights into it.
+
+    As DeepSpeed's, the load is not strict (a model with more entries keeps them); names the checkpoint has but
+    the model lacks, or the other way round, are logged. Returns ``model``.
+    """
+    state = get_fp32_state_dict_from_zero_checkpoint(os.fspath(checkpoint_dir), tag)
+    model = model.cpu()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        logger.warning("zero_bnb: loading %s into %s: the model has no %s; the checkpoint has no %s",
+                       checkpoint_dir, type(model).__name__, unexpected or "other names", missing or "other names")
+    return model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,11 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--safe_serialization", action="store_true", help="write model.safetensors")
     parser.add_argument("--exclude_frozen_parameters", action="store_true")
     parser.add_argument("--max_shard_size", default=None, help="accepted for compatibility; one file is written")
+    parser.add_argument("-d", "--debug", action="store_true", help="accepted for compatibility")
     args = parser.parse_args(argv)
-    out = os.path.join(args.output_dir, "model.safetensors" if args.safe_serialization else "pytorch_model.bin")
     try:
-        state = get_fp32_state_dict_from_zero_checkpoint(args.checkpoint_dir, args.tag, args.exclude_frozen_parameters)
-        count = write_state_dict(state, out, metadata={"format": "pt"})  # tied names too: every name is written
+        out, count = _write(args.checkpoint_dir, args.output_dir, dtype=torch.float32,
+                            safe_serialization=args.safe_serialization, tag=args.tag,
+                            exclude_frozen_parameters=args.exclude_frozen_parameters, max_shard_size=None)
     except CheckpointError as error:  # a full disk included: nothing written, one line
         print(f"zero_to_fp32: {type(error).__name__}: {' '.join(str(error).split())}", file=sys.stderr)
         return 1

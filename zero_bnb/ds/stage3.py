@@ -5,8 +5,11 @@
 
 * every trained parameter is partitioned into slices of whole blocks: ``Init._padding_size`` pads a
   parameter that carries ``zero_bnb_block_size`` to ``lcm(block_size, 2) * dp`` elements (a module-level
-  patch that leaves every other parameter as DeepSpeed pads it); parameters that ``deepspeed.zero.Init``
-  already partitioned are gathered once and partitioned again;
+  patch that leaves every other parameter as DeepSpeed pads it), and ``Init._partition_param`` zeroes
+  the padding of its slice (DeepSpeed leaves it uninitialised: with L2 weight decay, which SGD, RMSprop
+  and Adagrad add to the gradient, garbage there became state and the ``absmax`` of the block it shares
+  with real elements); parameters that ``deepspeed.zero.Init`` already partitioned are gathered once and
+  partitioned again;
 * gradients are reduce-scattered on those slices (DeepSpeed's ``reduce_scatter_coalesced`` cuts
   ``ceil(numel / dp)``), a one-parameter all-gather (``_all_gather_sequential``, whose buffer is
   ``ceil(numel / dp) * dp``) goes through a buffer of the padded size, and at DP=1 (no gather) the
@@ -29,6 +32,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
 from deepspeed.runtime.zero import partition_parameters
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from zero_bnb.core.layout import GroupGeometry
@@ -62,6 +66,31 @@ def _block_padding_size(original):
 
     _padding_size.zero_bnb_original = original
     return _padding_size
+
+
+def _zero_padding(param: torch.nn.Parameter, rank: int) -> None:
+    """Zero the elements of ``param``'s slice (``ds_tensor``, rank ``rank``'s) that lie past the parameter's end."""
+    tensor = param.ds_tensor
+    size = tensor.numel()
+    real = max(0, min(size, param.ds_numel - rank * size))
+    if real < size:
+        with torch.no_grad():
+            tensor.narrow(0, real, size - real).zero_()
+
+
+def _zeroed_padding(original):
+    def _partition_param(self, param, buffer=None, has_been_updated=False, free_data=True, **kwargs):
+        # DeepSpeed writes a slice (and leaves its padding as torch.empty left it) when it creates the slice or the
+        # full parameter was updated; otherwise it only frees the gathered parameter.
+        writes = (getattr(param, BLOCK_ATTRIBUTE, None) is not None and param.ds_status is ZeroParamStatus.AVAILABLE
+                  and (param.ds_tensor is None or has_been_updated))
+        result = original(self, param, buffer, has_been_updated, free_data, **kwargs)
+        if writes and param.ds_tensor is not None:
+            _zero_padding(param, self._partition_rank(param))
+        return result
+
+    _partition_param.zero_bnb_original = original
+    return _partition_param
 
 
 def _padded_allgather(original):
@@ -111,7 +140,7 @@ class _DoneHandle:
 
 
 def install_block_partitioning() -> None:
-    """Patch DeepSpeed's parameter padding and one-parameter all-gather (once per process).
+    """Patch DeepSpeed's parameter padding (its size and its zeroing) and one-parameter all-gather (once per process).
 
     Both patches change nothing for parameters without ``zero_bnb_block_size``: stock stage-3 engines in the
     same process partition and gather exactly as before. Local.
@@ -122,6 +151,7 @@ def install_block_partitioning() -> None:
             return
         init = partition_parameters.Init
         init._padding_size = _block_padding_size(init._padding_size)
+        init._partition_param = _zeroed_padding(init._partition_param)
         partition_parameters._dist_allgather_fn = _padded_allgather(partition_parameters._dist_allgather_fn)
         partition_parameters._no_gather_coalesced = _unpadded_no_gather(partition_parameters._no_gather_coalesced)
         _installed = True
@@ -208,6 +238,8 @@ def _align_parameters(module: torch.nn.Module, block_size: int, dp: int) -> int:
                 moved += 1
             else:
                 setattr(param, BLOCK_ATTRIBUTE, block_size)
+                if hasattr(param, "ds_tensor") and param.ds_tensor is not None:  # already on blocks: stock padding
+                    _zero_padding(param, dist.get_rank(group=param.ds_process_group))
     return moved
 
 
