@@ -38,7 +38,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -47,7 +46,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import GPT, PRESETS
 from report import cell, machine, percentile
-from train_bench import LR, _train, convert_to_universal, peak_memory, timed_save
+from train_bench import LR, _train, convert_to_universal, peak_memory, timed_load, timed_save
 
 __all__ = ["VARIANTS", "main"]
 
@@ -164,8 +163,6 @@ def measure(rank, world, args, workdir, result_path):
 def resume(rank, world, args, workdir, result_path):
     """A launch at the other DP size: each resumable variant loads the DP=2 checkpoint (stock AdamW its universal
     conversion) and trains one step, interleaved over ``args.rounds`` rounds."""
-    import torch.distributed as dist
-
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     times: dict[str, list[float]] = {name: [] for name in RESUMED}
     for round_index in range(args.rounds):
@@ -173,15 +170,8 @@ def resume(rank, world, args, workdir, result_path):
         for name in RESUMED[shift:] + RESUMED[:shift]:
             universal = not VARIANTS[name].zero_bnb
             extra = {"checkpoint": {"load_universal": True}} if universal else {}
-            engine = _build(name, args, world, **extra)
-            dist.barrier()
-            start = time.perf_counter()
-            engine.load_checkpoint(os.path.join(workdir, "universal" if universal else name), tag="bench")
-            dist.barrier()
-            times[name].append(time.perf_counter() - start)
-            _train(engine, args, rank, 10**6, 1, None)  # it trains on
-            del engine
-            gc.collect()
+            folder = os.path.join(workdir, "universal" if universal else name)
+            times[name].append(timed_load(_build(name, args, world, **extra), folder, args, rank))
     if rank == 0:
         with open(result_path, "w") as handle:
             json.dump(times, handle)

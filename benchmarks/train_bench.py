@@ -203,6 +203,22 @@ def timed_save(engine, folder: str) -> tuple[float, int]:
     return time.perf_counter() - start, _folder_bytes(os.path.join(folder, "bench"))
 
 
+def timed_load(engine, folder: str, args, rank: int) -> float:
+    """Load the ``bench`` tag of ``folder`` into ``engine`` on every rank, train one step on (a load must leave an
+    engine that trains), drop the engine; returns the load's seconds (barrier to barrier). Collective."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    engine.load_checkpoint(folder, tag="bench")
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    _train(engine, args, rank, 10**6, 1, None)
+    del engine
+    gc.collect()
+    return seconds
+
+
 def peak_memory(rank, world, args, variant, result_path, build=None):
     """A launch for one variant (CPU): peak RSS growth over the process's state after imports and setup.
     ``build(variant, args, world)`` makes the engine (default: this benchmark's variants)."""
@@ -220,8 +236,6 @@ def peak_memory(rank, world, args, variant, result_path, build=None):
 
 def resume(rank, world, args, workdir, result_path):
     """A launch at another DP size: variant 1 from its universal conversion, variant 3 directly."""
-    import torch.distributed as dist
-
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     times = {"stock-adamw": [], "zero_bnb": []}
     for _ in range(args.rounds):
@@ -229,15 +243,7 @@ def resume(rank, world, args, workdir, result_path):
             ("stock-adamw", os.path.join(workdir, "universal"), {"checkpoint": {"load_universal": True}}),
             ("zero_bnb", os.path.join(workdir, "zero_bnb"), {}),
         ):
-            engine = _build(variant, args, world, **extra)
-            dist.barrier()
-            start = time.perf_counter()
-            engine.load_checkpoint(folder)
-            dist.barrier()
-            times[variant].append(time.perf_counter() - start)
-            _train(engine, args, rank, 10**6, 1, None)  # it trains on
-            del engine
-            gc.collect()
+            times[variant].append(timed_load(_build(variant, args, world, **extra), folder, args, rank))
     if rank == 0:
         with open(result_path, "w") as handle:
             json.dump(times, handle)
