@@ -184,7 +184,8 @@ class _GroupRestorer:
 
     def master(self) -> torch.Tensor:
         """The new partition's master weights (padding zero), in a new tensor."""
-        values = torch.zeros(self.param.numel(), dtype=self.param.dtype)
+        values = torch.empty(self.param.numel(), dtype=self.param.dtype)
+        values[self._length(StateKind.ELEMENTWISE):].zero_()  # the gather fills the rest (plan_copy tiles it)
         self.gather(StateKind.ELEMENTWISE, MASTER_KEY, values)
         return values
 
