@@ -16,7 +16,7 @@ interleaved round by round in rotating order:
 3. ``zero_bnb``: ``zero_bnb.initialize`` + ``bnb.optim.Adam8bit`` (elastic checkpoints).
 
 Per variant: step time (median, p10-p90 of the timed steps after warm-up), the base optimizer's
-``step()`` alone, and the optimizer's CPU memory per rank counted tensor by tensor: the optimizer
+``step()`` alone (wall clock, and the process's CPU time, which a loaded machine inflates less), and the optimizer's CPU memory per rank counted tensor by tensor: the optimizer
 state, and everything offload keeps on the CPU (fp32 master partition and its gradient, DeepSpeed's
 16-bit staging buffer), in bytes per trained parameter. On a CPU-only machine "offload" still runs
 DeepSpeed's offload code (separate fp32 partitions, gradient copies into them, the step on the CPU);
@@ -93,20 +93,42 @@ def _offload_bytes(engine) -> dict[str, int]:
             "partition_numel": sum(t.numel() for t in masters)}
 
 
+def _cpu_timed(engine, times: list[float]):
+    """Record the CPU time of each base ``optimizer.step()`` into ``times``; returns the undo."""
+    import time
+
+    base = engine.optimizer.optimizer
+    original = base.step
+
+    def step(*a, **k):
+        start = time.process_time()
+        result = original(*a, **k)
+        times.append(time.process_time() - start)
+        return result
+
+    base.step = step
+    return lambda: setattr(base, "step", original)
+
+
 def measure(rank, world, args, result_path):
     """One launch: the three variants, interleaved over ``args.rounds`` rounds."""
     import gc
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    results = {v: {"step_s": [], "optimizer_step_s": []} for v in VARIANTS}
+    results = {v: {"step_s": [], "optimizer_step_s": [], "optimizer_cpu_s": []} for v in VARIANTS}
     for round_index in range(args.rounds):
         for variant in VARIANTS[round_index % 3:] + VARIANTS[: round_index % 3]:
             gc.collect()
             engine = _build(variant, args, world)
             _train(engine, args, rank, 0, args.warmup, None)
             record = results[variant]
-            record["step_s"] += _train(engine, args, rank, args.warmup, args.steps, record["optimizer_step_s"])
-            record.update(_offload_bytes(engine), optimizer=type(engine.optimizer.optimizer).__name__)
+            undo = _cpu_timed(engine, record["optimizer_cpu_s"])
+            try:
+                record["step_s"] += _train(engine, args, rank, args.warmup, args.steps, record["optimizer_step_s"])
+            finally:
+                undo()
+            record.update(_offload_bytes(engine), optimizer=type(engine.optimizer.optimizer).__name__,
+                          threads=torch.get_num_threads())
             del engine
     if rank == 0:
         with open(result_path, "w") as handle:
@@ -129,6 +151,8 @@ def summarise(raw: dict, args) -> tuple[dict, str]:
             "step_ms_p10_p90": [1e3 * _quantile(record["step_s"], 0.1), 1e3 * _quantile(record["step_s"], 0.9)],
             "optimizer_step_ms_median": 1e3 * statistics.median(record["optimizer_step_s"]),
             "optimizer_step_ns_per_param": 1e9 * statistics.median(record["optimizer_step_s"]) / numel,
+            "optimizer_cpu_ms_median": 1e3 * statistics.median(record["optimizer_cpu_s"]),
+            "optimizer_cpu_ns_per_param": 1e9 * statistics.median(record["optimizer_cpu_s"]) / numel,
             "state_bytes_per_param": record["state"] / numel,
             "offload_bytes_per_param": (record["state"] + record["partition"]) / numel,
             "partition_numel": numel,
@@ -136,14 +160,18 @@ def summarise(raw: dict, args) -> tuple[dict, str]:
     base = rows["stock-cpuadam"]
     ratios = {variant: {"step": rows[variant]["step_ms_median"] / base["step_ms_median"],
                         "optimizer_step": rows[variant]["optimizer_step_ms_median"] / base["optimizer_step_ms_median"],
+                        "optimizer_cpu": rows[variant]["optimizer_cpu_ms_median"] / base["optimizer_cpu_ms_median"],
                         "offload_bytes": rows[variant]["offload_bytes_per_param"] / base["offload_bytes_per_param"]}
               for variant in VARIANTS}
     lines = [f"**{args.model}**, DP={args.dp}, ZeRO-2, optimizer offloaded to the CPU, {args.precision}, "
-             f"{args.rounds} rounds x {args.steps} timed steps (micro batch {args.micro_batch})", "",
+             f"{args.rounds} rounds x {args.steps} timed steps (micro batch {args.micro_batch}), "
+             f"{raw[VARIANTS[0]]['threads']} thread(s) per rank", "",
              "| figure | " + " | ".join(VARIANTS) + " |", "| --- |" + " --- |" * len(VARIANTS)]
     figures = (("optimizer", "base optimizer", "{}"), ("step_ms_median", "step time (median)", "{:.1f} ms"),
                ("optimizer_step_ms_median", "optimizer step alone", "{:.1f} ms"),
                ("optimizer_step_ns_per_param", "optimizer step per parameter", "{:.2f} ns"),
+               ("optimizer_cpu_ms_median", "optimizer step alone, CPU time", "{:.1f} ms"),
+               ("optimizer_cpu_ns_per_param", "optimizer step per parameter, CPU time", "{:.2f} ns"),
                ("state_bytes_per_param", "optimizer state, bytes/param", "{:.2f}"),
                ("offload_bytes_per_param", "CPU bytes/param held for the optimizer", "{:.2f}"))
     for key, label, fmt in figures:
@@ -151,6 +179,8 @@ def summarise(raw: dict, args) -> tuple[dict, str]:
     lines.append("| step time p10-p90 | " + " | ".join(
         "{:.1f} - {:.1f} ms".format(*rows[v]["step_ms_p10_p90"]) for v in VARIANTS) + " |")
     lines.append("| step time / stock-cpuadam | " + " | ".join(f"{ratios[v]['step']:.2f}x" for v in VARIANTS) + " |")
+    lines.append("| optimizer step CPU time / stock-cpuadam | " + " | ".join(
+        f"{ratios[v]['optimizer_cpu']:.2f}x" for v in VARIANTS) + " |")
     lines.append("| CPU bytes / stock-cpuadam | " + " | ".join(
         f"{ratios[v]['offload_bytes']:.2f}x" for v in VARIANTS) + " |")
     return {"rows": rows, "ratios": ratios}, "\n".join(lines) + "\n"
@@ -191,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     from zero_bnb.testing.launch import run_distributed
 
     CPUAdamBuilder().load()  # JIT-build DeepSpeedCPUAdam once, outside the timed launch
+    load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="zero_bnb_offload_bench_") as workdir:
         result_path = os.path.join(workdir, "measure.json")
         run_distributed(measure, args.dp, args, result_path)
@@ -201,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "offloaded training step: zero_bnb + Adam8bit vs stock ZeRO-Offload + DeepSpeedCPUAdam",
         "revision": _revision(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "load_average_at_start": load_start, "load_average_at_end": os.getloadavg(),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(),
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
@@ -210,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         "raw": raw,
         **summary,
     }
+    markdown += (f"\nLoad average (1, 5, 15 min) at start {', '.join(f'{x:.1f}' for x in load_start)}, at end "
+                 f"{', '.join(f'{x:.1f}' for x in report['load_average_at_end'])}.\n")
     stem = os.path.join(args.out, f"offload-{args.model}-dp{args.dp}")
     with open(stem + ".json", "w") as handle:
         json.dump(report, handle, indent=1)

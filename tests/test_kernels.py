@@ -297,3 +297,39 @@ def test_a_nonfinite_gradient_in_a_one_state_family_does_what_the_cuda_kernel_do
             assert after_next["absmax1"][0].item() in (float("inf"), -torch.finfo(torch.float32).max)
             if name != "lion":  # Lion moves by sgn(direction): 0 for NaN, so its parameters stay finite
                 assert not bool(after_next["p"][:BLOCK].isfinite().all()), "the Inf block kept finite parameters"
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_blocks_whose_absmax_is_zero_give_the_reference_bits(name):
+    """Blocks of all-zero moments (rows no batch has touched; their x = 0/0 is NaN for every element, which the
+    kernel searches once per run of equal bits): all +0, all -0, alternating +-0 and +-0 with a NaN gradient
+    (a 1-state moment turns NaN, absmax still 0), next to an ordinary block and a zero partial block, 3 steps."""
+    n = 5 * BLOCK + 7
+    hyper = UpdateHyper(name=name, lr=1e-3, beta1=0.9, beta2=0.999, beta3=0.9999 if name == "ademamix" else 0.0,
+                        alpha=5.0 if name == "ademamix" else 0.0, eps=1e-8)  # no decay: the zero blocks stay zero
+    gen = torch.Generator().manual_seed(7)
+    rows, blocks = (2 if name == "ademamix" else 1), 6
+    g = torch.zeros(n)
+    g[BLOCK:2 * BLOCK] = -0.0
+    g[2 * BLOCK:3 * BLOCK:2] = -0.0
+    g[3 * BLOCK:4 * BLOCK] = -0.0
+    g[3 * BLOCK + 5] = float("nan")
+    g[4 * BLOCK:5 * BLOCK] = torch.randn(BLOCK, generator=gen)
+    low = 127 if name in NON_NEGATIVE else 0
+    absmax1 = torch.zeros(rows, blocks)
+    absmax1[:, 4] = 0.5
+    absmax2 = torch.zeros(blocks)
+    absmax2[4] = 0.25
+    inputs = dict(p=torch.randn(n, generator=gen), g=g,
+                  state1=torch.randint(low, 256, (rows * n,), generator=gen, dtype=torch.uint8),
+                  absmax1=absmax1.flatten(), qmap1=QMAP1.clone())
+    if name in TWO_STATE:
+        inputs.update(state2=torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8), absmax2=absmax2,
+                      qmap2=QMAP2.clone())
+    kernel = {key: value.clone() for key, value in inputs.items()}
+    for step in (1, 2, 3):
+        scalars = step_scalars(hyper, step)
+        fused_update(hyper, scalars, **kernel)
+        reference_update(hyper, scalars, **inputs)
+        assert_same_bits(kernel, inputs)
+    assert (kernel["absmax1"].view(rows, blocks)[:, :4] == 0).all(), "the zero blocks stayed zero"

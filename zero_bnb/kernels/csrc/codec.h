@@ -153,9 +153,36 @@ inline void dequantize(const Map& map, const uint8_t* __restrict__ c, float absm
 #endif
 }
 
+// A block whose absmax is 0 (all moments +-0, e.g. embedding rows no batch has touched yet): every x = s / 0
+// is NaN and takes the binary search, 10x the cost of a block. x and so the code depend only on s's bits,
+// so each run of equal bits is searched once (the same codes, without 255 of the 256 searches).
+template <bool SIGNED>
+void quantize_zero_block(const Map& map, const float* __restrict__ s, uint8_t* __restrict__ out) {
+    const uint32_t first = bits_of(s[0]);
+    uint32_t differ = 0;
+#pragma omp simd reduction(| : differ)
+    for (int j = 0; j < kBlock; ++j) differ |= bits_of(s[j]) ^ first;
+    if (differ == 0) {  // the usual case: one value (+0) in the whole block
+        quantize_slow<SIGNED>(map, s, 0.0f, out, 0);
+        std::memset(out + 1, out[0], kBlock - 1);
+        return;
+    }
+    uint32_t last = ~first;
+    for (int j = 0; j < kBlock; ++j) {
+        const uint32_t u = bits_of(s[j]);
+        if (u == last) {
+            out[j] = out[j - 1];
+            continue;
+        }
+        quantize_slow<SIGNED>(map, s, 0.0f, out, j);
+        last = u;
+    }
+}
+
 // quantize_2D of s / absmax for one block, plus (signed maps) the state-1 sign fix (kernels.cu 1120).
 template <bool SIGNED>
 void quantize(const Map& map, const float* __restrict__ s, float absmax, uint8_t* __restrict__ out) {
+    if (absmax == 0.0f) return quantize_zero_block<SIGNED>(map, s, out);
 #if defined(__AVX512VBMI__)
     if (map.steps.usable) {
         for (int j = 0; j < kBlock; j += 64) quantize64<SIGNED>(map, s + j, absmax, out + j);
