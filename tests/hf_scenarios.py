@@ -13,22 +13,27 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import torch
 import torch.distributed as dist
-from scenarios import _error
+from scenarios import _error, run_phases
 
 import zero_bnb
 
 VOCAB, SEQ, SAMPLES = 96, 16, 240
 MICRO = 2
 GLOBAL_BATCH = 12
+#: Hidden size of the stage-3 GPT-2 (``hf_stage3_scenarios``): its token embedding (96 x 48 = 4608 elements) is above
+#: bitsandbytes' min_8bit_size (4096), so only Trainer's 32-bit override for embeddings keeps its state fp32.
+Z3_EMBD = 48
 
 
-def tiny_gpt2(seed: int = 0):
-    from transformers import GPT2Config, GPT2LMHeadModel
+def tiny_gpt2(seed: int = 0, *, n_embd: int = 32, from_config: bool = False):
+    """GPT-2 of 2 layers built from a config (nothing downloaded). ``from_config`` builds it the way
+    ``from_pretrained`` does, under ``deepspeed.zero.Init`` while a stage-3 DeepSpeed config is alive."""
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+    config = GPT2Config(n_layer=2, n_embd=n_embd, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2LMHeadModel(config)
+    return AutoModelForCausalLM.from_config(config) if from_config else GPT2LMHeadModel(config)
 
 
 class TokenData(torch.utils.data.Dataset):
@@ -76,7 +81,7 @@ MORE_OPTIMS = ("adamw_8bit", "lion_32bit", "paged_adamw_32bit", "paged_lion_8bit
 
 
 def _trainer(workdir, world, *, name="out", optim="adamw_bnb_8bit", max_steps=8, save_steps=4, config=None,
-             accumulation=None):
+             accumulation=None, stage3=False, callbacks=None):
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
@@ -98,7 +103,10 @@ def _trainer(workdir, world, *, name="out", optim="adamw_bnb_8bit", max_steps=8,
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    return Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenData())
+    # At stage 3 the model is built after TrainingArguments (whose DeepSpeed config is then alive), as
+    # from_pretrained would be: under deepspeed.zero.Init.
+    model = tiny_gpt2(n_embd=Z3_EMBD, from_config=True) if stage3 else tiny_gpt2()
+    return Trainer(model=model, args=args, train_dataset=TokenData(), callbacks=callbacks)
 
 
 def _losses(trainer):
@@ -416,6 +424,11 @@ def hf_dp2(rank, world, workdir):
         for stock in (False, True)]
     out["readme_accelerate"] = readme_accelerate(workdir, world, resume=False)
     out["more_optims"] = _more_optims(workdir, world, load=False)
+    from hf_stage3_scenarios import accelerate_z3_save, refusals_z3, save_16bit_model_bf16, trainer_z3_save
+
+    # ZeRO stage 3 last: its DeepSpeed configs must be gone before any stage-1/2 model is built
+    run_phases(out, {"world": world, "workdir": workdir}, trainer_z3_save, accelerate_z3_save, save_16bit_model_bf16,
+               refusals_z3)
     if rank == 0:
         torch.save(out, os.path.join(workdir, "hf_dp2.pt"))
 
@@ -477,5 +490,8 @@ def hf_dp3(rank, world, workdir):
     out["stock_module_only"] = _stock_module_only(workdir)
     out["batch_warning"] = _changed_global_batch(workdir, world)
     out["more_optims"] = _more_optims(workdir, world, load=True)
+    from hf_stage3_scenarios import accelerate_z3_resume, trainer_z3_resume
+
+    run_phases(out, {"world": world, "workdir": workdir}, trainer_z3_resume, accelerate_z3_resume)
     if rank == 0:
         torch.save(out, os.path.join(workdir, "hf_dp3.pt"))

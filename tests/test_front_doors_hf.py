@@ -316,3 +316,97 @@ def test_the_optimizer_every_other_trainer_bnb_name_builds_saves_at_2_and_loads_
     checked, different = state_differences(saved["state"], loaded["state"])
     assert checked >= 12 and not different, different
     assert [int(counters["step"]) for counters in saved["state"]["counters"]] == [2, 2, 2]
+
+
+# -- ZeRO stage 3 (tests/hf_stage3_scenarios.py: the last phases of the same two launches) ---------------------
+
+
+def _phase(run: dict, key: str):
+    """``run[key]``, or the error of the phase that should have written it."""
+    assert key in run, {name: text for name, text in run.items() if name.startswith("phase!")}
+    return run[key]
+
+
+def _assert_stage3_engine(run: dict, optimizer: str) -> None:
+    assert (run["engine"], run["wrapper"], run["stage"]) == ("ZeroBnbEngine", "BlockAlignedStage3Optimizer", 3)
+    assert run["optimizer"] == optimizer  # the user's bitsandbytes optimizer trains, not a DeepSpeed one
+    assert run["built_under_zero_init"]
+    # "auto" filled from the hidden size (48) by Trainer / Accelerate
+    assert run["zero_config"]["reduce_bucket_size"] == 48 * 48
+    assert run["zero_config"]["stage3_param_persistence_threshold"] == 480
+    assert run["state1_dtypes"]["transformer.h.0.mlp.c_fc.weight"] == "torch.uint8"
+
+
+def _assert_same_state(saved: dict, loaded: dict) -> None:
+    from zero_bnb.testing.consolidate import state_differences
+
+    checked, different = state_differences(saved, loaded)
+    assert checked >= 80 and not different, different
+    assert {int(counters["step"]) for counters in loaded["counters"]} == {4}
+
+
+def test_trainer_at_stage3_with_auto_values_and_zero_init_saves_at_2_and_resumes_at_3(hf):
+    _, dp2, dp3, _ = hf
+    saved, resumed = _phase(dp2, "z3_trainer"), _phase(dp3, "z3_trainer")
+    for run in (saved, resumed):
+        _assert_stage3_engine(run, "bitsandbytes.optim.adamw.AdamW")  # adamw_bnb_8bit: AdamW(optim_bits=8)
+        # Trainer's 32-bit override for embeddings is kept: 4608 elements would be 8-bit without it
+        assert run["state1_dtypes"]["transformer.wte.weight"] == "torch.float32"
+    _assert_same_state(saved["state"], resumed["state"])  # after Trainer's load at DP=3, before any step
+    _assert_continues(saved["losses"], resumed["losses"], RESUMED_STEPS, rel=RESUMED_BOUND, label="Trainer ZeRO-3")
+
+
+def test_trainer_at_stage3_saves_the_gathered_16bit_model_equal_to_the_masters(hf):
+    """stage3_gather_16bit_weights_on_model_save: true: Trainer's model.safetensors is every parameter gathered
+    from zero_bnb's block-padded slices, equal to the consolidated fp32 masters (fp32 training: the cast is exact)."""
+    workdir, dp2, _, _ = hf
+    folder = workdir / "z3" / "checkpoint-4"
+    assert _phase(dp2, "z3_trainer")["zero_config"]["stage3_gather_16bit_weights_on_model_save"] is True
+    written = load_file(folder / "model.safetensors")
+    export_fp32(str(folder), str(folder.parent / "masters-4.pt"))
+    masters = torch.load(folder.parent / "masters-4.pt", weights_only=True)
+    assert len(written) == 28 and set(written) <= set(masters)
+    for name, value in written.items():
+        assert torch.equal(value, masters[name]), name
+
+
+def test_stage3_gather_off_saves_no_16bit_model_as_deepspeed_does(hf):
+    """"auto" becomes false (Accelerate's default, ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL): DeepSpeed's
+    save_16bit_model writes nothing and returns False; Trainer then saves only the full checkpoint and says so."""
+    workdir, dp2, dp3, _ = hf
+    resumed = _phase(dp3, "z3_trainer")
+    assert resumed["zero_config"]["stage3_gather_16bit_weights_on_model_save"] is False
+    assert (resumed["save_16bit_model"], resumed["save_16bit_model_wrote"]) == (False, False)
+    assert resumed["trainer_log"] and "Saving the full checkpoint instead" in resumed["trainer_log"][0]
+    folder = workdir / "z3_resumed" / "checkpoint-8"
+    assert not (folder / "model.safetensors").exists() and not (folder / "pytorch_model.bin").exists()
+    export_fp32(str(folder), str(workdir / "z3_resumed" / "masters-8.pt"))  # the full checkpoint has the weights
+    tiny_gpt2(n_embd=48).load_state_dict(torch.load(workdir / "z3_resumed" / "masters-8.pt", weights_only=True))
+    # With the gather on, the engine's own save_16bit_model writes the 16-bit model: bf16 training, masters cast.
+    bf16 = _phase(dp2, "z3_16bit_bf16")
+    assert bf16[True]["returned"] and not bf16[True]["missing"] and bf16[True]["dtypes"] == ["torch.bfloat16"]
+    assert bf16[True]["checked"] == 6 and bf16[True]["different"] == []
+    assert bf16[False] == {"returned": False, "exists": False}
+    assert _phase(dp2, "z3_trainer")["save_16bit_model"] and _phase(dp2, "z3_trainer")["save_16bit_model_wrote"]
+
+
+def test_accelerate_at_stage3_save_state_at_2_load_state_at_3(hf):
+    _, dp2, dp3, _ = hf
+    saved, resumed = _phase(dp2, "z3_accelerate"), _phase(dp3, "z3_accelerate")
+    for run in (saved, resumed):
+        _assert_stage3_engine(run, "bitsandbytes.optim.adamw.AdamW8bit")
+        assert run["state1_dtypes"]["transformer.wte.weight"] == "torch.uint8"  # no override without Trainer
+        # Accelerate's get_state_dict gathers the whole model from the block-padded slices: the masters.
+        assert run["gathered"]["checked"] == 28 and not run["gathered"]["missing"] and not run["gathered"]["different"]
+    assert resumed["global_steps"] == 4
+    _assert_same_state(saved["state"], resumed["state"])
+    within("Accelerate ZeRO-3 resumed loss vs uninterrupted (rel.)", worst_relative(saved["losses"][4:],
+                                                                                  resumed["losses"]), RESUMED_BOUND)
+
+
+def test_unsupported_stage3_settings_through_trainer_are_refused_by_name(hf):
+    _, dp2, _, _ = hf
+    refused = _phase(dp2, "z3_trainer_refused")
+    assert refused is not None and refused.startswith("ZeroBnbConfigError"), refused
+    for part in ("ZeRO stage-3 settings", "offload_param.device='cpu'", "zero_hpz_partition_size=2"):
+        assert part in refused, part

@@ -25,7 +25,6 @@ from zero_bnb.cli.zero_to_fp32 import (
 from zero_bnb.cli.zero_to_fp32 import main as zero_to_fp32_main
 from zero_bnb.core.config import ZeroBnbConfigError
 from zero_bnb.errors import CheckpointError, CheckpointUsageError
-from zero_bnb.ds.initialize import initialize as zero_bnb_initialize
 from zero_bnb.testing.toy import build_model
 
 from zero_bnb.core.stage3 import parameter_geometry
@@ -245,13 +244,6 @@ def test_an_offload_section_that_is_not_an_object_is_named_at_stage3():
     config = stage3_scenarios.stage3_config(2, zero_optimization={"offload_param": "cpu"})
     with pytest.raises(ZeroBnbConfigError, match="zero_optimization.offload_param must be an object such as"):
         zero_bnb.initialize(model=model, optimizer=bnb.optim.Adam8bit(model.parameters()), config=config)
-
-
-def test_stage3_through_a_front_door_is_refused_until_tested():
-    model = build_model()
-    with pytest.raises(ZeroBnbConfigError, match="ZeRO stage 3 through trainer"):
-        zero_bnb_initialize(model=model, optimizer=bnb.optim.Adam8bit(model.parameters()),
-                            config=stage3_scenarios.stage3_config(2), zero_bnb_front_door="trainer")
 
 
 def _read_with_the_tools(runs, case: str, tmp_path, capsys) -> str:

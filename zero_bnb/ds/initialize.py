@@ -89,8 +89,6 @@ def initialize(
     config=None,
     mesh_param=None,
     config_params=None,
-    *,
-    zero_bnb_front_door: str = "deepspeed",
 ):
     """Initialize a DeepSpeed engine (ZeRO stage 1, 2 or 3) whose checkpoints resume at any DP size.
 
@@ -106,8 +104,9 @@ def initialize(
     :func:`zero_bnb.core.config.prepare_offload` for what is refused).
 
     At ZeRO stage 3 every parameter is partitioned into slices of whole quantization blocks
-    (:mod:`zero_bnb.ds.stage3`); settings it does not support are refused by name. ``zero_bnb_front_door``
-    is set by ``zero_bnb.enable()``'s dispatcher (Trainer, Accelerate).
+    (:mod:`zero_bnb.ds.stage3`); settings it does not support are refused by name. Through every front door
+    (Trainer, Accelerate, Lightning) alike; bitsandbytes per-parameter overrides (Trainer's 32-bit embeddings)
+    are kept at every stage.
 
     Collective: call it on every rank, as ``deepspeed.initialize``.
 
@@ -126,11 +125,6 @@ def initialize(
             f"set \"zero_optimization\": {{\"stage\": 1}} (or 2, or 3)"
         )
     if stage == 3:
-        if zero_bnb_front_door != "deepspeed":
-            raise ZeroBnbConfigError(
-                f"ZeRO stage 3 through {zero_bnb_front_door} (zero_bnb.enable()) is not supported yet, only through "
-                f"zero_bnb.initialize; set \"zero_optimization\": {{\"stage\": 2}} or call zero_bnb.initialize"
-            )
         refuse_stage3_settings(ds_config)
     _refuse_unsupported(ds_config, mpu)
     refuse_optimizer_section(ds_config, optimizer)
@@ -143,12 +137,6 @@ def initialize(
         isolation = isolate_overridden_parameters(optimizer, {id(p): name for name, p in model.named_parameters()},
                                                   bitsandbytes=family is not None and family.bitsandbytes)
     overridden = isolation.groups if isolation is not None else {}
-    if overridden and stage == 3:
-        isolation.undo()
-        raise ZeroBnbConfigError(
-            "bitsandbytes per-parameter overrides (GlobalOptimManager.override_config) are not supported at ZeRO "
-            "stage 3 by zero_bnb yet; remove the overrides, or use stage 1 or 2"
-        )
 
     engine_factory = functools.partial(ZeroBnbEngine, zero_bnb_config=zero_bnb_config)
     ds_initialize = underlying_initialize()  # never zero_bnb's own dispatcher (zero_bnb.enable)
@@ -164,6 +152,11 @@ def initialize(
         raise
     if overridden:
         zero_optimizer = result[0].optimizer
+        # An isolated param group is one flat group at stages 1/2 (the same index) and one parameter's sub-group at 3.
+        flat_index = {}
+        for index in range(zero_optimizer.num_groups):
+            flat_index.setdefault(zero_optimizer.base_group_index(index), index)
+        overridden = {flat_index[group]: config for group, config in overridden.items()}
         flat = [zero_optimizer.master_partition(index) for index in range(zero_optimizer.num_groups)]
         attach_overrides(zero_optimizer.optimizer, flat, overridden)
         result[0].zero_bnb_isolated = [p.name for g in overridden for p in zero_optimizer.param_entries(g, result[0].param_names)]

@@ -139,7 +139,7 @@ def _dispatcher(*args: Any, **kwargs: Any):
     from zero_bnb.ds.initialize import initialize
 
     door = _calling_front_door()
-    built = initialize(*args, zero_bnb_front_door=door, **kwargs)
+    built = initialize(*args, **kwargs)
     built[0].zero_bnb_front_door = door
     return built
 
