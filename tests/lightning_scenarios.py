@@ -7,6 +7,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from scenarios import _error, run_phases
 
 from zero_bnb.testing.toy import DEFAULT_RUN, LEARNING_RATE, build_model, global_batch
 
@@ -16,15 +17,22 @@ logging.getLogger("lightning").setLevel(logging.ERROR)
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 
 
-def _module(strategy_accum_holder=None):
+def _module(*, sharded: bool = False):
+    """The toy model as a LightningModule; ``sharded`` builds it in ``configure_model`` (under ``deepspeed.zero.Init``
+    at ZeRO stage 3, as Lightning documents for large models)."""
     import bitsandbytes as bnb
     import lightning.pytorch as pl
 
     class ToyModule(pl.LightningModule):
         def __init__(self):
             super().__init__()
-            self.model = build_model()
+            self.model = None if sharded else build_model()
             self.micro_losses = []
+
+        def configure_model(self):
+            if self.model is None:
+                self.model = build_model()
+                self.built_under_zero_init = all(hasattr(p, "ds_id") for p in self.model.parameters())
 
         def training_step(self, batch, batch_idx):
             inputs, targets = batch
@@ -48,15 +56,16 @@ def _loader():
 QUIET = dict(enable_progress_bar=False, logger=False, enable_checkpointing=False, enable_model_summary=False)
 
 
-def _fit(world, epochs, *, ckpt_path=None, strategy="deepspeed_zero_bnb_stage_1", accum=None, max_steps=-1):
+def _fit(world, epochs, *, ckpt_path=None, strategy="deepspeed_zero_bnb_stage_1", accum=None, max_steps=-1,
+         sharded=False, callbacks=None):
     import lightning.pytorch as pl
 
     import zero_bnb.lightning  # noqa: F401 - registers the strategy names
 
     accum = accum or GLOBAL_BATCH // (MICRO * world)
-    module = _module()
+    module = _module(sharded=sharded)
     trainer = pl.Trainer(accelerator="cpu", devices=world, num_nodes=1, strategy=strategy, max_epochs=epochs,
-                         max_steps=max_steps, accumulate_grad_batches=accum, **QUIET)
+                         max_steps=max_steps, accumulate_grad_batches=accum, callbacks=callbacks, **QUIET)
     trainer.fit(module, train_dataloaders=_loader(), ckpt_path=ckpt_path)
     return trainer, module, _step_losses(module.micro_losses, accum, world)
 
@@ -114,6 +123,68 @@ def _optimizer_facts(trainer) -> dict:
             "state1": str(state["state1"].dtype) if "state1" in state else None}
 
 
+def _stage3_state_callback(save_to: str | None = None):
+    """At stage 3: the consolidated optimizer state when the first epoch ends, after ``trainer.save_checkpoint(save_to)``
+    there (``save_to``), or when training starts (after a resume's load; ``None``). Collective: every rank runs it."""
+    import lightning.pytorch as pl
+
+    from zero_bnb.testing.consolidate import consolidated_state
+
+    class StateAt(pl.Callback):
+        state = None
+
+        def on_train_epoch_end(self, trainer, module):
+            if save_to is not None and trainer.current_epoch == 0:
+                trainer.save_checkpoint(save_to)
+                self.state = consolidated_state(trainer.strategy.model)
+
+        def on_train_start(self, trainer, module):
+            if save_to is None:
+                self.state = consolidated_state(trainer.strategy.model)
+
+    return StateAt()
+
+
+def _stage3_facts(trainer) -> dict:
+    engine = trainer.strategy.model
+    wrapper = engine.optimizer
+    base = wrapper.optimizer
+    states = [base.state.get(wrapper.master_partition(index), {}) for index in range(wrapper.num_groups)]
+    return {"engine": type(engine).__name__, "stage": engine.zero_optimization_stage(),
+            "wrapper": type(wrapper).__name__, "optimizer": f"{type(base).__module__}.{type(base).__qualname__}",
+            "state1": sorted({str(state["state1"].dtype) for state in states if "state1" in state})}
+
+
+def _stage3_fit(context, out, *, resume: bool):
+    """``"deepspeed_zero_bnb_stage_3"``, the model built in configure_model: 2 epochs at DP=2, saved when the first
+    ends; at DP=3 (accumulation 3 -> 2) the second epoch from that checkpoint."""
+    world, path = context["world"], os.path.join(context["workdir"], "stage3.ckpt")
+    callback = _stage3_state_callback(None if resume else path)
+    trainer, module, losses = _fit(world, 2, strategy="deepspeed_zero_bnb_stage_3", sharded=True,
+                                   callbacks=[callback], ckpt_path=path if resume else None)
+    out["stage3"] = {"losses": losses, "state": callback.state, "global_step": trainer.global_step,
+                     "built_under_zero_init": getattr(module, "built_under_zero_init", False), **_stage3_facts(trainer)}
+
+
+def stage3_save(context, out):
+    _stage3_fit(context, out, resume=False)
+
+
+def stage3_resume(context, out):
+    _stage3_fit(context, out, resume=True)
+
+
+def stage3_refusals(context, out):
+    """What Lightning's DeepSpeed options turn on at stage 3 that zero_bnb does not support, refused by name."""
+    from zero_bnb.integrations.lightning import ZeroBnbStrategy
+
+    world = context["world"]
+    for key, options in {"offload_optimizer": {"offload_optimizer": True},
+                         "offload_parameters": {"offload_parameters": True}}.items():
+        out[f"stage3_refused_{key}"] = _error(lambda options=options: _fit(
+            world, 1, strategy=ZeroBnbStrategy(stage=3, **options), sharded=True, max_steps=1))
+
+
 def lightning_dp2(rank, world, workdir):
     """The README's example for 2 epochs (the uninterrupted run); a fresh run of 1 epoch with the optimizer offloaded
     to the CPU, saved with trainer.save_checkpoint (resumed by the README's example, without offload, at DP=3); 1 epoch
@@ -131,6 +202,7 @@ def lightning_dp2(rank, world, workdir):
                      type(trainer.strategy.model.optimizer).__name__)
     trainer, _, _ = _fit(world, 1, max_steps=1)
     trainer.save_checkpoint(os.path.join(workdir, "mid_epoch.ckpt"))
+    run_phases(out, {"world": world, "workdir": workdir}, stage3_save, stage3_refusals)
     if rank == 0:
         torch.save(out, os.path.join(workdir, "lightning_dp2.pt"))
 
@@ -144,5 +216,6 @@ def lightning_dp3(rank, world, workdir):
     with _Warnings() as warnings:
         _fit(world, 1, ckpt_path=os.path.join(workdir, "mid_epoch.ckpt"), accum=3, max_steps=2)
     out["mid_epoch_warnings"] = warnings.messages
+    run_phases(out, {"world": world, "workdir": workdir}, stage3_resume)
     if rank == 0:
         torch.save(out, os.path.join(workdir, "lightning_dp3.pt"))

@@ -1,8 +1,8 @@
 """``import zero_bnb.lightning``: register zero_bnb's DeepSpeed strategies with Lightning (the front door).
 
 The strategy lives in :mod:`zero_bnb.integrations.lightning`; importing this module imports
-it, which registers ``"deepspeed_zero_bnb_stage_1"`` and ``"deepspeed_zero_bnb_stage_2"`` (and their
-``_offload`` variants).
+it, which registers ``"deepspeed_zero_bnb_stage_1"``, ``"deepspeed_zero_bnb_stage_2"`` and
+``"deepspeed_zero_bnb_stage_3"`` (and ``_offload`` variants of stages 1 and 2).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import torch
 
 from zero_bnb.checkpoint.derived import DERIVED_PARAMS_KEY
 from zero_bnb.errors import CheckpointError
-from zero_bnb.format.stock_files import MODEL_STATES
+from zero_bnb.format.stock_files import model_file_of
 from zero_bnb.format.unpickle import safe_load
 from zero_bnb.tools.checkpoint_paths import detect, locate
 from zero_bnb.tools.outputs import replacing_file
@@ -100,7 +100,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: Any, output_file:
     checkpoint_dir = os.fspath(checkpoint_dir)
     state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
     save_dir, folder_tag = locate(checkpoint_dir, tag)
-    model_file = os.path.join(save_dir, folder_tag, MODEL_STATES)
+    _, model_file = model_file_of(os.path.join(save_dir, folder_tag))  # rank 0's at ZeRO stage 3
     client_state = safe_load(model_file, "DeepSpeed model file", deepspeed_classes=True)
     client_state = {key: value for key, value in client_state.items() if key not in _DEEPSPEED_STATES}
     client_state["state_dict"] = {key.removeprefix("_forward_module."): value for key, value in state_dict.items()}

@@ -1,5 +1,5 @@
 """Lightning front door: ``import zero_bnb.integrations.lightning`` registers ``strategy="deepspeed_zero_bnb_stage_1"``
-(and ``_2``, ``_1_offload``, ``_2_offload``).
+(and ``_2``, ``_3``, ``_1_offload``, ``_2_offload``).
 
 :class:`ZeroBnbStrategy` is Lightning's ``DeepSpeedStrategy`` with three changes:
 
@@ -57,13 +57,17 @@ STRATEGY_NAMES = {
     "deepspeed_zero_bnb_stage_2": {"stage": 2},
     "deepspeed_zero_bnb_stage_1_offload": {"stage": 1, "offload_optimizer": True},
     "deepspeed_zero_bnb_stage_2_offload": {"stage": 2, "offload_optimizer": True},
+    "deepspeed_zero_bnb_stage_3": {"stage": 3},
 }
 
 
 class ZeroBnbStrategy(DeepSpeedStrategy):
-    """Lightning's DeepSpeed strategy (ZeRO stage 1 or 2) with zero_bnb's engine, on CUDA or CPU.
+    """Lightning's DeepSpeed strategy (ZeRO stage 1, 2 or 3) with zero_bnb's engine, on CUDA or CPU.
 
-    Takes ``DeepSpeedStrategy``'s arguments; ``stage`` must be 1 or 2. ``offload_optimizer=True``
+    Takes ``DeepSpeedStrategy``'s arguments; ``stage`` must be 1, 2 or 3. At stage 3 a model built in
+    ``configure_model`` is created under ``deepspeed.zero.Init`` (Lightning's habit) and partitioned on
+    blocks when the engine is built; ``load_full_weights`` is refused there, and what
+    :func:`zero_bnb.initialize` refuses at stage 3 (offload among it) is refused by name. ``offload_optimizer=True``
     (as in Lightning's own strategy; ``"deepspeed_zero_bnb_stage_2_offload"``) keeps the fp32
     partitions and the optimizer state in CPU memory, stepped there by the module's own
     bitsandbytes optimizer (``offload_optimizer_device`` must stay ``"cpu"``).
@@ -72,10 +76,19 @@ class ZeroBnbStrategy(DeepSpeedStrategy):
     strategy_name = "deepspeed_zero_bnb"
 
     def __init__(self, *args: Any, stage: int = 1, **kwargs: Any) -> None:
-        if stage not in (1, 2):
+        if stage not in (1, 2, 3):
             raise ValueError(
-                f"ZeroBnbStrategy supports ZeRO stages 1 and 2, got stage={stage}; use strategy="
-                f"\"deepspeed_zero_bnb_stage_1\" or \"deepspeed_zero_bnb_stage_2\""
+                f"ZeroBnbStrategy supports ZeRO stages 1, 2 and 3, got stage={stage}; use strategy="
+                f"\"deepspeed_zero_bnb_stage_1\", \"deepspeed_zero_bnb_stage_2\" or \"deepspeed_zero_bnb_stage_3\""
+            )
+        if stage == 3 and kwargs.get("load_full_weights"):
+            # Lightning would load the file into the gathered 16-bit weights after the engine was built, leaving
+            # the optimizer's fp32 masters as they were: the first step would put the old weights back.
+            raise ValueError(
+                "ZeroBnbStrategy(load_full_weights=True) is not supported at ZeRO stage 3 (the loaded weights would "
+                "not reach the optimizer's fp32 master weights); load the weights in configure_model before fit, or "
+                "resume from the DeepSpeed checkpoint folder (ckpt_path=...), which restores weights and optimizer "
+                "state at any number of processes"
             )
         super().__init__(*args, stage=stage, **kwargs)
 
