@@ -3,7 +3,7 @@
 Two launches serve every check: ``hf_dp2`` (Trainer under ``zero_bnb.enable()``, a stock Trainer,
 Accelerate under ``zero_bnb.enabled()``, the refusals) and ``hf_dp3`` (every resume, with gradient
 accumulation 3 -> 2 so the global batch of 12 is kept). Between them the stock Trainer checkpoint
-is migrated with the CLI.
+is migrated with the CLI. Both end with the ZeRO stage-3 phases of ``hf_stage3_scenarios``.
 """
 
 from __future__ import annotations
@@ -410,3 +410,13 @@ def test_unsupported_stage3_settings_through_trainer_are_refused_by_name(hf):
     assert refused is not None and refused.startswith("ZeroBnbConfigError"), refused
     for part in ("ZeRO stage-3 settings", "offload_param.device='cpu'", "zero_hpz_partition_size=2"):
         assert part in refused, part
+
+
+def test_readme_stage3_json_is_the_config_the_trainer_test_trains_with():
+    import json
+
+    from hf_stage3_scenarios import z3_config
+    from readme_examples import block
+
+    tested = {key: value for key, value in z3_config(True).items() if key != "steps_per_print"}
+    assert json.loads(block("ZeRO stage 3 through Trainer", "json")) == tested

@@ -4,7 +4,8 @@ Two launches: at DP=2 the README's example for 2 epochs (the uninterrupted run),
 optimizer offloaded (``"deepspeed_zero_bnb_stage_1_offload"``) saved with ``trainer.save_checkpoint``, and a
 run stopped mid-epoch, saved; at DP=3 the README's resume of the offloaded checkpoint for the second epoch,
 not offloaded, with ``accumulate_grad_batches`` 3 -> 2 (global batch 12 kept), and the mid-epoch checkpoint
-resumed with accumulation 3 (the warnings).
+resumed with accumulation 3 (the warnings). The last phases of both launches run ``"deepspeed_zero_bnb_stage_3"``
+(2 epochs at DP=2 saved after the first, the second resumed at DP=3) and its refusals.
 """
 
 from __future__ import annotations
