@@ -4,8 +4,9 @@
 * Trainer under ``zero_bnb.enable()`` with a stage-3 JSON of ``"auto"`` values, the model built under
   ``deepspeed.zero.Init`` (after ``TrainingArguments``, as ``from_pretrained`` would), ``optim="adamw_bnb_8bit"``:
   8 steps at DP=2 saving at 4 with ``stage3_gather_16bit_weights_on_model_save: true`` (Trainer's
-  ``model.safetensors`` is the gathered 16-bit model); resumed at DP=3 from step 4 with the gather left
-  ``"auto"`` (Accelerate fills false: Trainer then saves the full checkpoint only).
+  ``model.safetensors`` is the gathered 16-bit model); resumed at DP=3 from step 4 with the optimizer and the
+  parameters offloaded to the CPU (Accelerate would swap the optimizer for DeepSpeedCPUAdam without zero_bnb) and the
+  gather left ``"auto"`` (Accelerate fills false: Trainer then saves the full checkpoint only).
 * Accelerate (``DeepSpeedPlugin`` at stage 3, ``"auto"`` bucket sizes, ``zero.Init``): ``save_state`` at DP=2,
   ``load_state`` at DP=3.
 * Settings zero_bnb does not support at stage 3, set through Trainer's JSON: refused by name.
@@ -32,10 +33,15 @@ from zero_bnb.testing.consolidate import consolidated_state
 AUTO_BUCKETS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 
 
-def z3_config(gather="auto", **extra) -> dict:
+#: Optimizer and parameter offload to the CPU at stage 3.
+OFFLOAD_ALL = {"offload_optimizer": {"device": "cpu", "pin_memory": True}, "offload_param": {"device": "cpu"}}
+
+
+def z3_config(gather="auto", *, offload: bool = False, **extra) -> dict:
     """A stage-3 DeepSpeed JSON with Trainer's ``"auto"`` values (``stage3_gather_16bit_weights_on_model_save``:
-    ``gather``)."""
-    zero = {"stage": 3, **dict.fromkeys(AUTO_BUCKETS, "auto"), "stage3_gather_16bit_weights_on_model_save": gather}
+    ``gather``), with :data:`OFFLOAD_ALL` when ``offload``."""
+    zero = {"stage": 3, **dict.fromkeys(AUTO_BUCKETS, "auto"), "stage3_gather_16bit_weights_on_model_save": gather,
+            **(OFFLOAD_ALL if offload else {})}
     return ds_config(zero_optimization=zero, **extra)
 
 
@@ -57,6 +63,7 @@ def describe_stage3(engine) -> dict:
         state = base.state.get(wrapper.master_partition(index), {})
         dtypes[engine.param_names[param]] = str(state["state1"].dtype) if "state1" in state else None
     return {"engine": type(engine).__name__, "wrapper": type(wrapper).__name__,
+            "offload": {"optimizer": bool(wrapper.offload_optimizer), "param": bool(wrapper.offload_param)},
             "stage": engine.zero_optimization_stage(), "optimizer": f"{type(base).__module__}.{type(base).__qualname__}",
             "state1_dtypes": dtypes, "zero_config": {k: engine.config["zero_optimization"].get(k) for k in
                                                      (*AUTO_BUCKETS, "stage3_gather_16bit_weights_on_model_save")}}
@@ -82,10 +89,11 @@ def _state_callback(save_step: int | None):
     return StateAt()
 
 
-def _trainer_z3(workdir, world, *, name, gather, save_step=None, resume_from=None) -> dict:
+def _trainer_z3(workdir, world, *, name, gather, save_step=None, resume_from=None, offload=False) -> dict:
     callback = _state_callback(save_step)
     with zero_bnb.enabled(), Captured("transformers") as log:
-        trainer = _trainer(workdir, world, name=name, config=z3_config(gather), stage3=True, callbacks=[callback])
+        trainer = _trainer(workdir, world, name=name, config=z3_config(gather, offload=offload), stage3=True,
+                           callbacks=[callback])
         callback.trainer = trainer
         built_partitioned = all(hasattr(p, "ds_id") for p in trainer.model.parameters())
         trainer.train(resume_from_checkpoint=resume_from)
@@ -106,9 +114,9 @@ def trainer_z3_save(context, out):
 
 
 def trainer_z3_resume(context, out):
-    """The DP=2 Trainer checkpoint resumed at DP=3, accumulation 3 -> 2, the gather left "auto"."""
+    """The DP=2 Trainer checkpoint resumed at DP=3, accumulation 3 -> 2, offloaded, the gather left "auto"."""
     workdir, world = context["workdir"], context["world"]
-    out["z3_trainer"] = _trainer_z3(workdir, world, name="z3_resumed", gather="auto",
+    out["z3_trainer"] = _trainer_z3(workdir, world, name="z3_resumed", gather="auto", offload=True,
                                     resume_from=os.path.join(workdir, "z3", "checkpoint-4"))
     gc.collect()
 
@@ -156,7 +164,7 @@ def _accelerate_z3(context, out, *, resume: bool):
 def refusals_z3(context, out):
     """Stage-3 settings zero_bnb does not support, set through Trainer's JSON: refused by name before DeepSpeed
     starts (after the model was built under zero.Init)."""
-    zero = {"offload_param": {"device": "cpu"}, "zero_hpz_partition_size": 2}
+    zero = {"offload_optimizer": {"device": "cpu", "ratio": 0.5}, "zero_hpz_partition_size": 2}
     config = z3_config(True)
     config["zero_optimization"].update(zero)
     with zero_bnb.enabled():
@@ -202,5 +210,5 @@ def save_16bit_model_bf16(context, out):
     out["z3_16bit_bf16"] = result
 
 
-__all__ = ["accelerate_z3_resume", "accelerate_z3_save", "describe_stage3", "refusals_z3", "save_16bit_model_bf16", "trainer_z3_resume",
+__all__ = ["OFFLOAD_ALL", "accelerate_z3_resume", "accelerate_z3_save", "describe_stage3", "refusals_z3", "save_16bit_model_bf16", "trainer_z3_resume",
            "trainer_z3_save", "z3_config"]

@@ -345,13 +345,17 @@ def _assert_same_state(saved: dict, loaded: dict) -> None:
     assert {int(counters["step"]) for counters in loaded["counters"]} == {4}
 
 
-def test_trainer_at_stage3_with_auto_values_and_zero_init_saves_at_2_and_resumes_at_3(hf):
+def test_trainer_at_stage3_with_auto_values_and_zero_init_saves_at_2_and_resumes_offloaded_at_3(hf):
     _, dp2, dp3, _ = hf
     saved, resumed = _phase(dp2, "z3_trainer"), _phase(dp3, "z3_trainer")
     for run in (saved, resumed):
         _assert_stage3_engine(run, "bitsandbytes.optim.adamw.AdamW")  # adamw_bnb_8bit: AdamW(optim_bits=8)
         # Trainer's 32-bit override for embeddings is kept: 4608 elements would be 8-bit without it
         assert run["state1_dtypes"]["transformer.wte.weight"] == "torch.float32"
+    # Saved without offload, resumed with the optimizer and the parameters offloaded to the CPU: still the user's
+    # bitsandbytes optimizer (Accelerate's swap to DeepSpeedCPUAdam did not happen), the same checkpoint files.
+    assert saved["offload"] == {"optimizer": False, "param": False}
+    assert resumed["offload"] == {"optimizer": True, "param": True}
     _assert_same_state(saved["state"], resumed["state"])  # after Trainer's load at DP=3, before any step
     _assert_continues(saved["losses"], resumed["losses"], RESUMED_STEPS, rel=RESUMED_BOUND, label="Trainer ZeRO-3")
 
@@ -408,7 +412,7 @@ def test_unsupported_stage3_settings_through_trainer_are_refused_by_name(hf):
     _, dp2, _, _ = hf
     refused = _phase(dp2, "z3_trainer_refused")
     assert refused is not None and refused.startswith("ZeroBnbConfigError"), refused
-    for part in ("ZeRO stage-3 settings", "offload_param.device='cpu'", "zero_hpz_partition_size=2"):
+    for part in ("ZeRO stage-3 settings", "offload_optimizer.ratio=0.5", "zero_hpz_partition_size=2"):
         assert part in refused, part
 
 

@@ -2,7 +2,7 @@
 
 The strategy lives in :mod:`zero_bnb.integrations.lightning`; importing this module imports
 it, which registers ``"deepspeed_zero_bnb_stage_1"``, ``"deepspeed_zero_bnb_stage_2"`` and
-``"deepspeed_zero_bnb_stage_3"`` (and ``_offload`` variants of stages 1 and 2).
+``"deepspeed_zero_bnb_stage_3"`` (and their ``_offload`` variants).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Lightning front door: ``import zero_bnb.integrations.lightning`` registers ``strategy="deepspeed_zero_bnb_stage_1"``
-(and ``_2``, ``_3``, ``_1_offload``, ``_2_offload``).
+(and ``_2``, ``_3``, ``_1_offload``, ``_2_offload``, ``_3_offload``).
 
 :class:`ZeroBnbStrategy` is Lightning's ``DeepSpeedStrategy`` with three changes:
 
@@ -51,13 +51,15 @@ __all__ = ["STRATEGY_NAMES", "ZeroBnbStrategy", "mid_epoch_warning"]
 
 logger = logging.getLogger(__name__)
 
-#: Registered strategy name -> its ``ZeroBnbStrategy`` arguments (ZeRO stage; optimizer offloaded to the CPU).
+#: Registered strategy name -> its ``ZeroBnbStrategy`` arguments (ZeRO stage; optimizer, and at stage 3 parameters,
+#: offloaded to the CPU).
 STRATEGY_NAMES = {
     "deepspeed_zero_bnb_stage_1": {"stage": 1},
     "deepspeed_zero_bnb_stage_2": {"stage": 2},
     "deepspeed_zero_bnb_stage_1_offload": {"stage": 1, "offload_optimizer": True},
     "deepspeed_zero_bnb_stage_2_offload": {"stage": 2, "offload_optimizer": True},
     "deepspeed_zero_bnb_stage_3": {"stage": 3},
+    "deepspeed_zero_bnb_stage_3_offload": {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
 }
 
 
@@ -67,10 +69,11 @@ class ZeroBnbStrategy(DeepSpeedStrategy):
     Takes ``DeepSpeedStrategy``'s arguments; ``stage`` must be 1, 2 or 3. At stage 3 a model built in
     ``configure_model`` is created under ``deepspeed.zero.Init`` (Lightning's habit) and partitioned on
     blocks when the engine is built; ``load_full_weights`` is refused there, and what
-    :func:`zero_bnb.initialize` refuses at stage 3 (offload among it) is refused by name. ``offload_optimizer=True``
-    (as in Lightning's own strategy; ``"deepspeed_zero_bnb_stage_2_offload"``) keeps the fp32
-    partitions and the optimizer state in CPU memory, stepped there by the module's own
-    bitsandbytes optimizer (``offload_optimizer_device`` must stay ``"cpu"``).
+    :func:`zero_bnb.initialize` refuses at stage 3 (NVMe, ``reduce_scatter=False``, ...) is refused by name when the
+    engine is built. ``offload_optimizer=True`` (as in Lightning's own strategy; ``"deepspeed_zero_bnb_stage_2_offload"``)
+    keeps the fp32 partitions and the optimizer state in CPU memory, stepped there by the module's own bitsandbytes
+    optimizer (``offload_optimizer_device`` must stay ``"cpu"``); ``"deepspeed_zero_bnb_stage_3_offload"`` offloads
+    the parameters too (``offload_parameters=True``), as Lightning's ``"deepspeed_stage_3_offload"`` does.
     """
 
     strategy_name = "deepspeed_zero_bnb"
@@ -145,6 +148,7 @@ class ZeroBnbStrategy(DeepSpeedStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         for name, params in STRATEGY_NAMES.items():
             offload = ", optimizer offloaded to the CPU" if params.get("offload_optimizer") else ""
+            offload = offload.replace("optimizer", "optimizer and parameters") if params.get("offload_parameters") else offload
             strategy_registry.register(name, cls, description=f"zero_bnb: DeepSpeed ZeRO stage {params['stage']}"
                                        f"{offload}, elastic bitsandbytes checkpoints", override=True, **params)
 
