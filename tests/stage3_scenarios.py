@@ -191,9 +191,50 @@ def _module_only(context, out):
                      "steps": engine.global_steps, "loss": train_steps(engine, RUN, STEPS_BEFORE, 1)[0]}
 
 
+def _frozen_engine(world: int, stage: int):
+    """Adam8bit on the toy model whose first layer is frozen (LoRA-style), at ``stage``. Collective."""
+    model = build_model()
+    model[0].weight.requires_grad_(False)
+    config = stage3_config(world) if stage == 3 else RUN.ds_config(world, zero_optimization={"stage": stage})
+    optimizer = OPTIMIZERS["Adam8bit"]([p for p in model.parameters() if p.requires_grad], lr=LR)
+    return zero_bnb.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+
+def _frozen_weight(engine) -> torch.Tensor:
+    """The frozen layer's whole weight (gathered at stage 3). Collective."""
+    param = engine.module[0].weight
+    with deepspeed.zero.GatheredParameters([param]):
+        return param.detach().clone()
+
+
+def _frozen_save(context, out):
+    """DeepSpeed saves each rank's slice of a frozen parameter in that rank's stage-3 model file; a reload into
+    the same engine (its frozen weight zeroed first) must restore every rank's own slice."""
+    world, workdir = context["world"], context["workdir"]
+    engine = _frozen_engine(world, 3)
+    train_steps(engine, RUN, 0, STEPS_BEFORE)
+    engine.save_checkpoint(os.path.join(workdir, "frozen"), tag="mid")
+    saved = _frozen_weight(engine)
+    with deepspeed.zero.GatheredParameters([engine.module[0].weight], modifier_rank=0), torch.no_grad():
+        engine.module[0].weight.zero_()
+    engine.load_checkpoint(os.path.join(workdir, "frozen"), tag="mid")
+    out["frozen"] = {"saved": saved, "reloaded": _frozen_weight(engine), "state": consolidated_state(engine)}
+
+
+def _frozen_resume(context, out):
+    """The frozen layer's weight after loading the DP=2 stage-3 checkpoint at this DP size, at stages 3 and 2."""
+    world, workdir = context["world"], context["workdir"]
+    for stage in (3, 2):
+        engine = _frozen_engine(world, stage)
+        engine.load_checkpoint(os.path.join(workdir, "frozen"))
+        out[f"frozen_stage{stage}"] = {"loaded": _frozen_weight(engine), "state": consolidated_state(engine),
+                                       "loss": train_steps(engine, RUN, STEPS_BEFORE, 1)[0]}
+
+
 def stage3_dp2(rank, world, workdir):
     out: dict = {}
-    run_phases(out, {"world": world, "workdir": workdir}, *(_train_save(case) for case in CASES), _stage2_save)
+    run_phases(out, {"world": world, "workdir": workdir}, *(_train_save(case) for case in CASES), _stage2_save,
+               _frozen_save)
     _save_result(os.path.join(workdir, f"stage3_dp{world}.pt"), out)
     dist.barrier()
 
@@ -202,7 +243,7 @@ def stage3_resume(rank, world, workdir):
     out: dict = {}
     # Offloaded checkpoints load offloaded at DP=3 and without offload at DP=1; one saved without offload loads
     # offloaded at DP=3.
-    phases = [_resume(case, offload=world != 1 or case not in OFFLOADED) for case in CASES]
+    phases = [_resume(case, offload=world != 1 or case not in OFFLOADED) for case in CASES] + [_frozen_resume]
     if world == 3:
         phases += [_resume("adam8bit", offload="optimizer", name="adam8bit_offloaded"), _across_stages, _module_only]
     run_phases(out, {"world": world, "workdir": workdir}, *phases)

@@ -20,6 +20,7 @@ import zero_bnb
 from zero_bnb.cli import main as cli_main
 from zero_bnb.cli.zero_to_fp32 import (
     convert_zero_checkpoint_to_fp32_state_dict,
+    get_fp32_state_dict_from_zero_checkpoint,
     convert_zero_checkpoint_to_state_dict,
 )
 from zero_bnb.cli.zero_to_fp32 import main as zero_to_fp32_main
@@ -178,6 +179,40 @@ def test_a_checkpoint_saved_without_offload_resumes_offloaded_at_another_dp_size
     # bit for bit as the non-offloaded resume at the same DP size (offload changes no arithmetic in fp32)
     assert resumed["losses"] == _case(runs, 3, "adam8bit")["losses"]
     assert resumed["losses"] == pytest.approx(reference["losses"][STEPS_BEFORE:], rel=1e-6)
+
+
+def test_frozen_parameters_are_restored_at_any_dp_size_and_stage(runs):
+    """DeepSpeed keeps each rank's slice of a frozen parameter in that rank's stage-3 model file; every rank reading
+    rank 0's restored the wrong slice at the same DP size and failed half-way (a raw size mismatch) at another."""
+    saved = _case(runs, 2, "frozen")
+    assert saved["saved"].count_nonzero() == saved["saved"].numel()
+    assert torch.equal(saved["reloaded"], saved["saved"])
+    for dp in (3, 1):
+        for stage in (3, 2):
+            loaded = _case(runs, dp, f"frozen_stage{stage}")
+            assert torch.equal(loaded["loaded"], saved["saved"]), (dp, stage)
+            if stage == 3:
+                _assert_same_state(saved["state"], loaded["state"])
+            else:  # stage 2's flat groups (the moments requantized on their block grid: see the across-stages test)
+                assert saved["state"]["params"].keys() == loaded["state"]["params"].keys()
+                for name, tensors in saved["state"]["params"].items():
+                    assert torch.equal(tensors["fp32"], loaded["state"]["params"][name]["fp32"]), (dp, name)
+            assert torch.isfinite(torch.tensor(loaded["loss"])), (dp, stage)
+    # zero_to_fp32 / export: the frozen weight from every rank's slice (the module entry is an empty placeholder)
+    exported = get_fp32_state_dict_from_zero_checkpoint(os.path.join(runs["workdir"], "frozen"))
+    assert torch.equal(exported["0.weight"], saved["saved"])
+    assert all(torch.equal(exported[name].reshape(-1), t["fp32"].reshape(-1))
+               for name, t in saved["state"]["params"].items())
+
+
+def test_stock_deepspeeds_error_on_a_stage3_checkpoint_points_to_convert_not_to_load_module_only(runs):
+    """Stock DeepSpeed shows the model file's dp_world_size sentence; load_module_only reads no weights at stage 3
+    (the module entries are placeholders), so following the stage-1/2 advice there silently loaded nothing."""
+    states = torch.load(os.path.join(runs["workdir"], "adam8bit", "mid", "zero_pp_rank_0_mp_rank_00_model_states.pt"),
+                        weights_only=False)
+    sentence = states["dp_world_size"]
+    assert sentence.startswith("2 (") and "zero_bnb.enable()" in sentence, sentence
+    assert "--to universal" in sentence and "zero_to_fp32" in sentence and "load_module_only" not in sentence, sentence
 
 
 def _dequantized_close(saved: dict, loaded: dict) -> None:

@@ -278,7 +278,8 @@ class ZeroBnbEngine(DeepSpeedEngine):
         derived = self._derived_module_weights()
         self._zero_bnb_dropped = set(derived)
         # A plain DeepSpeed engine given this checkpoint (zero_bnb.enable() forgotten) fails naming zero_bnb.
-        extra = {"dp_world_size": stock_dp_world_size(self.optimizer.dp_size)}
+        extra = {"dp_world_size": stock_dp_world_size(self.optimizer.dp_size,
+                                                      stage3=self.optimizer.module_weights_partitioned)}
         if derived:
             extra[DERIVED_PARAMS_KEY] = derived
         try:

@@ -33,7 +33,7 @@ _STAGE3_FLATS = "fp32_flat_groups"
 WRITTEN_BY_ZERO_BNB = "this checkpoint was written by zero_bnb; call zero_bnb.enable() (or import zero_bnb.lightning)"
 
 
-def stock_dp_world_size(dp_size: int) -> str:
+def stock_dp_world_size(dp_size: int, stage3: bool = False) -> str:
     """What a zero_bnb checkpoint's model file holds under ``dp_world_size`` (stock DeepSpeed writes the int).
 
     A plain ``DeepSpeedEngine.load_checkpoint`` compares it with its own DP size before it reads any
@@ -41,10 +41,16 @@ def stock_dp_world_size(dp_size: int) -> str:
     it raises ``ZeRORuntimeException("The checkpoint being loaded used a DP world size of <this>
     ...")``, which then names zero_bnb and the fix instead of a missing ``zero_pp_rank_*`` file.
     ``load_module_only=True`` and ``load_optimizer_states=False`` never compare it, so stock readers
-    of the module weights are unaffected. Plain data: nothing executes when it is read.
+    of the module weights are unaffected. At ZeRO stage 3 (``stage3``) the model file holds no weights,
+    so the sentence points to ``zero-bnb convert --to universal`` and ``zero_to_fp32`` instead.
+    Plain data: nothing executes when it is read.
     """
-    return (f"{dp_size} ({WRITTEN_BY_ZERO_BNB} before the engine is built, and it loads at any DP size; "
-            f"stock DeepSpeed reads only its module weights, with load_module_only=True)")
+    if stage3:
+        reader = ("stock DeepSpeed cannot read its ZeRO-3 weights (they are in zero_bnb's files): convert it with "
+                  "'zero-bnb convert TAG_FOLDER --to universal OUT' or export them with the folder's zero_to_fp32.py")
+    else:
+        reader = "stock DeepSpeed reads only its module weights, with load_module_only=True"
+    return f"{dp_size} ({WRITTEN_BY_ZERO_BNB} before the engine is built, and it loads at any DP size; {reader})"
 
 
 def _unwrap(state: dict[str, Any]) -> dict[str, Any]:
