@@ -27,7 +27,6 @@ import dataclasses
 import json
 import logging
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -39,7 +38,7 @@ from datetime import datetime, timezone
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import machine
+from report import machine, versions
 
 WIDTH = 4096
 
@@ -187,10 +186,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_ref:
         return _compare(args)
 
-    import bitsandbytes
-    import deepspeed
-
-    import zero_bnb
     from zero_bnb.testing.launch import run_distributed
 
     rows = []
@@ -210,8 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
         "load_average_1min": os.getloadavg()[0],
-        "versions": {"zero_bnb": zero_bnb.__version__, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
-                     "bitsandbytes": bitsandbytes.__version__, "python": platform.python_version()},
+        "versions": versions(),
         "results": rows,
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -41,6 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import GPT, PRESETS
+from report import versions
 from train_bench import _device, _state_bytes, _train
 
 VARIANTS = ("stock-cpuadam", "stock-adam8bit", "zero_bnb")
@@ -213,11 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
 
-    import bitsandbytes
-    import deepspeed
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
-    import zero_bnb
     from zero_bnb.testing.launch import run_distributed
 
     CPUAdamBuilder().load()  # JIT-build DeepSpeedCPUAdam once, outside the timed launch
@@ -236,8 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(),
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
-        "versions": {"zero_bnb": zero_bnb.__version__, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
-                     "bitsandbytes": bitsandbytes.__version__, "python": platform.python_version()},
+        "versions": versions(),
         "settings": vars(args) | {"out": None},
         "raw": raw,
         **summary,

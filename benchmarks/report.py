@@ -37,6 +37,18 @@ def machine() -> dict:
     return {"platform": platform.platform(), "processor": processor or platform.machine(), "cpus": os.cpu_count()}
 
 
+def versions() -> dict:
+    """The versions a benchmark ran with (zero_bnb, torch, deepspeed, bitsandbytes, Python)."""
+    import bitsandbytes
+    import deepspeed
+    import torch
+
+    import zero_bnb
+
+    return {"zero_bnb": zero_bnb.__version__, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+            "bitsandbytes": bitsandbytes.__version__, "python": platform.python_version()}
+
+
 def summarise(raw: dict, *, model: str, config, args: dict, step_bytes_per_param: dict[str, int]) -> dict:
     """Figures per variant and the target ratios for one model."""
     variants = {}

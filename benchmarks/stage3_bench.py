@@ -33,7 +33,6 @@ import gc
 import json
 import logging
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -45,7 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import GPT, PRESETS
-from report import cell, machine, percentile
+from report import cell, machine, percentile, versions
 from train_bench import LR, _train, convert_to_universal, peak_memory, timed_load, timed_save
 
 __all__ = ["VARIANTS", "main"]
@@ -251,10 +250,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
     args.dp, args.resume_dp = 2, 3
-    import bitsandbytes
-    import deepspeed
-
-    import zero_bnb
     from zero_bnb.testing.launch import run_distributed
 
     load_start = os.getloadavg()[0]
@@ -280,8 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
         "load_average_1min": [load_start, os.getloadavg()[0]],
-        "versions": {"zero_bnb": zero_bnb.__version__, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
-                     "bitsandbytes": bitsandbytes.__version__, "python": platform.python_version()},
+        "versions": versions(),
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "raw": raw,
         "result": summarise(raw, args),

@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import GPT, PRESETS, batch
-from report import summarise, write_reports
+from report import summarise, versions, write_reports
 
 from zero_bnb.core.config import ZeroBnbConfig
 
@@ -311,10 +311,6 @@ def main(argv: list[str] | None = None) -> int:
     args.resume_dp = 1 if cpu else None  # one GPU: no other DP size to resume at
     if not cpu and not torch.cuda.is_available():
         parser.error("--mode gpu needs a CUDA device")
-    import bitsandbytes
-    import deepspeed
-
-    import zero_bnb
 
     rows = [run_model(args, model) for model in args.models]
     machine = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
@@ -325,9 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         "mode": args.mode,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine,
-        "versions": {"zero_bnb": zero_bnb.__version__, "torch": torch.__version__,
-                     "deepspeed": deepspeed.__version__, "bitsandbytes": bitsandbytes.__version__,
-                     "python": platform.python_version()},
+        "versions": versions(),
         "settings": {k: v for k, v in vars(args).items() if k not in ("model", "out")},
         # the zero_bnb variant's config keys: none are set, so every zero_bnb key has its default (masters derived
         # from the module weights, which stay in DeepSpeed's model file)
