@@ -15,12 +15,14 @@ Local functions, no collectives.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import os
 from typing import Any
 
 import torch
 
 from zero_bnb.errors import CheckpointFormatError, CheckpointMismatchError, malformed
+from zero_bnb.format.reader import CheckpointReader
+from zero_bnb.format.stock_files import stage3_model_states
 
 __all__ = ["FROZEN_FRAGMENTS", "plan_frozen_fragments", "saved_frozen_values"]
 
@@ -52,10 +54,21 @@ def _whole(name: str, numel: int, saved: list[Any], model_file: str) -> torch.Te
     return whole[:numel]
 
 
-def saved_frozen_values(model_states: dict, saved_rank_states: Callable[[int], dict], saved_dp: int,
+def _saved_fragments(model_states: dict, reader: CheckpointReader | None, model_name: str) -> list[dict]:
+    """Every saving rank's frozen-parameter entries: from each rank's model file of a stage-3 save (``model_name``
+    is rank 0's, ``model_states`` its contents; one file per saving rank, as one shard), else the file's own."""
+    fragments = model_states.get(FROZEN_FRAGMENTS) or {}
+    if reader is None or model_name != stage3_model_states(0):
+        return [fragments]
+    return [fragments] + [reader.load(stage3_model_states(rank), "DeepSpeed model file", deepspeed_classes=True,
+                                      mmap=True).get(FROZEN_FRAGMENTS) or {}
+                          for rank in range(1, len(reader.manifest.shards))]
+
+
+def saved_frozen_values(model_states: dict, reader: CheckpointReader, model_name: str,
                         model_file: str) -> dict[str, torch.Tensor]:
-    """Every frozen parameter's whole value (its saved shape) from a stage-3 save's ``saved_dp`` model files
-    (``saved_rank_states(rank)``; ``model_states`` is rank 0's); empty when it saved none.
+    """Every frozen parameter's whole value (its saved shape) from the model file ``model_name`` of ``reader``'s
+    checkpoint (``model_states``: its contents; at stage 3, every saving rank's slices); empty when it saved none.
 
     Raises:
         CheckpointFormatError: the saved ranks' entries do not fit together or the shapes are malformed.
@@ -66,7 +79,7 @@ def saved_frozen_values(model_states: dict, saved_rank_states: Callable[[int], d
     if not isinstance(shapes, dict) or set(shapes) != set(fragments):
         raise CheckpointFormatError(f"{model_file}: {FROZEN_SHAPES!r} does not name the frozen parameters of "
                                     f"{FROZEN_FRAGMENTS!r} ({sorted(fragments)[:5]}); the file was not written by DeepSpeed")
-    ranks = [saved_rank_states(rank).get(FROZEN_FRAGMENTS) or {} for rank in range(saved_dp)]
+    ranks = _saved_fragments(model_states, reader, model_name)
     found = {}
     for name, shape in shapes.items():
         with malformed(f"{model_file}: the shape of frozen parameter {name!r}"):
@@ -77,16 +90,15 @@ def saved_frozen_values(model_states: dict, saved_rank_states: Callable[[int], d
 
 
 def plan_frozen_fragments(module: torch.nn.Module, names: dict[torch.nn.Parameter, str], model_states: dict,
-                          saved_rank_states: Callable[[int], dict] | None, saved_dp: int, dp_rank: int,
-                          model_file: str) -> None:
+                          reader: CheckpointReader | None, dp_rank: int, model_file: str) -> None:
     """Replace ``model_states``' frozen-parameter entries, in place, by what this rank's engine must copy.
 
     Args:
         module: the engine's module; a parameter with ``ds_tensor`` is a ZeRO-3 partition.
         names: parameter -> its checkpoint name (DeepSpeed's ``engine.param_names``).
-        model_states: the model file DeepSpeed's loader will apply (rank 0's, for a stage-3 save).
-        saved_rank_states: stage-3 saves: saved rank -> that rank's model file; ``None`` for a stage-1/2 save.
-        saved_dp: how many DP ranks saved.
+        model_states: the model file ``model_file`` DeepSpeed's loader will apply (rank 0's, for a stage-3 save).
+        reader: the checkpoint's reader, whose other ranks' model files a stage-3 save's slices are read from
+            (only when the file holds frozen values); ``None`` for a stock checkpoint.
         dp_rank: this rank's DP rank.
 
     Raises:
@@ -97,6 +109,8 @@ def plan_frozen_fragments(module: torch.nn.Module, names: dict[torch.nn.Paramete
     if not isinstance(fragments, dict):
         return  # saved without frozen values (stage 1, exclude_frozen_parameters): DeepSpeed copies none
     frozen = [(param, names[param]) for param in module.parameters() if not param.requires_grad and param in names]
+    if not frozen:
+        return  # nothing to copy: the other ranks' model files need not be read
     missing = [name for _, name in frozen if name not in fragments]
     if missing:
         raise CheckpointMismatchError(
@@ -104,8 +118,7 @@ def plan_frozen_fragments(module: torch.nn.Module, names: dict[torch.nn.Paramete
             f"checkpoint holds no frozen value for them (it has {sorted(fragments)[:5]}); they were trained when it "
             f"was saved, or it is of another model. Freeze the same parameters as the saved run"
         )
-    ranks = [saved_rank_states(rank).get(FROZEN_FRAGMENTS) or {} for rank in range(saved_dp)] \
-        if saved_rank_states is not None else [fragments]
+    ranks = _saved_fragments(model_states, reader, os.path.basename(model_file))
     planned = {}
     for param, name in frozen:
         numel = int(getattr(param, "ds_numel", param.numel()))

@@ -34,7 +34,6 @@ from zero_bnb.checkpoint.restore import (
 from zero_bnb.checkpoint.stock_import import StockCheckpoint
 from zero_bnb.errors import CheckpointReplacedError
 from zero_bnb.format.reader import CheckpointReader
-from zero_bnb.format.stock_files import stage3_model_states
 from zero_bnb.format.unpickle import safe_load
 
 __all__ = ["LoadPlan", "Opened", "apply_module_weights", "open_for_load", "plan_load"]
@@ -186,15 +185,8 @@ def plan_load(engine, opened: Opened, model_file: str, *, optimizer_states: bool
         # weights in it are never read (see plan_trained_weights)
         model_states = opened.reader.load(os.path.basename(model_file), "DeepSpeed model file",
                                           deepspeed_classes=True, mmap=True)
-    rank_states, saved_dp = None, 1
-    if opened.reader is not None and os.path.basename(model_file) == stage3_model_states(0):  # a stage-3 save
-        saved_dp = len(opened.reader.manifest.shards)  # one model file per saving rank, as one shard
-
-        def rank_states(rank: int) -> dict:
-            return model_states if rank == 0 else opened.reader.load(
-                stage3_model_states(rank), "DeepSpeed model file", deepspeed_classes=True, mmap=True)
-    plan_frozen_fragments(engine.module, engine.param_names, model_states, rank_states, saved_dp,
-                          engine.optimizer.dp_rank, model_file)
+    plan_frozen_fragments(engine.module, engine.param_names, model_states, opened.reader, engine.optimizer.dp_rank,
+                          model_file)
     trained = {param: engine.param_names[param] for param in engine.optimizer.trained_params()}
     master = master_weights(saved)  # reads a parameter's saved ranges only when asked for it
     if isinstance(model_states, dict) and DERIVED_PARAMS_KEY in model_states:

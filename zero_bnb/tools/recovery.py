@@ -83,9 +83,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
         buffer_names = set(model_states.get("buffer_names") or [])
         shared = dict(model_states.get("shared_params") or {})
         if model_name == stage3_model_states(0):  # module entries are empty placeholders; each rank saved its slice
-            module = {**module, **saved_frozen_values(model_states, lambda rank: model_states if rank == 0 else reader.load(
-                stage3_model_states(rank), "DeepSpeed model file", deepspeed_classes=True),
-                len(reader.manifest.shards), model_file)}
+            module = {**module, **saved_frozen_values(model_states, reader, model_name, model_file)}
         # Frozen parameters: every module entry that is no trained parameter, buffer or tied alias. DeepSpeed
         # records frozen_param_shapes at stage 2 only (its own script misses them at stage 1), but the module
         # state dict always holds them (unless saved with exclude_frozen_parameters).
