@@ -333,9 +333,12 @@ class BlockAlignedStage3Optimizer(BlockAligned, DeepSpeedZeroOptimizer_Stage3):
                 grad = grad.to(communication_data_type)
             if self.postscale_gradients and self.gradient_predivide_factor != 1.0:
                 grad = grad.div(self.gradient_predivide_factor)
-            padded = torch.zeros(gathered_numel(param.partition_numel(), world), dtype=grad.dtype, device=grad.device)
-            padded[: grad.numel()].copy_(grad)
-            grads.append(padded)
+            size = gathered_numel(param.partition_numel(), world)
+            if grad.numel() < size:  # DeepSpeed cuts ceil(numel / dp): pad to the block-aligned slices
+                padded = torch.zeros(size, dtype=grad.dtype, device=grad.device)
+                padded[: grad.numel()].copy_(grad)
+                grad = padded
+            grads.append(grad)
         partitions = reduce_scatter_coalesced(grads, process_group)
         if self.postscale_gradients and self.gradient_predivide_factor not in (1.0, world):
             partitions = [g.mul(self.gradient_predivide_factor) for g in partitions]
