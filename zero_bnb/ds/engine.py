@@ -52,7 +52,7 @@ from zero_bnb.ds.stage3 import BlockAlignedStage3Optimizer
 from zero_bnb.ds.zero_optimizer import BlockAlignedBF16Optimizer, BlockAlignedZeroOptimizer
 from zero_bnb.errors import CheckpointUsageError
 from zero_bnb.format.durable import makedirs, replacing, save_torch
-from zero_bnb.format.stock_files import stock_dp_world_size
+from zero_bnb.format.stock_files import MODEL_STATES, stage3_model_states, stock_dp_world_size
 from zero_bnb.format.tags import resolve_tag
 from zero_bnb.format.unpickle import safe_load
 from zero_bnb.kernels.cpu_update import install_cpu_update, uninstall_cpu_update
@@ -410,15 +410,14 @@ class ZeroBnbEngine(DeepSpeedEngine):
         """DeepSpeed's model file a load reads: ``mp_rank_00_model_states.pt`` from stages 1/2; from stage 3, where
         every DP rank wrote one (module entries are empty placeholders, the rest alike), rank 0's, which exists at
         every saved DP size. A zero_bnb checkpoint of either stage loads at the other (weights come from the masters)."""
-        mp_rank = f"mp_rank_{self.checkpoint_mp_rank:02d}_model_states.pt"
-        stage3 = os.path.join(load_dir, str(tag), f"zero_pp_rank_0_{mp_rank}")
-        stage12 = os.path.join(load_dir, str(tag), mp_rank)
+        folder = os.path.join(load_dir, str(tag))
+        names = (stage3_model_states(0), MODEL_STATES)  # zero_bnb.initialize refuses mpu: model-parallel rank 0
+        if not self.optimizer.module_weights_partitioned:
+            names = names[::-1]
         if opened.reader is not None:
             saved = {record.path for record in opened.reader.manifest.files}
-            for candidate in (stage3, stage12) if self.zero_optimization_partition_weights() else (stage12, stage3):
-                if os.path.basename(candidate) in saved:
-                    return candidate
-        return stage3 if self.zero_optimization_partition_weights() else stage12
+            names = [name for name in names if name in saved] or names
+        return os.path.join(folder, names[0])
 
     def _get_all_ckpt_names(self, checkpoints_path, tag):
         planned = self.checkpoint_engine.planned
