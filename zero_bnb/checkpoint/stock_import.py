@@ -48,7 +48,6 @@ from zero_bnb.format.stock_files import (
     group_hyperparameters,
     group_states,
     model_file_of,
-    model_states_files,
     param_entries,
     read_rank_files,
     zero_file_names,
@@ -68,7 +67,7 @@ def _saved_params(folder: str, rank_sds: list[dict[str, Any]], live: list[tuple[
     sizes = [sum(fp32_partitions(sd)[g].numel() for sd in rank_sds) for g in range(len(fp32_partitions(rank_sds[0])))]
     if sizes == [sum(p.numel for p in group) for group in live]:
         return live
-    return param_entries(next(iter(model_states_files(folder).values())))
+    return param_entries(model_file_of(folder)[1])
 
 
 class StockCheckpoint:

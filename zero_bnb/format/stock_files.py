@@ -143,10 +143,11 @@ def model_states_files(tag_folder: str) -> dict[str, str]:
     return {os.path.basename(file): file for file in files}
 
 
-def model_file_of(tag_folder: str) -> tuple[str, str]:
+def model_file_of(tag_folder: str, files: dict[str, str] | None = None) -> tuple[str, str]:
     """Name and path of the model-states file the tools read: ``mp_rank_00_model_states.pt``, or at ZeRO stage 3
-    rank 0's (the ranks' files differ only in their empty parameter placeholders)."""
-    files = model_states_files(tag_folder)
+    rank 0's (the ranks' files differ only in their empty parameter placeholders). ``files``: the folder's
+    :func:`model_states_files`, when the caller has them already."""
+    files = model_states_files(tag_folder) if files is None else files
     name = MODEL_STATES if MODEL_STATES in files else stage3_model_states(0)
     return name, files[name]
 

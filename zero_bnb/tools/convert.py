@@ -307,9 +307,10 @@ def _read_stock(tag_folder: str, optimizer: str | None) -> tuple[StockCheckpoint
     names = zero_file_names(tag_folder)
     if not names:
         raise CheckpointFormatError(f"{tag_folder} holds no stock DeepSpeed ZeRO optimizer files (zero_pp_rank_*)")
-    model_name, model_file = model_file_of(tag_folder)
+    model_files = model_states_files(tag_folder)
+    model_name, model_file = model_file_of(tag_folder, model_files)
     stage3 = model_name != MODEL_STATES
-    model_count = len(model_states_files(tag_folder))
+    model_count = len(model_files)
     if stage3 and model_count != len(names):
         raise CheckpointFormatError(
             f"{tag_folder} holds {model_count} stage-3 model-states files but optimizer files of ranks 0..{len(names) - 1} "
