@@ -25,10 +25,11 @@ logger = logging.getLogger(__name__)
 _PACKAGES = ("zero_bnb", "torch", "bitsandbytes", "deepspeed")
 
 
-def installed() -> dict[str, str]:
-    """``{package: version}`` for zero_bnb, torch, bitsandbytes and deepspeed ("missing" if absent)."""
+def installed(names: tuple[str, ...] = _PACKAGES) -> dict[str, str]:
+    """``{package: version}`` for ``names`` (default zero_bnb, torch, bitsandbytes and deepspeed; "missing" if
+    absent)."""
     found = {}
-    for name in _PACKAGES:
+    for name in names:
         try:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -116,12 +117,8 @@ def check_supported(found: dict[str, str] | None = None, *, optional: tuple[str,
             the supported range, what fails and the pip command that fixes it.
     """
     if found is None:
-        found = {}
-        for name in ("torch", "deepspeed", "bitsandbytes", *optional):
-            try:
-                found[name] = metadata.version(name)
-            except metadata.PackageNotFoundError:
-                continue
+        found = {name: version for name, version in installed(("torch", "deepspeed", "bitsandbytes", *optional)).items()
+                 if version != "missing"}
     warnings = []
     for name, version in found.items():
         entry = SUPPORTED[name]
