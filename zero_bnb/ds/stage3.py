@@ -10,8 +10,10 @@
   and Adagrad add to the gradient, garbage there became state and the ``absmax`` of the block it shares
   with real elements); parameters that ``deepspeed.zero.Init`` already partitioned are gathered once and
   partitioned again;
-* gradients are reduce-scattered on those slices (DeepSpeed's ``reduce_scatter_coalesced`` cuts
-  ``ceil(numel / dp)``), a one-parameter all-gather (``_all_gather_sequential``, whose buffer is
+* gradients are reduce-scattered on those slices: DeepSpeed's own ``__avg_scatter_grads`` runs, and the
+  ``reduce_scatter_coalesced`` it calls (which cuts ``ceil(numel / dp)``) is handed each gradient zero-padded
+  to its parameter's whole slices (a module-level patch that passes a stock engine's gradients as they are;
+  the override of ``__avg_scatter_grads`` only names the bucket's parameters to it), a one-parameter all-gather (``_all_gather_sequential``, whose buffer is
   ``ceil(numel / dp) * dp``) goes through a buffer of the padded size, and at DP=1 (no gather) the
   parameter is a view of its partition's first ``numel`` elements;
 * each sub-group holds one parameter, so the base optimizer's state of a sub-group is one parameter's
@@ -23,6 +25,7 @@ collective: every rank of the data-parallel group must construct it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Mapping
@@ -30,8 +33,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
 from deepspeed.runtime.zero import partition_parameters
+from deepspeed.runtime.zero import stage3 as deepspeed_stage3
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
@@ -129,6 +132,52 @@ def _unpadded_no_gather(original):
     return _no_gather_coalesced
 
 
+#: The parameters whose gradients the current thread's ``__avg_scatter_grads`` reduce-scatters on blocks.
+_REDUCING = threading.local()
+
+
+@contextlib.contextmanager
+def _cutting_on_blocks(params):
+    """Within: the next ``reduce_scatter_coalesced`` of stage 3 (the one in DeepSpeed's ``__avg_scatter_grads``)
+    reduces ``params``' gradients, in that order, on their block-aligned slices. Local."""
+    _REDUCING.params = list(params)
+    try:
+        yield
+        if _REDUCING.params is not None:
+            raise ZeroLayoutError("DeepSpeed reduced a stage-3 gradient bucket without reduce_scatter_coalesced, so "
+                                  "not on zero_bnb's block-aligned slices; this DeepSpeed version reduces differently "
+                                  "from the supported range")
+    finally:
+        _REDUCING.params = None
+
+
+def _filling_slices(grad: torch.Tensor, param: torch.nn.Parameter, world: int) -> torch.Tensor:
+    """``grad`` zero-padded to ``world`` whole slices of ``param`` (``reduce_scatter_coalesced`` cuts
+    ``ceil(numel / world)``); a gradient already that long goes as it is."""
+    size = gathered_numel(param.partition_numel(), world)
+    if grad.numel() >= size:
+        return grad
+    padded = torch.zeros(size, dtype=grad.dtype, device=grad.device)
+    padded[: grad.numel()].copy_(grad.reshape(-1))
+    return padded
+
+
+def _block_reduce_scatter(original):
+    def reduce_scatter_coalesced(tensors, group=None):
+        params, _REDUCING.params = getattr(_REDUCING, "params", None), None
+        if params is None:  # a stock engine's gradients
+            return original(tensors, group)
+        if len(params) != len(tensors):
+            raise ZeroLayoutError(f"DeepSpeed reduce-scattered {len(tensors)} gradients for a bucket of {len(params)} "
+                                  f"stage-3 parameters; this DeepSpeed version reduces differently from the supported "
+                                  f"range")
+        world = dist.get_world_size(group=group)
+        return original([_filling_slices(grad, param, world) for grad, param in zip(tensors, params)], group)
+
+    reduce_scatter_coalesced.zero_bnb_original = original
+    return reduce_scatter_coalesced
+
+
 class _DoneHandle:
     """The handle of a collective that already completed."""
 
@@ -140,10 +189,12 @@ class _DoneHandle:
 
 
 def install_block_partitioning() -> None:
-    """Patch DeepSpeed's parameter padding (its size and its zeroing) and one-parameter all-gather (once per process).
+    """Patch DeepSpeed's parameter padding (its size and its zeroing), one-parameter all-gather and stage 3's
+    gradient reduce-scatter (once per process).
 
-    Both patches change nothing for parameters without ``zero_bnb_block_size``: stock stage-3 engines in the
-    same process partition and gather exactly as before. Local.
+    The patches change nothing for parameters without ``zero_bnb_block_size`` and for reduce-scatters outside a
+    :class:`BlockAlignedStage3Optimizer`'s ``__avg_scatter_grads``: stock stage-3 engines in the same process
+    partition, gather and reduce exactly as before. Local.
     """
     global _installed
     with _INSTALL_LOCK:
@@ -154,6 +205,8 @@ def install_block_partitioning() -> None:
         init._partition_param = _zeroed_padding(init._partition_param)
         partition_parameters._dist_allgather_fn = _padded_allgather(partition_parameters._dist_allgather_fn)
         partition_parameters._no_gather_coalesced = _unpadded_no_gather(partition_parameters._no_gather_coalesced)
+        # stage3.py imports the function by name (from ... import), so its module attribute is the one it calls
+        deepspeed_stage3.reduce_scatter_coalesced = _block_reduce_scatter(deepspeed_stage3.reduce_scatter_coalesced)
         _installed = True
 
 
@@ -321,33 +374,11 @@ class BlockAlignedStage3Optimizer(BlockAligned, DeepSpeedZeroOptimizer_Stage3):
         """One parameter per sub-group: its flat fp32 tensor is that parameter's slice."""
         return [[param] for param in params_group]
 
-    def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, communication_data_type):
-        """DeepSpeed's gradient average and reduce-scatter, cut on the block-aligned slices."""
-        self._assert_same_partition_group(params_to_reduce)
-        process_group = self._get_param_partition_group(params_to_reduce[0])
-        world = dist.get_world_size(group=process_group)
-        grads = []
-        for param in params_to_reduce:
-            grad = param.grad.reshape(-1)
-            if communication_data_type != self.dtype:
-                grad = grad.to(communication_data_type)
-            if self.postscale_gradients and self.gradient_predivide_factor != 1.0:
-                grad = grad.div(self.gradient_predivide_factor)
-            size = gathered_numel(param.partition_numel(), world)
-            if grad.numel() < size:  # DeepSpeed cuts ceil(numel / dp): pad to the block-aligned slices
-                padded = torch.zeros(size, dtype=grad.dtype, device=grad.device)
-                padded[: grad.numel()].copy_(grad)
-                grad = padded
-            grads.append(grad)
-        partitions = reduce_scatter_coalesced(grads, process_group)
-        if self.postscale_gradients and self.gradient_predivide_factor not in (1.0, world):
-            partitions = [g.mul(self.gradient_predivide_factor) for g in partitions]
-        averaging = self._gradient_averaging_world_size(params_to_reduce, world)
-        if averaging != world:
-            partitions = [g.mul(world / float(averaging)) for g in partitions]
-        if communication_data_type != self.gradient_accumulation_dtype:
-            partitions = [g.to(self.gradient_accumulation_dtype) for g in partitions]
-        return partitions
+    def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, *args, **kwargs):
+        """DeepSpeed's gradient average and reduce-scatter (its own body, any release's signature), whose
+        ``reduce_scatter_coalesced`` cuts the block-aligned slices of ``params_to_reduce``."""
+        with _cutting_on_blocks(params_to_reduce):
+            return super()._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(params_to_reduce, *args, **kwargs)
 
     # -- zero_bnb's vocabulary ------------------------------------------------------------------
 
