@@ -127,32 +127,41 @@ class BlockAligned:
         """
         self.update_lp_params()
 
+    #: Whether bitsandbytes' 8-bit vs fp32 decision is made on the whole parameter (stage 3: the same at every DP
+    #: size) rather than on this rank's partition (stages 1 and 2).
+    precision_on_whole_parameter = False
+
     def state_precision(self, group_index: int) -> dict[str, Any] | None:
         """How bitsandbytes decides 8-bit vs fp32 state for group ``group_index`` (``None`` for other optimizers).
 
         bitsandbytes keeps 8-bit state only for tensors of at least ``min_8bit_size`` elements,
         and under ZeRO the tensor is this rank's *partition*: the same group can be 8-bit at
         DP=2 and fp32 at DP=64. ``eight_bit_up_to_dp`` is the largest DP size that keeps it 8-bit.
+        Where the decision is made on the whole parameter (:attr:`precision_on_whole_parameter`), it holds at every
+        DP size: ``eight_bit_up_to_dp`` is ``None`` and ``decided_on`` says ``"whole parameter"``.
         """
         base = self.optimizer
-        if not callable(getattr(base, "get_config", None)):
+        get_config = getattr(base, "get_config", None)
+        if self.precision_on_whole_parameter:  # bitsandbytes' own rule, beneath the whole-parameter override
+            get_config = getattr(get_config, "zero_bnb_original", None)
+        if not callable(get_config):
             return None
         base_index = self.base_group_index(group_index)
         with param_in_group(base, base_index, self.master_partition(group_index)):
-            config = base.get_config(base_index, 0, base.param_groups[base_index])
+            config = get_config(base_index, 0, base.param_groups[base_index])
         geometry = self.geometry(group_index)
         limit = config["min_8bit_size"]
+        eight_bit = config["optim_bits"] == 8
+        record = {"optim_bits": config["optim_bits"], "min_8bit_size": limit,
+                  "partition_numel": geometry.partition_numel}
+        if self.precision_on_whole_parameter:
+            return record | {"eight_bit": eight_bit and geometry.numel >= limit, "eight_bit_up_to_dp": None,
+                             "decided_on": "whole parameter"}
         up_to = None
-        if config["optim_bits"] == 8:
+        if eight_bit:
             up_to = max((dp for dp in range(1, _MAX_DP + 1)
                          if GroupGeometry(geometry.numel, dp, geometry.block_size).partition_numel >= limit), default=None)
-        return {
-            "optim_bits": config["optim_bits"],
-            "min_8bit_size": limit,
-            "partition_numel": geometry.partition_numel,
-            "eight_bit": config["optim_bits"] == 8 and geometry.partition_numel >= limit,
-            "eight_bit_up_to_dp": up_to,
-        }
+        return record | {"eight_bit": eight_bit and geometry.partition_numel >= limit, "eight_bit_up_to_dp": up_to}
 
     def wrapper_scalars(self) -> dict[str, Any]:
         """The ZeRO wrapper's scalars a resume must restore (fp16 loss scaling), as plain data."""

@@ -40,7 +40,7 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from zero_bnb.core.layout import GroupGeometry
 from zero_bnb.core.stage3 import gathered_numel, padding_size
-from zero_bnb.core.state_spec import OptimizerSpec, StateRule, param_in_group
+from zero_bnb.core.state_spec import OptimizerSpec, StateRule
 from zero_bnb.ds.aligned import BlockAligned, ZeroLayoutError
 from zero_bnb.format.manifest import ParamEntry
 
@@ -306,6 +306,8 @@ class BlockAlignedStage3Optimizer(BlockAligned, DeepSpeedZeroOptimizer_Stage3):
     #: Module weights live in the partitions (``ds_tensor``), refreshed from the masters after a load,
     #: not in DeepSpeed's model file.
     module_weights_partitioned = True
+    #: bitsandbytes' 8-bit vs fp32 decision is made on the whole parameter (:meth:`_whole_parameter_config`).
+    precision_on_whole_parameter = True
 
     def __init__(self, module, init_optimizer, *args, zero_bnb_spec: OptimizerSpec, zero_bnb_rule: StateRule,
                  **kwargs):
@@ -345,28 +347,6 @@ class BlockAlignedStage3Optimizer(BlockAligned, DeepSpeedZeroOptimizer_Stage3):
 
         get_config.zero_bnb_original = original
         return get_config
-
-    def state_precision(self, group_index: int) -> dict[str, Any] | None:
-        """bitsandbytes' 8-bit vs fp32 decision for group (parameter) ``group_index``: made on the whole
-        parameter at stage 3, so it is the same at every DP size (``None`` for other optimizers)."""
-        base = self.optimizer
-        original = getattr(getattr(base, "get_config", None), "zero_bnb_original", None)
-        if original is None:
-            return None
-        base_index = self.base_group_index(group_index)
-        with param_in_group(base, base_index, self.master_partition(group_index)):
-            config = original(base_index, 0, base.param_groups[base_index])
-        geometry = self.geometry(group_index)
-        limit = config["min_8bit_size"]
-        eight_bit = config["optim_bits"] == 8 and geometry.numel >= limit
-        return {
-            "optim_bits": config["optim_bits"],
-            "min_8bit_size": limit,
-            "partition_numel": geometry.partition_numel,
-            "eight_bit": eight_bit,
-            "eight_bit_up_to_dp": None,
-            "decided_on": "whole parameter",
-        }
 
     # -- DeepSpeed hooks ------------------------------------------------------------------------
 
