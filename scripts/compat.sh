@@ -144,8 +144,9 @@ render() {  # the table of every cell with results
 
 * DeepSpeed 0.17.0 to 0.19.6 call `flatten_dense_tensors_aligned` without `param_padding`, 0.17.0 calls
   `_configure_checkpointing(dist_init_required)`, and `load_module_state_dict`'s arguments grew in 0.19: zero_bnb's
-  overrides pass DeepSpeed's arguments through. `round_robin_bit16_padding` (0.19.7) and `_uses_muon` (0.19.8) are
-  asked in `zero_bnb/ds/versions.py`. Lightning before 2.6 has no `weights_only` argument: passed through too.
+  overrides pass DeepSpeed's arguments through. `round_robin_bit16_padding` (0.19.7), `_uses_muon` (0.19.8) and
+  stage 3's `use_muon` (0.18.9) are asked in `zero_bnb/ds/versions.py`. Lightning before 2.6 has no `weights_only`
+  argument: passed through too.
 * DeepSpeed before 0.19.7 loads a *universal* checkpoint's moments over the fp32 weights' fragment
   (`utils/tensor_fragment.py` `map_to_flat_opt_states`), whoever wrote it: stock DeepSpeed's load of
   `zero-bnb convert --to universal` output is a strict xfail there (`tests/test_convert.py`); zero_bnb's own loads

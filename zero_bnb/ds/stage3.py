@@ -42,6 +42,7 @@ from zero_bnb.core.layout import GroupGeometry
 from zero_bnb.core.stage3 import gathered_numel, padding_size
 from zero_bnb.core.state_spec import OptimizerSpec, StateRule
 from zero_bnb.ds.aligned import BlockAligned, ZeroLayoutError
+from zero_bnb.ds.versions import uses_muon
 from zero_bnb.format.manifest import ParamEntry
 
 try:  # imported before the engine swaps DeepSpeedZeroOptimizer_Stage3 for a factory: it subclasses it on import
@@ -400,7 +401,7 @@ class BlockAlignedStage3Optimizer(BlockAligned, DeepSpeedZeroOptimizer_Stage3):
         self.checkpoint_event_epilogue()
 
     def _check_layout(self) -> None:
-        if getattr(self, "use_muon", False):
+        if uses_muon(self):
             raise ZeroLayoutError("DeepSpeed's Muon optimizer is not supported by zero_bnb")
         for index in range(self.num_groups):
             params = self.group_params(index)

@@ -29,5 +29,6 @@ def parameter_padding(wrapper: Any) -> list[list[int]]:
 
 
 def uses_muon(wrapper: Any) -> bool:
-    """Whether DeepSpeed's ``BF16_Optimizer`` runs its Muon optimizer (possible since DeepSpeed 0.19.8)."""
-    return bool(getattr(wrapper, "_uses_muon", False))
+    """Whether DeepSpeed's wrapper runs its Muon optimizer: ``BF16_Optimizer`` says so in ``_uses_muon`` (since
+    DeepSpeed 0.19.8), the ZeRO stage-3 optimizer in ``use_muon`` (since 0.18.9); earlier releases have neither."""
+    return bool(getattr(wrapper, "_uses_muon", False) or getattr(wrapper, "use_muon", False))
