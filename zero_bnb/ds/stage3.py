@@ -280,20 +280,18 @@ def _align_parameters(module: torch.nn.Module, block_size: int, dp: int) -> int:
     moved = 0
     with torch.no_grad():
         for param in module.parameters():
-            stale = hasattr(param, "ds_tensor") and param.ds_tensor is not None
-            if stale:
-                expected = GroupGeometry(param.ds_numel, dp, block_size).partition_numel
-                stale = param.ds_tensor.ds_numel != expected
-            if stale:
+            partitioned = getattr(param, "ds_tensor", None) is not None
+            stale = partitioned and (param.ds_tensor.ds_numel
+                                     != GroupGeometry(param.ds_numel, dp, block_size).partition_numel)
+            if stale:  # gathered on DeepSpeed's padding, before the attribute changes what _padding_size says
                 param.all_gather()
-                setattr(param, BLOCK_ATTRIBUTE, block_size)
+            setattr(param, BLOCK_ATTRIBUTE, block_size)
+            if stale:
                 param.ds_tensor = None
                 param.partition()
                 moved += 1
-            else:
-                setattr(param, BLOCK_ATTRIBUTE, block_size)
-                if hasattr(param, "ds_tensor") and param.ds_tensor is not None:  # already on blocks: stock padding
-                    _zero_padding(param, dist.get_rank(group=param.ds_process_group))
+            elif partitioned:  # already whole blocks (stock padding gave them, or an earlier engine did): zero padding
+                _zero_padding(param, dist.get_rank(group=param.ds_process_group))
     return moved
 
 
