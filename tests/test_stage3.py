@@ -28,7 +28,7 @@ from zero_bnb.core.config import ZeroBnbConfigError
 from zero_bnb.errors import CheckpointError, CheckpointUsageError
 from zero_bnb.testing.toy import build_model
 
-from zero_bnb.core.stage3 import parameter_geometry
+from zero_bnb.core.layout import GroupGeometry
 from zero_bnb.core.state_spec import spec_named
 from zero_bnb.testing.consolidate import state_differences
 from zero_bnb.testing.launch import run_distributed
@@ -72,7 +72,7 @@ def test_every_slice_starts_on_a_block(runs, dp):
     assert partitions.keys() == shapes.keys()
     for name, size in partitions.items():
         assert size % 256 == 0
-        assert size == parameter_geometry(shapes[name], dp, 256).partition_numel, name
+        assert size == GroupGeometry(shapes[name], dp, 256).partition_numel, name
 
 
 @pytest.mark.parametrize("dp", [2, 3, 1])

@@ -7,8 +7,8 @@ from deepspeed.utils.zero_to_fp32 import zero3_partitioned_param_info
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zero_bnb.core.layout import plan_copy
-from zero_bnb.core.stage3 import gathered_numel, padding_size, parameter_geometry, stock_slice_ranges
+from zero_bnb.core.layout import GroupGeometry, plan_copy
+from zero_bnb.core.stage3 import gathered_numel, padding_size, stock_slice_ranges
 
 BLOCK = 256
 numels = st.integers(min_value=0, max_value=300_000)
@@ -23,7 +23,7 @@ def _slice(numel: int, dp: int, rank: int) -> tuple[int, int]:
 
 @given(numels, dps)
 def test_every_slice_starts_on_a_block_and_the_slices_tile_the_parameter(numel, dp):
-    geometry = parameter_geometry(numel, dp, BLOCK)
+    geometry = GroupGeometry(numel, dp, BLOCK)
     padded = numel + padding_size(numel, dp, BLOCK)
     assert padded % dp == 0 and (padded // dp) % BLOCK == 0
     assert padded // dp == geometry.partition_numel
@@ -40,7 +40,7 @@ def test_block_k_covers_the_same_elements_at_every_dp_size(numel, dp_a, dp_b):
     """A block of one rank's slice is a block of the parameter at any DP size: codes and absmax move as they are."""
     blocks = {}
     for dp in (dp_a, dp_b):
-        geometry = parameter_geometry(numel, dp, BLOCK)
+        geometry = GroupGeometry(numel, dp, BLOCK)
         for (start, end), (first, last) in zip(geometry.element_ranges(), geometry.block_ranges()):
             for block in range(first, last):
                 local = block * BLOCK - start  # where the block starts inside this rank's slice
@@ -52,8 +52,8 @@ def test_block_k_covers_the_same_elements_at_every_dp_size(numel, dp_a, dp_b):
 
 @given(numels, dps, dps)
 def test_a_slice_at_one_dp_size_is_filled_from_the_slices_of_another(numel, saved_dp, loaded_dp):
-    saved = parameter_geometry(numel, saved_dp, BLOCK)
-    loaded = parameter_geometry(numel, loaded_dp, BLOCK)
+    saved = GroupGeometry(numel, saved_dp, BLOCK)
+    loaded = GroupGeometry(numel, loaded_dp, BLOCK)
     for rank in range(loaded_dp):
         start, end = loaded.element_range(rank)
         segments = plan_copy(saved.element_ranges(), (start, end))
@@ -76,7 +76,7 @@ def test_stock_slices_are_deepspeeds_and_tile_the_parameter(numel, dp):
 @pytest.mark.parametrize("numel, dp, partition", [(9600, 2, 4864), (9600, 3, 3328), (9600, 1, 9728), (90, 2, 256),
                                                    (15360, 2, 7680), (0, 4, 0)])
 def test_known_partition_sizes(numel, dp, partition):
-    assert parameter_geometry(numel, dp, BLOCK).partition_numel == partition
+    assert GroupGeometry(numel, dp, BLOCK).partition_numel == partition
 
 
 def test_bad_arguments_are_refused():

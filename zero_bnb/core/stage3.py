@@ -23,19 +23,13 @@ from __future__ import annotations
 
 from zero_bnb.core.layout import GroupGeometry, ceil_div
 
-__all__ = ["gathered_numel", "padding_size", "parameter_geometry", "stock_slice_ranges"]
-
-
-def parameter_geometry(numel: int, dp: int, block_size: int) -> GroupGeometry:
-    """Where each rank's slice of one stage-3 parameter of ``numel`` elements lies at DP size ``dp``."""
-    return GroupGeometry(numel=numel, dp=dp, block_size=block_size)
+__all__ = ["gathered_numel", "padding_size", "stock_slice_ranges"]
 
 
 def padding_size(numel: int, dp: int, block_size: int) -> int:
     """Elements DeepSpeed must append to the parameter so every rank's slice is whole blocks
     (what ``Init._padding_size`` returns for a zero_bnb parameter)."""
-    geometry = parameter_geometry(numel, dp, block_size)
-    return geometry.padded_numel - numel
+    return GroupGeometry(numel, dp, block_size).padded_numel - numel
 
 
 def gathered_numel(partition_numel: int, dp: int) -> int:
