@@ -7,6 +7,7 @@ case; DP=3 and DP=1 load each case's checkpoint and continue.
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import bitsandbytes as bnb
@@ -30,6 +31,7 @@ from zero_bnb.testing.toy import build_model
 
 from zero_bnb.core.layout import GroupGeometry
 from zero_bnb.core.state_spec import spec_named
+from zero_bnb.ds.stage3 import refuse_stage3_settings
 from zero_bnb.testing.consolidate import state_differences
 from zero_bnb.testing.launch import run_distributed
 
@@ -279,6 +281,21 @@ def test_an_offload_section_that_is_not_an_object_is_named_at_stage3():
     config = stage3_scenarios.stage3_config(2, zero_optimization={"offload_param": "cpu"})
     with pytest.raises(ZeroBnbConfigError, match="zero_optimization.offload_param must be an object such as"):
         zero_bnb.initialize(model=model, optimizer=bnb.optim.Adam8bit(model.parameters()), config=config)
+
+
+@pytest.mark.parametrize("value, warned", [(4000, True), (1e8, True), (None, False), (1e9, False), (10**12, False)])
+def test_a_chosen_sub_group_size_is_named_as_without_effect_at_stage3(caplog, value, warned):
+    """Each sub-group is one parameter under zero_bnb, whatever sub_group_size says; DeepSpeed's default (1e9) and
+    Lightning's (1e12, written into every stage-3 config of its strategy) are nobody's choice and pass silently."""
+    config = stage3_scenarios.stage3_config(2)
+    if value is not None:
+        config["zero_optimization"]["sub_group_size"] = value
+    with caplog.at_level(logging.WARNING, logger="zero_bnb"):
+        refuse_stage3_settings(config)
+    expected = [f"zero_bnb: zero_optimization.sub_group_size={value!r} has no effect at ZeRO stage 3: every sub-group "
+                "holds one parameter (never more elements than DeepSpeed's packing would put together), so a "
+                "checkpoint group is one parameter at every DP size; remove the setting"] if warned else []
+    assert [record.getMessage() for record in caplog.records] == expected
 
 
 def _read_with_the_tools(runs, case: str, tmp_path, capsys) -> str:

@@ -245,8 +245,26 @@ def _offload_problems(zero: Mapping[str, Any]) -> list[str]:
     return problems
 
 
+#: ``sub_group_size`` values nobody chose: DeepSpeed's default, and Lightning's (its strategy writes it into every
+#: stage-3 config).
+_DEFAULT_SUB_GROUP_SIZES = (10**9, 10**12)
+
+
+def _warn_without_effect(zero: Mapping[str, Any]) -> None:
+    """Warn (rank 0, or every process before the process group exists) for stage-3 settings zero_bnb accepts that
+    have no effect under it. Local."""
+    value = zero.get("sub_group_size")
+    if value is None or value in _DEFAULT_SUB_GROUP_SIZES:
+        return
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.warning("zero_bnb: zero_optimization.sub_group_size=%r has no effect at ZeRO stage 3: every sub-group "
+                       "holds one parameter (never more elements than DeepSpeed's packing would put together), so "
+                       "a checkpoint group is one parameter at every DP size; remove the setting", value)
+
+
 def refuse_stage3_settings(ds_config: dict) -> None:
-    """Refuse stage-3 settings zero_bnb does not support, naming the setting and the alternative.
+    """Refuse stage-3 settings zero_bnb does not support, naming the setting and the alternative; warn for
+    accepted ones that have no effect (``sub_group_size``).
 
     Raises:
         zero_bnb.core.config.ZeroBnbConfigError: one line per refused setting.
@@ -269,6 +287,7 @@ def refuse_stage3_settings(ds_config: dict) -> None:
         problems.append("zero_optimization.zenflow (remove it)")
     if problems:
         raise ZeroBnbConfigError("zero_bnb does not support these ZeRO stage-3 settings: " + "; ".join(problems))
+    _warn_without_effect(zero)
 
 
 def _align_parameters(module: torch.nn.Module, block_size: int, dp: int) -> int:
