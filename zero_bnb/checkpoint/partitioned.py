@@ -40,6 +40,9 @@ class PartitionedOptimizer(Protocol):
     def base_group_index(self, group_index: int) -> int:
         """The base optimizer's param group (hyper-parameters) that flat group ``group_index`` belongs to."""
 
+    def base_group(self, group_index: int) -> dict[str, Any]:
+        """The base optimizer's param group dict at :meth:`base_group_index` (live: writes change the optimizer)."""
+
     def geometry(self, group_index: int) -> GroupGeometry:
         """Block-aligned partition geometry of flat group ``group_index``."""
 

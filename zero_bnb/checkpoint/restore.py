@@ -95,7 +95,7 @@ def check_compatible(
         problems += _family_problems(optimizer, manifest)
     if optimizer_states and manifest.optimizer_spec == spec.name:
         for index, saved in enumerate(manifest.groups[: optimizer.num_groups]):
-            current = optimizer.optimizer.param_groups[optimizer.base_group_index(index)]
+            current = optimizer.base_group(index)
             for key in spec.layout_hyperparameters:
                 if key in saved.hyperparameters and saved.hyperparameters[key] != current.get(key):
                     problems.append(f"group {index} was saved with {key}={saved.hyperparameters[key]!r}, which "
@@ -386,7 +386,7 @@ def apply_masters(optimizer: PartitionedOptimizer, plan: RestorePlan) -> None:
 def _log_hyperparameters(optimizer: PartitionedOptimizer, plan: RestorePlan) -> None:
     changed = {}
     for group in plan.groups:
-        current = optimizer.optimizer.param_groups[optimizer.base_group_index(group.index)]
+        current = optimizer.base_group(group.index)
         for key, value in (group.hyperparameters or {}).items():
             if key != "params" and key in current and current[key] != value:
                 changed.setdefault(key, (current[key], value))
@@ -413,7 +413,7 @@ def apply_restore(optimizer: PartitionedOptimizer, plan: RestorePlan) -> None:
         base.state.pop(param, None)
         if group.state is not None:
             base.state[param] = group.state
-        base.param_groups[optimizer.base_group_index(group.index)].update(group.hyperparameters or {})
+        optimizer.base_group(group.index).update(group.hyperparameters or {})
         if group.notes and optimizer.dp_rank == 0:
             logger.warning(
                 "zero_bnb: group %d: the optimizer holds partitions of %d elements in another precision than the "

@@ -41,7 +41,7 @@ def _valid_slice(value: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def _hyperparameters(optimizer: PartitionedOptimizer, group_index: int) -> dict[str, Any]:
-    group = optimizer.optimizer.param_groups[optimizer.base_group_index(group_index)]
+    group = optimizer.base_group(group_index)
     return {k: v for k, v in group.items() if k != "params"}
 
 

@@ -98,6 +98,10 @@ class BlockAligned:
         """The base optimizer's param group that holds flat group ``group_index`` (the same index at stages 1/2)."""
         return group_index
 
+    def base_group(self, group_index: int) -> dict[str, Any]:
+        """The base optimizer's param group dict that holds flat group ``group_index`` (live, not a copy)."""
+        return self.optimizer.param_groups[self.base_group_index(group_index)]
+
     def geometry(self, group_index: int) -> GroupGeometry:
         """Partition geometry of flat group ``group_index`` at the current DP size."""
         numel = sum(p.numel() for p in self.group_params(group_index))
@@ -148,7 +152,7 @@ class BlockAligned:
             return None
         base_index = self.base_group_index(group_index)
         with param_in_group(base, base_index, self.master_partition(group_index)):
-            config = get_config(base_index, 0, base.param_groups[base_index])
+            config = get_config(base_index, 0, self.base_group(group_index))
         geometry = self.geometry(group_index)
         limit = config["min_8bit_size"]
         eight_bit = config["optim_bits"] == 8
