@@ -147,8 +147,8 @@ class ZeroBnbStrategy(DeepSpeedStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         for name, params in STRATEGY_NAMES.items():
-            offload = ", optimizer offloaded to the CPU" if params.get("offload_optimizer") else ""
-            offload = offload.replace("optimizer", "optimizer and parameters") if params.get("offload_parameters") else offload
+            offloaded = " and ".join(part for part in ("optimizer", "parameters") if params.get(f"offload_{part}"))
+            offload = f", {offloaded} offloaded to the CPU" if offloaded else ""
             strategy_registry.register(name, cls, description=f"zero_bnb: DeepSpeed ZeRO stage {params['stage']}"
                                        f"{offload}, elastic bitsandbytes checkpoints", override=True, **params)
 
