@@ -99,3 +99,12 @@ def test_the_tools_take_every_ranks_stage3_model_file_and_refuse_a_gap(tmp_path)
     (tmp_path / stage3_model_states(1)).unlink()
     with pytest.raises(CheckpointFormatError, match="one zero_pp_rank_<rank>_mp_rank_00_model_states.pt per DP rank"):
         model_states_files(str(tmp_path))
+
+
+def test_a_checkpoint_is_stage3_by_its_model_file_name():
+    from zero_bnb.format.stock_files import MODEL_STATES, is_stage3_model_file, stage3_model_states
+
+    assert is_stage3_model_file(stage3_model_states(0)) and is_stage3_model_file(stage3_model_states(12))
+    for other in (MODEL_STATES, "zero_pp_rank_07_mp_rank_00_model_states.pt", "zero_pp_rank__mp_rank_00_model_states.pt",
+                  "zero_pp_rank_0_mp_rank_00_optim_states.pt", "model_states.pt"):
+        assert not is_stage3_model_file(other), other

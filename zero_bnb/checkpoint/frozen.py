@@ -22,7 +22,7 @@ import torch
 
 from zero_bnb.errors import CheckpointFormatError, CheckpointMismatchError, malformed
 from zero_bnb.format.reader import CheckpointReader
-from zero_bnb.format.stock_files import stage3_model_states
+from zero_bnb.format.stock_files import is_stage3_model_file, stage3_model_states
 
 __all__ = ["FROZEN_FRAGMENTS", "plan_frozen_fragments", "saved_frozen_values"]
 
@@ -58,7 +58,7 @@ def _saved_fragments(model_states: dict, reader: CheckpointReader | None, model_
     """Every saving rank's frozen-parameter entries: from each rank's model file of a stage-3 save (``model_name``
     is rank 0's, ``model_states`` its contents; one file per saving rank, as one shard), else the file's own."""
     fragments = model_states.get(FROZEN_FRAGMENTS) or {}
-    if reader is None or model_name != stage3_model_states(0):
+    if reader is None or not is_stage3_model_file(model_name):
         return [fragments]
     return [fragments] + [reader.load(stage3_model_states(rank), "DeepSpeed model file", deepspeed_classes=True,
                                       mmap=True).get(FROZEN_FRAGMENTS) or {}

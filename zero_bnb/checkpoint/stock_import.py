@@ -43,10 +43,10 @@ from zero_bnb.format.manifest import (
 )
 from zero_bnb.format.payload import ReplicatedGroup, ReplicatedPayload
 from zero_bnb.format.stock_files import (
-    MODEL_STATES,
     fp32_partitions,
     group_hyperparameters,
     group_states,
+    is_stage3_model_file,
     model_file_of,
     param_entries,
     read_rank_files,
@@ -108,7 +108,7 @@ class StockCheckpoint:
                 f"a complete one"
             )
         saved_dp = len(names)
-        if model_file_of(folder)[0] != MODEL_STATES:
+        if is_stage3_model_file(model_file_of(folder)[0]):
             raise CheckpointMismatchError(
                 f"{folder} is a stock DeepSpeed ZeRO stage-3 checkpoint (DP={saved_dp}); its 8-bit blocks straddle "
                 f"parameters and ranks, so zero_bnb reads it only through a one-time conversion: `zero-bnb convert "

@@ -18,7 +18,7 @@ from zero_bnb.format.paths import check_name
 from zero_bnb.format.unpickle import check_checkpoint_file, safe_load
 
 __all__ = ["MODEL_STATES", "UNIVERSAL_STATE", "WRITTEN_BY_ZERO_BNB", "fp32_partitions", "group_hyperparameters",
-           "group_states", "is_stage3", "model_file_of", "model_states_files", "param_entries", "read_rank_files",
+           "group_states", "is_stage3", "is_stage3_model_file", "model_file_of", "model_states_files", "param_entries", "read_rank_files",
            "stage3_model_states", "stock_dp_world_size", "zero_file_names"]
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -27,6 +27,7 @@ UNIVERSAL_STATE = os.path.join("zero", "optimizer_state.pt")
 
 _BNB_WRAPPED = "__bnb_optimizer_quant_state__"
 _STAGE3_FLATS = "fp32_flat_groups"
+_STAGE3_MODEL_PREFIX = "zero_pp_rank_"
 
 #: The sentence a plain DeepSpeed engine shows when it is given a zero_bnb checkpoint (the user forgot
 #: ``zero_bnb.enable()``). zero_bnb stores it, as plain text, in the model file's ``dp_world_size``.
@@ -124,7 +125,15 @@ def read_rank_files(names: list[str]) -> list[dict[str, Any]]:
 
 def stage3_model_states(rank: int) -> str:
     """DeepSpeed's model-states file of DP rank ``rank`` at ZeRO stage 3 (every rank writes one)."""
-    return f"zero_pp_rank_{rank}_{MODEL_STATES}"
+    return f"{_STAGE3_MODEL_PREFIX}{rank}_{MODEL_STATES}"
+
+
+def is_stage3_model_file(name: str) -> bool:
+    """Whether DeepSpeed's model-states file ``name`` (a base name, as :func:`model_file_of` returns) is one DP rank's
+    file of a ZeRO stage-3 save (:func:`stage3_model_states`) rather than the one :data:`MODEL_STATES` of stages 1/2:
+    the one place that asks "is this a stage-3 checkpoint?" of a checkpoint's file names."""
+    rank = name.removeprefix(_STAGE3_MODEL_PREFIX).removesuffix(f"_{MODEL_STATES}")
+    return rank.isdigit() and name == stage3_model_states(int(rank))
 
 
 def model_states_files(tag_folder: str) -> dict[str, str]:

@@ -48,10 +48,10 @@ from zero_bnb.errors import CheckpointFormatError, CheckpointUsageError, malform
 from zero_bnb.format.durable import makedirs, save_torch
 from zero_bnb.format.manifest import ParamEntry, StateEntry
 from zero_bnb.format.stock_files import (
-    MODEL_STATES,
     UNIVERSAL_STATE,
     group_states,
     is_stage3,
+    is_stage3_model_file,
     model_file_of,
     model_states_files,
     param_entries,
@@ -122,7 +122,7 @@ def to_universal(path: str, out: str, *, tag: str | None = None, force: bool = F
             f"moments with `zero-bnb export {path} --to fp32 OUT.safetensors --moments`"
         )
     model_files = model_states_files(reader.tag_folder)
-    stage3 = MODEL_STATES not in model_files
+    stage3 = is_stage3_model_file(model_file_of(reader.tag_folder, model_files)[0])
     groups = gather_full(reader)
     steps = sorted({float(group.state.get("step", 0)) for group in groups})
     if stage3 and len(steps) > 1:
@@ -309,7 +309,7 @@ def _read_stock(tag_folder: str, optimizer: str | None) -> tuple[StockCheckpoint
         raise CheckpointFormatError(f"{tag_folder} holds no stock DeepSpeed ZeRO optimizer files (zero_pp_rank_*)")
     model_files = model_states_files(tag_folder)
     model_name, model_file = model_file_of(tag_folder, model_files)
-    stage3 = model_name != MODEL_STATES
+    stage3 = is_stage3_model_file(model_name)
     model_count = len(model_files)
     if stage3 and model_count != len(names):
         raise CheckpointFormatError(
@@ -371,7 +371,7 @@ def rescue_stock(path: str, out_dir: str, *, tag: str | None = None, out_tag: st
                                  block_size=spec.block_size, optimizer_class="bitsandbytes (rescued)",
                                  wrapper=wrapper, extra_files={model_name: model_file}, replace=force)
     return {"output": published, "saved_dp_size": stock.manifest.dp_world_size,
-            "zero_stage": 3 if model_name != MODEL_STATES else "1 or 2",
+            "zero_stage": 3 if is_stage3_model_file(model_name) else "1 or 2",
             "requantized_elements": report.quantized_elements,
             "max_abs_error": report.max_abs_error, "relative_rms_error": report.relative_rms_error}
 

@@ -23,7 +23,7 @@ from zero_bnb.checkpoint.whole import gather_full, moments, per_parameter
 from zero_bnb.core.state_spec import spec_named
 from zero_bnb.errors import CheckpointFormatError, malformed
 from zero_bnb.format.reader import CheckpointReader
-from zero_bnb.format.stock_files import model_file_of, stage3_model_states
+from zero_bnb.format.stock_files import is_stage3_model_file, model_file_of
 from zero_bnb.tools.checkpoint_paths import open_verified
 
 __all__ = ["fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint"]
@@ -82,7 +82,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
         module = model_states.get("module") or {}
         buffer_names = set(model_states.get("buffer_names") or [])
         shared = dict(model_states.get("shared_params") or {})
-        if model_name == stage3_model_states(0):  # module entries are empty placeholders; each rank saved its slice
+        if is_stage3_model_file(model_name):  # module entries are empty placeholders; each rank saved its slice
             module = {**module, **saved_frozen_values(model_states, reader, model_name, model_file)}
         # Frozen parameters: every module entry that is no trained parameter, buffer or tied alias. DeepSpeed
         # records frozen_param_shapes at stage 2 only (its own script misses them at stage 1), but the module
