@@ -131,12 +131,13 @@ def to_universal(path: str, out: str, *, tag: str | None = None, force: bool = F
             f"gives every parameter one step. Keep it as a zero_bnb checkpoint (it loads at any DP size)"
         )
     weights = {name: value for group in groups for name, value in per_parameter(group, group.fp32).items()}
-    for name, source in dict(model_files).items():
+    model_contents: dict[str, dict[str, Any]] = {}  # model-states file name -> the contents to write
+    for name, source in model_files.items():
         model_states = reader.load(name, "DeepSpeed model file", deepspeed_classes=True)  # the verified bytes
         with malformed(f"DeepSpeed model file {source}"):
             restore_derived(model_states, weights.__getitem__)  # DeepSpeed reads the module weights from this file
         model_states["dp_world_size"] = manifest.dp_world_size  # stock DeepSpeed's int (zero_bnb's file names it)
-        model_files[name] = model_states
+        model_contents[name] = model_states
     param_groups, written = [], 0
     with local_commit(out_dir, out_tag, latest_name=UNIVERSAL_LATEST, replace=force) as staging:
         zero_folder = os.path.join(staging, "zero")
@@ -162,7 +163,7 @@ def to_universal(path: str, out: str, *, tag: str | None = None, force: bool = F
             optimizer_state[OPTIMIZER_STATE_DICT] = {"state": {0: {"step": torch.tensor(steps[0] if steps else 0.0)}},
                                                      PARAM_GROUPS: param_groups}
         save_torch(optimizer_state, os.path.join(zero_folder, "optimizer_state.pt"), root=staging)
-        for name, model_states in model_files.items():
+        for name, model_states in model_contents.items():
             save_torch(model_states, os.path.join(staging, name), root=staging)
     report = {"output": os.path.join(out_dir, out_tag), "parameters": written, "zero_stage": 3 if stage3 else "1 or 2",
               "moments": sorted(spec.moment_names.values()),
