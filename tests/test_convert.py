@@ -38,6 +38,9 @@ STOCK_UNIVERSAL_LOAD_BROKEN = release(installed()["deepspeed"]) < (0, 19, 7)
 def work(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("convert")
     run_distributed(write_sources, 2, str(workdir))
+    killed = workdir / ".weights.safetensors.k1ll3d.zero_bnb-tmp"  # what an export killed mid-write leaves
+    killed.mkdir()
+    (killed / "weights.safetensors").write_bytes(b"partial")
     runs = {
         "to_universal": cli("convert", workdir / "zero_bnb", "--to", "universal", workdir / "universal" / "s3"),
         "from_universal": cli("convert", workdir / "universal", "--to", "zero_bnb", workdir / "back",
@@ -181,6 +184,7 @@ def test_bad_paths_and_requests_give_clear_errors(work, tmp_path):
 def test_export_writes_consolidated_weights_and_dequantized_moments(work):
     workdir, runs, sources, _ = work
     assert "tensors: 18" in _ok(runs, "export")
+    assert not (workdir / ".weights.safetensors.k1ll3d.zero_bnb-tmp").exists()  # a killed export's folder: removed
     tensors = load_file(workdir / "weights.safetensors")
     for name, saved in sources["zero_bnb_saved"]["params"].items():
         assert torch.equal(tensors[name], saved["fp32"]), name

@@ -391,3 +391,53 @@ def test_safe_load_reads_numpy_random_state_in_deepspeed_files_and_nothing_more(
     torch.save({"objects": numpy.array([None, 1], dtype=object)}, path)
     with pytest.raises(CheckpointFormatError, match=r"class numpy\.dtypes\.ObjectDType.*add_safe_globals"):
         safe_load(str(path), "DeepSpeed model file", deepspeed_classes=True)
+
+
+# -- private folders of staged files ---------------------------------------------------------------
+
+
+def test_a_killed_writers_private_folder_is_removed_by_the_next_writer_and_a_live_ones_is_not(tmp_path, caplog):
+    """A writer killed mid-write (SIGKILL, no cleanup) leaves ``.NAME.XXXX.zero_bnb-tmp``; the next StagedFile of NAME
+    removes it, but never the folder of a writer that still runs (it holds the folder's flock); without flock support
+    nothing is removed and the warning names the folder and the command."""
+    import logging
+    import os
+    import signal
+
+    from zero_bnb.format import durable
+
+    destination = str(tmp_path / "w.safetensors")
+    ready_read, ready_write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the other writer: stages a file, reports its folder, then waits to be killed
+        try:
+            staged = durable.StagedFile(destination)
+            open(staged.path, "w").write("partial")
+            os.write(ready_write, staged.folder.encode())
+            signal.pause()
+        finally:
+            os._exit(1)
+    try:
+        os.close(ready_write)
+        folder = os.read(ready_read, 4096).decode()
+        assert os.path.basename(folder).startswith(".w.safetensors.") and os.path.isdir(folder), folder
+        with durable.replacing(destination) as temporary:  # while the other writer lives
+            open(temporary, "w").write("mine")
+        assert os.path.isdir(folder) and open(os.path.join(folder, "w.safetensors")).read() == "partial"
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    (tmp_path / ".w.safetensors.x.y.zero_bnb-tmp").mkdir()  # not a name StagedFile gives: left alone
+    (tmp_path / ".w.safetensors.link.zero_bnb-tmp").symlink_to(tmp_path / "elsewhere")
+    original, durable.try_flock = durable.try_flock, lambda descriptor, operation: False  # NFS without lockd
+    try:
+        with caplog.at_level(logging.WARNING, logger="zero_bnb.format.durable"):
+            durable.StagedFile(destination).discard()
+    finally:
+        durable.try_flock = original
+    assert os.path.isdir(folder) and f"rm -rf {folder!r}" in caplog.text, caplog.text
+    with durable.replacing(destination) as temporary:
+        open(temporary, "w").write("after the kill")
+    assert sorted(os.listdir(tmp_path)) == [".w.safetensors.link.zero_bnb-tmp", ".w.safetensors.x.y.zero_bnb-tmp",
+                                            "w.safetensors"]
+    assert open(destination).read() == "after the kill"

@@ -9,7 +9,8 @@ All of zero_bnb's checkpoint writes go through this module, which
   redirect a write), inside a fresh staging folder or a fresh private folder (:class:`StagedFile`),
 * publishes a finished folder with ``rename`` and replaces single files (``latest``, the tools'
   outputs, ``zero_to_fp32.py``) by renaming them out of their private folder, so a reader sees the
-  old version or the new one, never a half-written one, and a failure leaves nothing temporary,
+  old version or the new one, never a half-written one, and a failure leaves nothing temporary
+  (a writer that is killed leaves its private folder, which the next writer of that file removes),
 * reports each step to an optional I/O hook (:func:`set_io_hook`), which fault-injection
   tests use to kill or fail a process at an exact point of a save.
 
@@ -18,7 +19,9 @@ Pure local I/O: no collectives; any rank may call these functions.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
@@ -28,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from zero_bnb.format.lock import try_flock
 
 __all__ = [
     "TEMP_SUFFIX",
@@ -48,6 +53,8 @@ __all__ = [
     "write_text",
 ]
 
+logger = logging.getLogger(__name__)
+
 #: Called as ``hook(event, path)`` before each durable I/O step; ``event`` is one of
 #: ``mkdir``, ``create``, ``write``, ``fsync``, ``fsync_dir``, ``rename``, ``replace``, ``remove``.
 IoHook = Callable[[str, str], None]
@@ -58,6 +65,9 @@ _CHUNK = 1 << 20
 TEMP_SUFFIX = ".zero_bnb-tmp"
 #: Creates a new file or fails: never truncates, never follows a symlink, never inherited by children.
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+#: Opens a folder itself (a link there is refused), for its flock.
+_FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_CLAIM_ATTEMPTS = 5
 
 
 def set_io_hook(hook: IoHook | None) -> IoHook | None:
@@ -197,14 +207,90 @@ def remove_tree(path: str, *, via: str | None = None) -> None:
             shutil.rmtree(path)
 
 
+def _same_file(path: str, descriptor: int) -> bool:
+    """Whether ``path`` still names the file or folder open as ``descriptor``."""
+    try:
+        current = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(descriptor)
+    return (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino)
+
+
+def _remove_stale_private_folders(parent: str, name: str) -> None:
+    """Remove the private folders ``.{name}.XXXX.zero_bnb-tmp`` in ``parent`` whose writer is gone (killed).
+
+    A writer holds its folder's ``flock`` while it lives (:class:`StagedFile`), so a folder whose flock can be taken
+    has no live writer; one whose flock is held is left alone. On a file system without ``flock`` nothing is removed:
+    a warning names the folder and how to remove it. Links, files and other names are never touched.
+    """
+    prefix = f".{name}."
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return  # the writer's own mkdtemp names the problem
+    for entry in entries:
+        middle = entry[len(prefix):-len(TEMP_SUFFIX)] if entry.startswith(prefix) and entry.endswith(TEMP_SUFFIX) else ""
+        if not middle or "." in middle:  # not a name mkdtemp gives a private folder of ``name``
+            continue
+        path = os.path.join(parent, entry)
+        try:
+            descriptor = os.open(path, _FOLDER_FLAGS)
+        except OSError:
+            continue  # a link, a file, or gone meanwhile: not a folder zero_bnb left
+        try:
+            if not try_flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB):
+                logger.warning("zero_bnb: %s is a temporary folder a writer left; this file system has no flock, so "
+                               "zero_bnb cannot tell whether that writer still runs. Once no writer of %s runs, remove "
+                               "it: rm -rf %r", path, os.path.join(parent, name), path)
+                continue
+            if _same_file(path, descriptor):  # under its flock: no writer can claim it meanwhile
+                _event("remove", path)
+                shutil.rmtree(path)
+                logger.info("zero_bnb: removed %s, left by a writer that was killed", path)
+        except BlockingIOError:
+            pass  # a live writer holds it
+        except OSError as error:
+            logger.warning("zero_bnb: could not remove %s, a temporary folder a killed writer left (%r); remove it: "
+                           "rm -rf %r", path, error, path)
+        finally:
+            os.close(descriptor)
+
+
+def _claim_private_folder(parent: str, name: str) -> tuple[str, int]:
+    """A fresh private folder ``.{name}.XXXX.zero_bnb-tmp`` in ``parent`` and an open descriptor holding its flock.
+
+    The flock marks the folder as in use until the descriptor is closed (or the process dies). A folder removed as
+    stale between its creation and its flock is replaced by another.
+    """
+    for _ in range(_CLAIM_ATTEMPTS):
+        folder = tempfile.mkdtemp(prefix=f".{name}.", suffix=TEMP_SUFFIX, dir=parent)
+        try:
+            descriptor = os.open(folder, _FOLDER_FLAGS)
+        except FileNotFoundError:
+            continue
+        try:
+            try_flock(descriptor, fcntl.LOCK_EX)  # a remover holds it only while it removes
+            if _same_file(folder, descriptor):
+                return folder, descriptor
+        except BaseException:
+            os.close(descriptor)
+            raise
+        os.close(descriptor)
+    raise OSError(f"could not create a private folder for {name} in {parent}: each new one was removed before it "
+                  f"could be used ({_CLAIM_ATTEMPTS} attempts)")
+
+
 class StagedFile:
     """A file written in a fresh private folder beside its destination, published by one rename.
 
     ``StagedFile(dest)`` creates ``.{name}.XXXX.zero_bnb-tmp/`` (mode 0700, a name nobody could
-    plant) in ``dest``'s folder; write :attr:`path` (zero_bnb's writers, or a library's own
-    ``torch.save``/``save_file``: nobody else can put a link there), then :meth:`publish` renames
-    it over ``dest`` (a link at ``dest`` is replaced, never followed) and :meth:`discard` removes
-    the private folder, published or not. Local: any process.
+    plant) in ``dest``'s folder and holds its ``flock`` until :meth:`discard`; it first removes the
+    private folders of ``dest`` that killed writers left (no live process holds their flock). Write
+    :attr:`path` (zero_bnb's writers, or a library's own ``torch.save``/``save_file``: nobody else can
+    put a link there), then :meth:`publish` renames it over ``dest`` (a link at ``dest`` is
+    replaced, never followed) and :meth:`discard` removes the private folder, published or not.
+    Local: any process.
     """
 
     def __init__(self, destination: str) -> None:
@@ -212,7 +298,8 @@ class StagedFile:
         parent = os.path.dirname(os.path.abspath(destination))
         name = os.path.basename(destination)
         _event("mkdir", parent)
-        self.folder = tempfile.mkdtemp(prefix=f".{name}.", suffix=TEMP_SUFFIX, dir=parent)
+        _remove_stale_private_folders(parent, name)
+        self.folder, self._descriptor = _claim_private_folder(parent, name)
         self.path = os.path.join(self.folder, name)
         self.published = False
 
@@ -230,8 +317,12 @@ class StagedFile:
         fsync_dir(os.path.dirname(os.path.abspath(self.destination)))
 
     def discard(self) -> None:
-        """Remove the private folder (and the file, if it was not published). Idempotent; never raises."""
+        """Remove the private folder (and the file, if it was not published), then let its flock go. Idempotent;
+        never raises."""
         shutil.rmtree(self.folder, ignore_errors=True)
+        if self._descriptor >= 0:
+            descriptor, self._descriptor = self._descriptor, -1
+            os.close(descriptor)
 
 
 @contextmanager

@@ -37,7 +37,7 @@ from types import TracebackType
 
 from zero_bnb.errors import CheckpointSaveError
 
-__all__ = ["LOCK_NAME", "SaveFolderLock"]
+__all__ = ["LOCK_NAME", "SaveFolderLock", "try_flock"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def _alive(pid: int, start: str | None) -> bool:
     return start is None or current is None or current == start
 
 
-def _flock(descriptor: int, operation: int) -> bool:
+def try_flock(descriptor: int, operation: int) -> bool:
     """``flock``; ``False`` where the file system does not support it (NFS without a lock daemon).
 
     Raises:
@@ -171,7 +171,7 @@ class SaveFolderLock:
                 holder = self._take_over_stale()
                 continue
             try:
-                _flock(descriptor, fcntl.LOCK_EX)  # a taker may hold it for a moment: it then sees a fresh lock
+                try_flock(descriptor, fcntl.LOCK_EX)  # a taker may hold it for a moment: it then sees a fresh lock
                 os.write(descriptor, record.encode("utf-8"))
                 os.fsync(descriptor)
             except BaseException:
@@ -201,7 +201,7 @@ class SaveFolderLock:
             raise
         try:
             try:
-                if not _flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB):
+                if not try_flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB):
                     holder = self._record(descriptor)
                     if not self._stale(holder, descriptor):
                         self._refuse(holder)
