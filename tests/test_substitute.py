@@ -178,13 +178,29 @@ def test_zero_bnb_never_calls_itself():
 
 
 def test_import_zero_bnb_stays_light():
-    """transformers, accelerate and lightning are imported only by their integration modules."""
+    """transformers, accelerate and lightning are imported only by their integration modules, and enable() does not
+    import Accelerate: Accelerate imported after it gets the offload patch, which disable() and enable() take
+    off and put back."""
     import os
     import subprocess
     import sys
 
-    code = "import sys, zero_bnb; print(sorted(m for m in ('transformers', 'accelerate', 'lightning') if m in sys.modules))"
+    code = """if True:
+        import sys, zero_bnb
+        heavy = lambda: sorted(m for m in ('transformers', 'accelerate', 'lightning') if m in sys.modules)
+        print('result', heavy())
+        zero_bnb.enable()
+        print('result', heavy())
+        import accelerate.accelerator as accelerator
+        patched = lambda: getattr(accelerator.map_pytorch_optim_to_deepspeed, '_zero_bnb_patch', False)
+        first = patched()
+        zero_bnb.disable()
+        off = patched()
+        zero_bnb.enable()
+        print('result', [first, off, patched()])
+    """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().splitlines()[-1] == "[]"
+    results = [line for line in done.stdout.splitlines() if line.startswith("result ")]  # DeepSpeed prints too
+    assert results == ["result []", "result []", "result [True, False, True]"], done.stdout
