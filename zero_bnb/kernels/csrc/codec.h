@@ -63,56 +63,88 @@ inline void interleave_planes(const __m512i b[4], __m512i values[4]) {
     values[3] = _mm512_unpackhi_epi16(high01, high23);
 }
 
-// quantize_2D of s / absmax plus the sign fix for 64 values, without a gather (the tables of Steps): the
-// top 16 bits of each x's magnitude give its row and bucket (16-bit lanes: a row lookup
-// and a variable shift), the bucket its first code (a 512-byte table, 8 permutes), that code the magnitude
-// where it is left (4 byte planes), and one comparison moves the code one step. x is exact (a division, as
-// in the reference). NaN, Inf, |x| >= 2 and an unsigned map's negative x take the binary search.
+// Word and byte selections that leave 64 lanes in kInterleave order, as packus_epi32 and packus_epi16 would, in
+// one permute each: the high words of 2 x 16 dwords (high16), the low (low8) or high (high8) bytes of 2 x 32 words.
+struct Selections {
+    alignas(64) uint16_t high16[32];
+    alignas(64) uint8_t low8[64], high8[64];
+    constexpr Selections() : high16(), low8(), high8() {
+        for (int w = 0; w < 32; ++w) {
+            const int lane = w / 8, j = w % 8;
+            high16[w] = static_cast<uint16_t>(2 * (4 * lane + j % 4) + 1 + (j < 4 ? 0 : 32));
+        }
+        for (int w = 0; w < 64; ++w) {
+            const int lane = w / 16, j = w % 16;
+            low8[w] = static_cast<uint8_t>(2 * (8 * lane + j % 8) + (j < 8 ? 0 : 64));
+            high8[w] = static_cast<uint8_t>(low8[w] + 1);
+        }
+    }
+};
+alignas(64) constexpr Selections kSelect{};
+
+// quantize_2D of s / absmax plus the sign fix for one block, without a gather (the tables of Steps): the
+// top 16 bits of each x give its row and bucket (16-bit lanes: a row lookup and a variable shift), the bucket
+// its first code (a 512-byte table, 4 permutes per 64 values), that code the magnitude where it is left (4
+// byte planes), and one comparison moves the code one step. x is exact (a division, as in the reference).
+// NaN, Inf, |x| >= 2 and an unsigned map's negative x take the binary search. The block's four groups of 64
+// go through each stage together: one group alone is a chain of dependent shuffles that leaves the shuffle
+// ports idle (Zen 4, signed map, per value: 0.36 ns a group at a time, 0.28 ns together, 0.25 ns with the
+// one-permute selections and the folded key_base).
 template <bool SIGNED>
-inline void quantize64(const Map& map, const float* __restrict__ s, float absmax, uint8_t* __restrict__ out) {
+void quantize_permuted(const Map& map, const float* __restrict__ s, float absmax, uint8_t* __restrict__ out) {
+    constexpr int kGroups = kBlock / 64;
     const Steps& t = map.steps;
     const __m512 scale = _mm512_set1_ps(absmax);
-    const __m512i base = _mm512_load_si512(t.base), shift = _mm512_load_si512(t.shift);
-    const __m512i bias = _mm512_set1_epi16(static_cast<int16_t>(t.emin - 1)), last = _mm512_set1_epi16(31);
-    const __m512i byte = _mm512_set1_epi16(0xff), order = _mm512_load_si512(kInterleave);
+    const __m512i base = _mm512_load_si512(t.key_base), shift = _mm512_load_si512(t.key_shift);
+    const __m512i bias = _mm512_set1_epi16(static_cast<int16_t>(t.emin - 1)), byte = _mm512_set1_epi16(0xff);
+    const __m512i high16 = _mm512_load_si512(kSelect.high16), low8 = _mm512_load_si512(kSelect.low8);
+    const __m512i high8 = _mm512_load_si512(kSelect.high8), order = _mm512_load_si512(kInterleave);
     const __m512i one = _mm512_set1_epi8(1), split = _mm512_set1_epi8(static_cast<char>(std::min(t.split, 255)));
-    __m512i u[4];
-    for (int r = 0; r < 4; ++r) u[r] = _mm512_castps_si512(_mm512_div_ps(_mm512_loadu_ps(s + 16 * r), scale));
-    __mmask32 slow[2];
-    __m512i key[2];
-    for (int h = 0; h < 2; ++h) {
-        const __m512i top = _mm512_packus_epi32(_mm512_srli_epi32(u[2 * h], 16), _mm512_srli_epi32(u[2 * h + 1], 16));
-        const __m512i signed_exponent = _mm512_srli_epi16(top, 7);  // an unsigned map's negative x: >= 256
-        const __m512i e = SIGNED ? _mm512_and_si512(signed_exponent, byte) : signed_exponent;
-        slow[h] = _mm512_cmpge_epu16_mask(e, _mm512_set1_epi16(128));
-        const __m512i row = _mm512_min_epu16(_mm512_subs_epu16(e, bias), last);
-        key[h] = _mm512_add_epi16(_mm512_permutexvar_epi16(row, base),
-                                  _mm512_srlv_epi16(_mm512_and_si512(top, _mm512_set1_epi16(0x7f)),
-                                                    _mm512_permutexvar_epi16(row, shift)));
-        if (SIGNED) key[h] = _mm512_add_epi16(key[h], _mm512_and_si512(signed_exponent, _mm512_set1_epi16(0x100)));
+    __m512i u[kGroups][4];
+    for (int q = 0; q < kGroups; ++q)
+        for (int r = 0; r < 4; ++r)
+            u[q][r] = _mm512_castps_si512(_mm512_div_ps(_mm512_loadu_ps(s + 64 * q + 16 * r), scale));
+    __m512i top[kGroups][2], key[kGroups][2], largest = _mm512_setzero_si512();
+    for (int q = 0; q < kGroups; ++q)
+        for (int h = 0; h < 2; ++h) {
+            top[q][h] = _mm512_permutex2var_epi16(u[q][2 * h], high16, u[q][2 * h + 1]);
+            const __m512i signed_exponent = _mm512_srli_epi16(top[q][h], 7);
+            const __m512i e = SIGNED ? _mm512_and_si512(signed_exponent, byte) : signed_exponent;
+            largest = _mm512_max_epu16(largest, e);  // >= 128: NaN, Inf, |x| >= 2 (or an unsigned map's x < 0)
+            // Elsewhere e - emin + 1 < 32 (emin >= 98): vpermw reads 5 index bits
+            const __m512i row = _mm512_subs_epu16(e, bias);
+            key[q][h] = _mm512_add_epi16(_mm512_permutexvar_epi16(row, base),
+                                         _mm512_srlv_epi16(top[q][h], _mm512_permutexvar_epi16(row, shift)));
+        }
+    __m512i first[kGroups];
+    __mmask64 f7[kGroups];
+    for (int q = 0; q < kGroups; ++q) {
+        const __m512i low = _mm512_permutex2var_epi8(key[q][0], low8, key[q][1]);
+        const __mmask64 b7 = _mm512_movepi8_mask(low);
+        // bit 8 of the bucket number: a signed map's is x's sign (it numbers each sign's buckets below 256)
+        const __mmask64 b8 = SIGNED ? _mm512_movepi8_mask(_mm512_permutex2var_epi8(top[q][0], high8, top[q][1]))
+                                    : _mm512_test_epi8_mask(_mm512_permutex2var_epi8(key[q][0], high8, key[q][1]), one);
+        first[q] = _mm512_mask_blend_epi8(b8, lookup256(t.first, low, b7), lookup256(t.first + 256, low, b7));
+        f7[q] = _mm512_movepi8_mask(first[q]);
     }
-    const __m512i low = _mm512_packus_epi16(_mm512_and_si512(key[0], byte), _mm512_and_si512(key[1], byte));
-    const __mmask64 b7 = _mm512_movepi8_mask(low);
-    const __mmask64 b8 = _mm512_movepi8_mask(
-        _mm512_packus_epi16(_mm512_srli_epi16(key[0], 1), _mm512_srli_epi16(key[1], 1)));
-    const __m512i first = _mm512_mask_blend_epi8(b8, lookup256(t.first, low, b7), lookup256(t.first + 256, low, b7));
-    const __mmask64 f7 = _mm512_movepi8_mask(first);
-    __m512i planes[4], leave[4];
-    for (int k = 0; k < 4; ++k) planes[k] = lookup256(t.exit[k], first, f7);
-    interleave_planes(planes, leave);
-    __mmask16 moved[4];
-    for (int r = 0; r < 4; ++r) moved[r] = _mm512_cmpge_epu32_mask(u[r], leave[r]);
-    __mmask64 step = _mm512_kunpackd(_mm512_kunpackw(moved[3], moved[2]), _mm512_kunpackw(moved[1], moved[0]));
-    __m512i codes = _mm512_permutexvar_epi8(order, first);
-    if (SIGNED) {
-        const __mmask64 down = _mm512_cmplt_epu8_mask(codes, split);
-        codes = _mm512_mask_sub_epi8(codes, step & down, codes, one);
-        step &= ~down;
+    for (int q = 0; q < kGroups; ++q) {
+        __m512i planes[4], leave[4];
+        for (int k = 0; k < 4; ++k) planes[k] = lookup256(t.exit[k], first[q], f7[q]);
+        interleave_planes(planes, leave);
+        __mmask16 moved[4];
+        for (int r = 0; r < 4; ++r) moved[r] = _mm512_cmpge_epu32_mask(u[q][r], leave[r]);
+        __mmask64 step = _mm512_kunpackd(_mm512_kunpackw(moved[3], moved[2]), _mm512_kunpackw(moved[1], moved[0]));
+        __m512i codes = _mm512_permutexvar_epi8(order, first[q]);
+        if (SIGNED) {
+            const __mmask64 down = _mm512_cmplt_epu8_mask(codes, split);
+            codes = _mm512_mask_sub_epi8(codes, step & down, codes, one);
+            step &= ~down;
+        }
+        codes = _mm512_mask_add_epi8(codes, step, codes, one);
+        _mm512_storeu_si512(out + 64 * q, codes);
     }
-    codes = _mm512_mask_add_epi8(codes, step, codes, one);
-    _mm512_storeu_si512(out, codes);
-    if (slow[0] | slow[1]) {
-        for (int i = 0; i < 64; ++i) {
+    if (_mm512_cmpge_epu16_mask(largest, _mm512_set1_epi16(128))) {
+        for (int i = 0; i < kBlock; ++i) {
             const float x = s[i] / absmax;
             const uint32_t e = bits_of(x) >> 23;
             if ((SIGNED ? e & 0xff : e) >= 128) out[i] = code_of<SIGNED>(map.code, x, s[i]);
@@ -185,8 +217,7 @@ void quantize(const Map& map, const float* __restrict__ s, float absmax, uint8_t
     if (absmax == 0.0f) return quantize_zero_block<SIGNED>(map, s, out);
 #if defined(__AVX512VBMI__)
     if (map.steps.usable) {
-        for (int j = 0; j < kBlock; j += 64) quantize64<SIGNED>(map, s + j, absmax, out + j);
-        return;
+        return quantize_permuted<SIGNED>(map, s, absmax, out);
     }
 #endif
 #if defined(__AVX512F__)

@@ -77,7 +77,7 @@ inline uint8_t code_of(const float* code, float x, float moment) {
 inline uint32_t entry_of(uint32_t first, uint32_t next, uint32_t keep) { return first | (next << 8) | (keep << 16); }
 constexpr uint32_t kMany = 0u;  // entry_of(0, 0, 0)
 
-// The permute quantizer's tables (see quantize64 in codec.h). A magnitude's exponent e picks a row: row 0 for
+// The permute quantizer's tables (see quantize_permuted in codec.h). A magnitude's exponent e picks a row: row 0 for
 // every e below emin (all such magnitudes share one code), e - emin + 1 up to e = 127. The row keeps the top
 // 7 - shift[row] mantissa bits, as few as leave at most one step of the code in each bucket, and numbers
 // its buckets from base[row] (a signed map's negative half adds 256). first[] holds the code at each
@@ -88,6 +88,9 @@ struct Steps {
     uint16_t emin = 0;
     int split = 256;  // codes below it belong to negative x
     alignas(64) uint16_t base[32] = {}, shift[32] = {};
+    // The same numbers from the top 16 bits of x itself: key_base[row] + (top >> key_shift[row]) (mod 2^16), the
+    // row's exponent folded into key_base (row 0 shifts everything out; a sign bit only adds multiples of 256).
+    alignas(64) uint16_t key_base[32] = {}, key_shift[32] = {};
     alignas(64) uint8_t first[512] = {};
     alignas(64) uint8_t exit[4][256] = {};
 };
@@ -151,11 +154,12 @@ void build_table(Map& map) {
 }
 
 // The code the permute quantizer's tables give the magnitude bits a (sign: negative) of a finite x with
-// |x| < 2: the scalar twin of quantize64, used to check the tables when they are built.
+// |x| < 2: the scalar twin of quantize_permuted, used to check the tables when they are built.
 inline int permuted_code(const Steps& t, bool is_signed, uint32_t a, bool negative) {
     const uint32_t e = a >> 23, top = a >> 16;
     const uint32_t row = std::min<uint32_t>(e < t.emin ? 0 : e - t.emin + 1, 31);
-    const uint32_t key = t.base[row] + ((top & 0x7f) >> t.shift[row]) + (is_signed && negative ? 256 : 0);
+    const uint32_t number = (t.key_base[row] + ((top | (negative ? 0x8000u : 0u)) >> t.key_shift[row])) & 0xffffu;
+    const uint32_t key = is_signed ? (number & 0xffu) + (negative ? 256 : 0) : number;
     const int c = t.first[key];
     uint32_t leave = 0;
     for (int k = 0; k < 4; ++k) leave |= static_cast<uint32_t>(t.exit[k][c]) << (8 * k);
@@ -218,6 +222,11 @@ void build_steps(Map& map) {
         count += 1u << bits;
     }
     for (uint32_t row = 129 - emin; row < 32; ++row) t.shift[row] = 7;
+    t.key_shift[0] = 16;
+    for (uint32_t row = 1; row < 32; ++row) {  // (e << 7 | m) >> shift == (e << (7 - shift)) + (m >> shift)
+        t.key_shift[row] = t.shift[row];
+        t.key_base[row] = static_cast<uint16_t>(t.base[row] - ((row + emin - 1) << (7 - t.shift[row])));
+    }
     if (count > (SIGNED ? 256u : 512u)) return;
     for (int negative = 0; negative < signs; ++negative) {
         const uint32_t sign = static_cast<uint32_t>(negative) << 31, offset = negative ? 256 : 0;
