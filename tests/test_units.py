@@ -441,3 +441,31 @@ def test_a_killed_writers_private_folder_is_removed_by_the_next_writer_and_a_liv
     assert sorted(os.listdir(tmp_path)) == [".w.safetensors.link.zero_bnb-tmp", ".w.safetensors.x.y.zero_bnb-tmp",
                                             "w.safetensors"]
     assert open(destination).read() == "after the kill"
+
+
+def test_staged_files_are_written_where_a_folder_cannot_be_flocked_exclusively(tmp_path, monkeypatch, caplog):
+    """Linux's NFS client emulates flock by a byte-range lock, whose exclusive form needs a descriptor open for
+    writing: on a folder (read-only) it fails with EBADF. Writes (``latest``, tool outputs) still succeed; a killed
+    writer's folder is left, named in a warning with the command to remove it."""
+    import errno
+    import fcntl
+    import logging
+    import os
+
+    from zero_bnb.format import durable
+
+    real_flock = fcntl.flock
+
+    def nfs_flock(descriptor, operation):  # what nfs4_proc_lock answers for a write lock on a read-only open
+        if operation & fcntl.LOCK_EX and fcntl.fcntl(descriptor, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        return real_flock(descriptor, operation)
+
+    monkeypatch.setattr(fcntl, "flock", nfs_flock)
+    left = tmp_path / ".latest.k1ll3d.zero_bnb-tmp"
+    left.mkdir()
+    with caplog.at_level(logging.WARNING, logger="zero_bnb.format.durable"):
+        durable.replace_text("global_step7", str(tmp_path / "latest"))
+    assert (tmp_path / "latest").read_text() == "global_step7"
+    assert left.is_dir() and f"rm -rf {str(left)!r}" in caplog.text, caplog.text
+    assert sorted(os.listdir(tmp_path)) == [left.name, "latest"]

@@ -19,6 +19,7 @@ Pure local I/O: no collectives; any rank may call these functions.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import logging
@@ -217,6 +218,26 @@ def _same_file(path: str, descriptor: int) -> bool:
     return (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino)
 
 
+def _flock_folder(descriptor: int, operation: int) -> bool:
+    """:func:`try_flock` on a folder opened read-only; ``False`` also where ``flock`` needs a file open for writing.
+
+    Linux's NFS client emulates ``flock`` by a byte-range lock, whose exclusive form needs a descriptor open for
+    writing (``EBADF`` otherwise), and a folder cannot be opened for writing: there a folder's flock is unsupported,
+    like on a file system without locks.
+
+    Raises:
+        BlockingIOError: ``LOCK_NB`` and another open file holds it.
+    """
+    try:
+        return try_flock(descriptor, operation)
+    except BlockingIOError:
+        raise
+    except OSError as error:
+        if error.errno == errno.EBADF:
+            return False
+        raise
+
+
 def _remove_stale_private_folders(parent: str, name: str) -> None:
     """Remove the private folders ``.{name}.XXXX.zero_bnb-tmp`` in ``parent`` whose writer is gone (killed).
 
@@ -239,8 +260,8 @@ def _remove_stale_private_folders(parent: str, name: str) -> None:
         except OSError:
             continue  # a link, a file, or gone meanwhile: not a folder zero_bnb left
         try:
-            if not try_flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB):
-                logger.warning("zero_bnb: %s is a temporary folder a writer left; this file system has no flock, so "
+            if not _flock_folder(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB):
+                logger.warning("zero_bnb: %s is a temporary folder a writer left; this file system cannot flock a folder, so "
                                "zero_bnb cannot tell whether that writer still runs. Once no writer of %s runs, remove "
                                "it: rm -rf %r", path, os.path.join(parent, name), path)
                 continue
@@ -270,7 +291,7 @@ def _claim_private_folder(parent: str, name: str) -> tuple[str, int]:
         except FileNotFoundError:
             continue
         try:
-            try_flock(descriptor, fcntl.LOCK_EX)  # a remover holds it only while it removes
+            _flock_folder(descriptor, fcntl.LOCK_EX)  # a remover holds it only while it removes
             if _same_file(folder, descriptor):
                 return folder, descriptor
         except BaseException:
