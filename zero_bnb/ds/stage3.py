@@ -66,7 +66,7 @@ def _block_padding_size(original):
         block = getattr(param, BLOCK_ATTRIBUTE, None)
         if block is None:
             return original(self, param)
-        return padding_size(param.ds_numel, self._partition_world_size(param), block)
+        return padding_size(param.ds_numel, dist.get_world_size(group=self.get_partition_dp_group(param)), block)
 
     _padding_size.zero_bnb_original = original
     return _padding_size
@@ -90,7 +90,7 @@ def _zeroed_padding(original):
                   and (param.ds_tensor is None or has_been_updated))
         result = original(self, param, buffer, has_been_updated, free_data, **kwargs)
         if writes and param.ds_tensor is not None:
-            _zero_padding(param, self._partition_rank(param))
+            _zero_padding(param, dist.get_rank(group=self.get_partition_dp_group(param)))
         return result
 
     _partition_param.zero_bnb_original = original
