@@ -11,6 +11,7 @@ import logging
 import os
 
 import bitsandbytes as bnb
+import deepspeed.runtime.zero.stage3 as deepspeed_stage3
 import deepspeed.utils.zero_to_fp32 as deepspeed_zero_to_fp32
 import pytest
 import stage3_scenarios
@@ -31,7 +32,8 @@ from zero_bnb.testing.toy import build_model
 
 from zero_bnb.core.layout import GroupGeometry
 from zero_bnb.core.state_spec import spec_named
-from zero_bnb.ds.stage3 import refuse_stage3_settings
+from zero_bnb.ds.aligned import ZeroLayoutError
+from zero_bnb.ds.stage3 import _cutting_on_blocks, install_block_partitioning, refuse_stage3_settings
 from zero_bnb.testing.consolidate import state_differences
 from zero_bnb.testing.launch import run_distributed
 
@@ -281,6 +283,20 @@ def test_an_offload_section_that_is_not_an_object_is_named_at_stage3():
     config = stage3_scenarios.stage3_config(2, zero_optimization={"offload_param": "cpu"})
     with pytest.raises(ZeroBnbConfigError, match="zero_optimization.offload_param must be an object such as"):
         zero_bnb.initialize(model=model, optimizer=bnb.optim.Adam8bit(model.parameters()), config=config)
+
+
+def test_a_bucket_deepspeed_reduces_without_the_padded_reduce_scatter_is_refused_by_name():
+    """Stage 3 runs DeepSpeed's own __avg_scatter_grads and pads each gradient in the reduce_scatter_coalesced it calls
+    (the real, patched module attribute here); a release reducing a bucket without that call, or with other tensors
+    than the bucket's parameters, would cut DeepSpeed's slices: named instead."""
+    install_block_partitioning()
+    params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(2)]
+    with pytest.raises(ZeroLayoutError, match="reduced a stage-3 gradient bucket without reduce_scatter_coalesced"):
+        with _cutting_on_blocks(params):
+            pass
+    with pytest.raises(ZeroLayoutError, match="reduce-scattered 1 gradients for a bucket of 2 stage-3 parameters"):
+        with _cutting_on_blocks(params):
+            deepspeed_stage3.reduce_scatter_coalesced([torch.zeros(3)], None)
 
 
 @pytest.mark.parametrize("value, warned", [(4000, True), (1e8, True), (None, False), (1e9, False), (10**12, False)])
