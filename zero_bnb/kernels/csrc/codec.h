@@ -88,8 +88,8 @@ alignas(64) constexpr Selections kSelect{};
 // byte planes), and one comparison moves the code one step. x is exact (a division, as in the reference).
 // NaN, Inf, |x| >= 2 and an unsigned map's negative x take the binary search. The block's four groups of 64
 // go through each stage together: one group alone is a chain of dependent shuffles that leaves the shuffle
-// ports idle (Zen 4, signed map, per value: 0.36 ns a group at a time, 0.28 ns together, 0.25 ns with the
-// one-permute selections and the folded key_base).
+// ports idle (Zen 4, signed map, per value: 0.36 ns a group at a time; 0.28 ns with the groups together, the
+// one-permute selections and the folded key_base, benchmarks/results/cpu_kernel_stages.md).
 template <bool SIGNED>
 void quantize_permuted(const Map& map, const float* __restrict__ s, float absmax, uint8_t* __restrict__ out) {
     constexpr int kGroups = kBlock / 64;
