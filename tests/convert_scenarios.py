@@ -1,7 +1,7 @@
 """Multi-process halves of the conversion tests: write the checkpoints, then resume the converted ones.
 
 :func:`write_sources` (DP=2) writes zero_bnb and stock DeepSpeed Adam8bit checkpoints (ZeRO stage 1 and
-stage 3) and the runs that never stopped; :func:`resume_converted` (any DP) loads the converted checkpoints
+stage 3, fp32 and bf16) and the runs that never stopped; :func:`resume_converted` (any DP) loads the converted checkpoints
 into stock DeepSpeed (universal, torch AdamW, stages 1 and 3) and into zero_bnb (stages 1, 2 and 3), and
 trains on.
 """
@@ -29,10 +29,13 @@ ONE_STATE = ("Lion8bit", "SGD8bit")
 #: Stock ZeRO-3 sources: name -> extra config (``zero_optimization`` keys merged with stage 3). DeepSpeed's default
 #: sub-groups pack 0.weight and 2.weight into one flat tensor per rank (every 8-bit block off the parameters' grids);
 #: sub_group_size 4000 gives each weight a sub-group of its own, where 2.weight's slices (7680 = 30 blocks) start on
-#: blocks: copied exactly; the third trains with the optimizer offloaded to the CPU (ZeRO-Offload).
+#: blocks: copied exactly; the third trains with the optimizer offloaded to the CPU (ZeRO-Offload), the fourth in bf16.
 STOCK3 = {"stock3": {}, "stock3_aligned": {"zero_optimization": {"sub_group_size": 4000}},
           "stock3_offload": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}},
-                             "zero_force_ds_cpu_optimizer": False}}
+                             "zero_force_ds_cpu_optimizer": False},
+          "stock3_bf16": {"bf16": {"enabled": True}}}
+#: Stock ZeRO-3 sources rescued and resumed under zero_bnb: their runs also continue uninterrupted.
+RESUMED3 = ("stock3", "stock3_bf16")
 
 
 def stage3_zero_bnb(world: int, **config):
@@ -84,7 +87,7 @@ def _stock3_source(name: str):
         train_steps(stock, RUN, 0, STEPS)
         stock.save_checkpoint(os.path.join(c["workdir"], name), tag="s3")
         out[f"{name}_weights"] = _full_weights(stock)
-        if not STOCK3[name]:  # the run that never stopped, for the rescued resumes
+        if name in RESUMED3:  # the run that never stopped, for the rescued resumes
             out[f"{name}_after"] = train_steps(stock, RUN, STEPS, MORE)
 
     phase.__name__ = name
@@ -190,11 +193,23 @@ def _rescued3_resume(c, out):
         out["rescued3_stage2_after"] = train_steps(engine, RUN, STEPS, MORE)
 
 
+def _rescued3_bf16_resume(c, out):
+    """The rescued stock stage-3 bf16 checkpoint into zero_bnb at stage 3 in bf16: state, module weights, steps."""
+    import deepspeed
+
+    engine = stage3_zero_bnb(c["world"], zero_cpu_update="bitsandbytes", bf16={"enabled": True})
+    engine.load_checkpoint(os.path.join(c["workdir"], "rescued3_bf16"))
+    out["rescued3_bf16"] = consolidated_state(engine)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        out["rescued3_bf16_module"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    out["rescued3_bf16_after"] = train_steps(engine, RUN, STEPS, MORE)
+
+
 def resume_converted(rank, world, workdir):
     out: dict = {}
     phases = [_universal_into_adamw, _zero_bnb_resume("back"), _zero_bnb_resume("derived", module=True),
               _zero_bnb_resume("rescued")] + [_zero_bnb_resume(f"rescued_{family}", family) for family in ONE_STATE]
-    phases += [_universal3_into_adamw, _rescued3_resume]
+    phases += [_universal3_into_adamw, _rescued3_resume, _rescued3_bf16_resume]
     run_phases(out, {"world": world, "workdir": workdir}, *phases)
     dist.barrier()
     _save_result(os.path.join(workdir, f"resumed_dp{world}.pt"), out)

@@ -15,6 +15,7 @@ Three stages, each one process launch:
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import multiprocessing
@@ -152,6 +153,8 @@ def _serve(workdir: str, trials: list[dict]) -> None:
     torch.set_num_threads(1)
     import deepspeed  # noqa: F401 - imported once here, inherited by every forked trial
     import scenarios  # noqa: F401
+
+    gc.freeze()  # the imports are never garbage: left out of every trial's collections (zero_bnb.testing.launch)
 
     results = [_run_trial(workdir, number, trial) for number, trial in enumerate(trials)]
     with open(os.path.join(workdir, "trials.json"), "w") as handle:

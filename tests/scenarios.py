@@ -312,14 +312,22 @@ def cli(*args) -> tuple[int, str, str]:
 
 def run_phases(out: dict, context: dict, *phases) -> None:
     """Run each ``phase(context, out)`` in turn; one that raises is recorded under ``"phase!<name>"`` and the
-    next one runs, so an unexpected error fails the tests of its own phase, not every test of the launch."""
+    next one runs, so an unexpected error fails the tests of its own phase, not every test of the launch.
+    ``ZERO_BNB_PHASE_TIMES=path`` appends each phase's wall and CPU seconds (rank 0) to ``path``: where a launch's
+    time goes."""
+    import time
     import traceback
 
     for phase in phases:
+        wall, cpu = time.perf_counter(), time.process_time()
         try:
             phase(context, out)
         except Exception:  # noqa: BLE001 - recorded for the tests of this phase
             out[f"phase!{phase.__name__.lstrip('_')}"] = traceback.format_exc(limit=8)
+        if os.environ.get("ZERO_BNB_PHASE_TIMES") and (not dist.is_initialized() or dist.get_rank() == 0):
+            with open(os.environ["ZERO_BNB_PHASE_TIMES"], "a") as log:  # where a launch's time goes (rank 0's clock)
+                log.write(f"{phase.__name__}\tdp{dist.get_world_size() if dist.is_initialized() else 1}\t"
+                          f"wall {time.perf_counter() - wall:.2f}\tcpu {time.process_time() - cpu:.2f}\n")
 
 
 def result(ranks: list[dict], key: str):

@@ -1,10 +1,12 @@
 """ZeRO stage 3 scenarios: one launch per DP size, each running many phases (see ``scenarios.run_phases``).
 
 ``stage3_dp2`` trains and saves every case of :data:`CASES` (every declared 8-bit family, a 32-bit one and torch
-AdamW, bf16, ``deepspeed.zero.Init``, optimizer offload, optimizer + parameter offload) and keeps training
+AdamW, bf16, ``deepspeed.zero.Init``, optimizer offload, parameter offload, both) and keeps training
 uninterrupted; ``stage3_resume`` loads those checkpoints at another DP size and keeps training: offloaded ones
-offloaded at DP=3 and without offload at DP=1, and one saved without offload into an offloaded engine at DP=3. Rank 0
-of each launch writes ``stage3_dp{world}.pt`` for the tests to read.
+offloaded at DP=3 and without offload at DP=1 (and one with both offloads at DP=1 too), and one saved without offload
+into an offloaded engine at DP=3. Frozen (LoRA-style) parameters are saved with and without
+``exclude_frozen_parameters`` and under ``deepspeed.zero.Init``. Rank 0 of each launch writes ``stage3_dp{world}.pt``
+for the tests to read.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from optimizer_scenarios import OPTIMIZERS
-from scenarios import _save_result, make_engine, run_phases
+from scenarios import _error, _save_result, make_engine, run_phases
 
 import zero_bnb
 from zero_bnb.testing.consolidate import consolidated_state
@@ -27,8 +29,9 @@ STEPS_BEFORE, STEPS_AFTER = 3, 3
 
 #: Optimizer offload as a user writes it (pinned memory is a no-op without CUDA).
 OFFLOAD = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
-#: Optimizer and parameter offload (ZeRO-Infinity without NVMe).
-OFFLOAD_ALL = {**OFFLOAD, "offload_param": {"device": "cpu", "pin_memory": True}}
+#: Parameter offload alone, and with optimizer offload (ZeRO-Infinity without NVMe).
+OFFLOAD_PARAM = {"offload_param": {"device": "cpu", "pin_memory": True}}
+OFFLOAD_ALL = {**OFFLOAD, **OFFLOAD_PARAM}
 
 #: name -> (optimizer, extra config, whether the model is built under deepspeed.zero.Init)
 CASES = {
@@ -40,10 +43,12 @@ CASES = {
     "adam32bit": ("Adam32bit", {}, False),
     "torch_adamw": ("torch.AdamW", {}, False),
     "offload": ("Adam8bit", {"zero_optimization": OFFLOAD}, False),
+    "offload_param": ("Adam8bit", {"zero_optimization": OFFLOAD_PARAM}, False),
     "offload_all": ("AdamW8bit", {"bf16": {"enabled": True}, "zero_optimization": OFFLOAD_ALL}, True),
     # the other declared families; AdEMAMix (two moments stacked in state1, and state2) in fp32 and bf16, Lion (one
-    # state) in bf16 offloaded
-    "paged_adamw8bit": ("PagedAdamW8bit", {}, False),
+    # state) in bf16 offloaded. PagedAdamW8bit has no row: it is AdamW8bit's "adam" update and declaration, and on the
+    # CPU (or below 1e5 elements on a GPU) bitsandbytes gives it ordinary buffers (tests/test_units.py checks that its
+    # class resolves to the Adam declaration).
     "ademamix8bit": ("AdEMAMix8bit", {}, False),
     "ademamix8bit_bf16": ("AdEMAMix8bit", {"bf16": {"enabled": True}}, False),
     "sgd8bit": ("SGD8bit", {}, False),
@@ -53,6 +58,8 @@ CASES = {
 }
 #: Offloaded cases resume at DP=1 without offload (and at DP=3 offloaded): the files are the same either way.
 OFFLOADED = tuple(case for case, (_, extra, _) in CASES.items() if extra.get("zero_optimization"))
+#: The case that also resumes offloaded (both offloads) at DP=1, under ``<case>_offloaded``.
+OFFLOADED_AT_DP1 = "offload_all"
 
 
 def stage3_config(dp: int, **extra) -> dict:
@@ -191,11 +198,13 @@ def _module_only(context, out):
                      "steps": engine.global_steps, "loss": train_steps(engine, RUN, STEPS_BEFORE, 1)[0]}
 
 
-def _frozen_engine(world: int, stage: int):
-    """Adam8bit on the toy model whose first layer is frozen (LoRA-style), at ``stage``. Collective."""
-    model = build_model()
-    model[0].weight.requires_grad_(False)
+def _frozen_engine(world: int, stage: int, zero_init: bool = False):
+    """Adam8bit on the toy model whose first layer is frozen (LoRA-style), at ``stage``; ``zero_init``: the model is
+    built under ``deepspeed.zero.Init`` (stage 3), partitioned as each parameter is created. Collective."""
     config = stage3_config(world) if stage == 3 else RUN.ds_config(world, zero_optimization={"stage": stage})
+    with deepspeed.zero.Init(config_dict_or_path=config, enabled=zero_init):
+        model = build_model()
+    model[0].weight.requires_grad_(False)
     optimizer = OPTIMIZERS["Adam8bit"]([p for p in model.parameters() if p.requires_grad], lr=LR)
     return zero_bnb.initialize(model=model, optimizer=optimizer, config=config)[0]
 
@@ -207,18 +216,37 @@ def _frozen_weight(engine) -> torch.Tensor:
         return param.detach().clone()
 
 
+def _fill_frozen(engine, value: float) -> None:
+    """Set the frozen layer's weight to ``value`` everywhere (gathered, rank 0's write kept). Collective."""
+    with deepspeed.zero.GatheredParameters([engine.module[0].weight], modifier_rank=0), torch.no_grad():
+        engine.module[0].weight.fill_(value)
+
+
 def _frozen_save(context, out):
     """DeepSpeed saves each rank's slice of a frozen parameter in that rank's stage-3 model file; a reload into
-    the same engine (its frozen weight zeroed first) must restore every rank's own slice."""
+    the same engine (its frozen weight zeroed first) must restore every rank's own slice. One step later the engine
+    saves again with ``exclude_frozen_parameters=True`` (``frozen_excluded``: trained state only, as HF Trainer saves a
+    PEFT model)."""
     world, workdir = context["world"], context["workdir"]
     engine = _frozen_engine(world, 3)
     train_steps(engine, RUN, 0, STEPS_BEFORE)
     engine.save_checkpoint(os.path.join(workdir, "frozen"), tag="mid")
     saved = _frozen_weight(engine)
-    with deepspeed.zero.GatheredParameters([engine.module[0].weight], modifier_rank=0), torch.no_grad():
-        engine.module[0].weight.zero_()
+    _fill_frozen(engine, 0.0)
     engine.load_checkpoint(os.path.join(workdir, "frozen"), tag="mid")
     out["frozen"] = {"saved": saved, "reloaded": _frozen_weight(engine), "state": consolidated_state(engine)}
+    train_steps(engine, RUN, STEPS_BEFORE, 1)
+    engine.save_checkpoint(os.path.join(workdir, "frozen_excluded"), tag="mid", exclude_frozen_parameters=True)
+    out["frozen_excluded"] = {"state": consolidated_state(engine)}
+
+
+def _frozen_init_save(context, out):
+    """The frozen model built under ``deepspeed.zero.Init`` (its parameters partitioned as they are created)."""
+    world, workdir = context["world"], context["workdir"]
+    engine = _frozen_engine(world, 3, zero_init=True)
+    losses = train_steps(engine, RUN, 0, STEPS_BEFORE)
+    engine.save_checkpoint(os.path.join(workdir, "frozen_init"), tag="mid")
+    out["frozen_init"] = {"saved": _frozen_weight(engine), "state": consolidated_state(engine), "losses": losses}
 
 
 def _frozen_resume(context, out):
@@ -231,10 +259,29 @@ def _frozen_resume(context, out):
                                        "loss": train_steps(engine, RUN, STEPS_BEFORE, 1)[0]}
 
 
+def _frozen_init_resume(context, out):
+    """Into a frozen model built under ``deepspeed.zero.Init`` at this DP size: the zero.Init checkpoint, then (the
+    frozen weight set to 0.5 first, as a model built from other base weights) the ``exclude_frozen_parameters`` one:
+    a strict load is refused naming ``load_module_strict=False`` and changes nothing; with it, the trained state is
+    the saved one and the frozen weight keeps the model's value."""
+    world, workdir = context["world"], context["workdir"]
+    engine = _frozen_engine(world, 3, zero_init=True)
+    engine.load_checkpoint(os.path.join(workdir, "frozen_init"))
+    out["frozen_init"] = {"loaded": _frozen_weight(engine), "state": consolidated_state(engine)}
+    _fill_frozen(engine, 0.5)
+    excluded = os.path.join(workdir, "frozen_excluded")
+    refused = _error(lambda: engine.load_checkpoint(excluded))
+    unchanged = {"state": consolidated_state(engine), "frozen": _frozen_weight(engine)}
+    engine.load_checkpoint(excluded, load_module_strict=False)
+    out["frozen_excluded"] = {"refused": refused, "unchanged": unchanged, "state": consolidated_state(engine),
+                              "frozen": _frozen_weight(engine), "steps": engine.global_steps,
+                              "loss": train_steps(engine, RUN, STEPS_BEFORE + 1, 1)[0]}
+
+
 def stage3_dp2(rank, world, workdir):
     out: dict = {}
     run_phases(out, {"world": world, "workdir": workdir}, *(_train_save(case) for case in CASES), _stage2_save,
-               _frozen_save)
+               _frozen_save, _frozen_init_save)
     _save_result(os.path.join(workdir, f"stage3_dp{world}.pt"), out)
     dist.barrier()
 
@@ -243,7 +290,10 @@ def stage3_resume(rank, world, workdir):
     out: dict = {}
     # Offloaded checkpoints load offloaded at DP=3 and without offload at DP=1; one saved without offload loads
     # offloaded at DP=3.
-    phases = [_resume(case, offload=world != 1 or case not in OFFLOADED) for case in CASES] + [_frozen_resume]
+    phases = [_resume(case, offload=world != 1 or case not in OFFLOADED) for case in CASES]
+    phases += [_frozen_resume, _frozen_init_resume]
+    if world == 1:
+        phases.append(_resume(OFFLOADED_AT_DP1, name=f"{OFFLOADED_AT_DP1}_offloaded"))
     if world == 3:
         phases += [_resume("adam8bit", offload="optimizer", name="adam8bit_offloaded"), _across_stages, _module_only]
     run_phases(out, {"world": world, "workdir": workdir}, *phases)

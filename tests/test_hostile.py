@@ -755,6 +755,25 @@ def test_export_outputs_that_name_no_file_or_a_reserved_name_are_usage_errors(so
     assert not os.path.exists(os.path.join(os.path.dirname(tmp_path), "..zero_bnb-tmp"))
 
 
+def test_inspect_and_verify_start_without_deepspeed_or_bitsandbytes(sources, tmp_path):
+    """The import contract (tests/test_architecture.py) at run time: a fresh interpreter verifies and inspects a real
+    checkpoint and has imported none of DeepSpeed, bitsandbytes, transformers or Lightning."""
+    import subprocess
+
+    script = (
+        "import sys\n"
+        "from zero_bnb.cli import main\n"
+        "for command in (['verify', sys.argv[1]], ['inspect', sys.argv[1]]):\n"
+        "    assert main(command) == 0, command\n"
+        "print(sorted(m for m in ('deepspeed', 'bitsandbytes', 'transformers', 'lightning') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(_fresh(sources, tmp_path))], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "group 0: 24,960 elements" in done.stdout, done.stdout  # inspect ran to its summary
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
 def test_sigterm_during_convert_leaves_no_staging_folder_or_lock(sources, tmp_path):
     import subprocess
 

@@ -160,20 +160,36 @@ def test_resume_at_another_dp_size_is_exact_and_training_continues(runs, case, d
 def test_offloaded_stage3_runs_offloaded_and_resumes_with_or_without_offload(runs, case):
     """DeepSpeed's offload paths ran (saved and resumed at DP=3 offloaded, DP=1 not), the 8-bit updates went through
     the fused CPU kernel; state and losses are checked by the resume test above for the same cases."""
-    param = "offload_param" in stage3_scenarios.CASES[case][1]["zero_optimization"]
-    assert _case(runs, 2, case)["offloaded"] == {"offload_optimizer": True, "offload_param": param, "devices": ["cpu"]}
-    assert _case(runs, 3, case)["offloaded"] == {"offload_optimizer": True, "offload_param": param, "devices": ["cpu"]}
+    zero = stage3_scenarios.CASES[case][1]["zero_optimization"]
+    offloaded = {"offload_optimizer": "offload_optimizer" in zero, "offload_param": "offload_param" in zero,
+                 "devices": ["cpu"]}
+    assert _case(runs, 2, case)["offloaded"] == offloaded
+    assert _case(runs, 3, case)["offloaded"] == offloaded
     assert _case(runs, 1, case)["offloaded"] == {"offload_optimizer": False, "offload_param": False, "devices": ["cpu"]}
     for dp in (3, 1):  # 3 steps x 3 weights with 8-bit state
         assert _case(runs, dp, case)["fused_steps"] == 3 * STEPS_AFTER, dp
 
 
-def test_offload_changes_nothing_in_fp32_training_and_its_checkpoints(runs):
-    """Adam8bit offloaded at stage 3 trains, saves and continues bit for bit as without offload (fp32, CPU)."""
-    offloaded, plain = _case(runs, 2, "offload"), _case(runs, 2, "adam8bit")
+@pytest.mark.parametrize("case", ["offload", "offload_param"])
+def test_offload_changes_nothing_in_fp32_training_and_its_checkpoints(runs, case):
+    """Adam8bit with its optimizer, or only its parameters, offloaded at stage 3 trains, saves and continues bit for
+    bit as without offload (fp32, CPU)."""
+    offloaded, plain = _case(runs, 2, case), _case(runs, 2, "adam8bit")
     assert offloaded["losses"] == plain["losses"]
     _assert_same_state(plain["saved"], offloaded["saved"])
     _assert_same_state(plain["final"], offloaded["final"])
+
+
+def test_an_offloaded_checkpoint_resumes_offloaded_at_dp1(runs):
+    """Optimizer and parameter offload (bf16, zero.Init) saved at DP=2 resume with both offloads on one process: the
+    state exact, the 8-bit updates fused on the CPU, and the same losses as the DP=1 resume without offload."""
+    case = stage3_scenarios.OFFLOADED_AT_DP1
+    reference, resumed = _case(runs, 2, case), _case(runs, 1, f"{case}_offloaded")
+    assert resumed["offloaded"] == {"offload_optimizer": True, "offload_param": True, "devices": ["cpu"]}
+    _assert_same_state(reference["saved"], resumed["loaded"])
+    assert resumed["global_steps"] == STEPS_BEFORE and resumed["fused_steps"] == 3 * STEPS_AFTER
+    assert resumed["nonzero_padding"] == []
+    assert resumed["losses"] == _case(runs, 1, case)["losses"]
 
 
 def test_a_checkpoint_saved_without_offload_resumes_offloaded_at_another_dp_size(runs):
@@ -207,6 +223,38 @@ def test_frozen_parameters_are_restored_at_any_dp_size_and_stage(runs):
     assert torch.equal(exported["0.weight"], saved["saved"])
     assert all(torch.equal(exported[name].reshape(-1), t["fp32"].reshape(-1))
                for name, t in saved["state"]["params"].items())
+
+
+def test_frozen_parameters_of_a_model_built_under_zero_init_resume_at_any_dp_size(runs):
+    """A LoRA-style model built under deepspeed.zero.Init (parameters partitioned as created), its first weight
+    frozen, saved at DP=2: trains exactly as the same model built whole, and its frozen weight and trained state come
+    back exactly into zero.Init models at DP=3 and DP=1."""
+    saved, whole = _case(runs, 2, "frozen_init"), _case(runs, 2, "frozen")
+    assert saved["saved"].count_nonzero() == saved["saved"].numel()
+    assert torch.equal(saved["saved"], whole["saved"])
+    _assert_same_state(whole["state"], saved["state"])
+    for dp in (3, 1):
+        loaded = _case(runs, dp, "frozen_init")
+        assert torch.equal(loaded["loaded"], saved["saved"]), dp
+        _assert_same_state(saved["state"], loaded["state"])
+
+
+@pytest.mark.parametrize("dp", [3, 1])
+def test_a_checkpoint_saved_with_exclude_frozen_parameters_resumes_the_trained_state_at_another_dp_size(runs, dp):
+    """save_checkpoint(exclude_frozen_parameters=True) (HF Trainer's save of a PEFT model) holds no frozen value: a
+    strict load is refused naming the missing parameter and load_module_strict=False, and changes nothing; with
+    load_module_strict=False (what Trainer passes for PEFT, and what stock DeepSpeed's stage 3 needs too)
+    the trained state is the saved one, exactly, and the frozen weight keeps the value the model was built with."""
+    saved, resumed = _case(runs, 2, "frozen_excluded"), _case(runs, dp, "frozen_excluded")
+    assert state_differences(_case(runs, 2, "frozen")["state"], saved["state"])[1]  # one step after "frozen"
+    refused = resumed["refused"]
+    assert refused.startswith("CheckpointMismatchError") and "missing in checkpoint: ['0.weight']" in refused, refused
+    assert "load_module_strict=False" in refused, refused
+    _assert_same_state(_case(runs, dp, "frozen_init")["state"], resumed["unchanged"]["state"])
+    assert bool((resumed["unchanged"]["frozen"] == 0.5).all())
+    _assert_same_state(saved["state"], resumed["state"])
+    assert bool((resumed["frozen"] == 0.5).all())
+    assert resumed["steps"] == STEPS_BEFORE + 1 and torch.isfinite(torch.tensor(resumed["loss"]))
 
 
 def test_stock_deepspeeds_error_on_a_stage3_checkpoint_points_to_convert_not_to_load_module_only(runs):
