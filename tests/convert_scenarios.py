@@ -1,8 +1,8 @@
 """Multi-process halves of the conversion tests: write the checkpoints, then resume the converted ones.
 
 :func:`write_sources` (DP=2) writes zero_bnb and stock DeepSpeed Adam8bit checkpoints (ZeRO stage 1 and
-stage 3, fp32 and bf16) and the runs that never stopped; :func:`resume_converted` (any DP) loads the converted checkpoints
-into stock DeepSpeed (universal, torch AdamW, stages 1 and 3) and into zero_bnb (stages 1, 2 and 3), and
+stage 3, fp32 and bf16) and the runs that never stopped; :func:`resume_converted` (any DP) loads the converted
+checkpoints into stock DeepSpeed (universal, torch AdamW, stages 1 and 3) and into zero_bnb (stages 1, 2 and 3), and
 trains on.
 """
 

@@ -307,7 +307,7 @@ def test_derived_module_weights_are_rebuilt_on_load(work, dp):
 def _stock3_moments(tag_folder) -> dict[str, dict[str, torch.Tensor]]:
     """Each parameter's moments as stock DeepSpeed's ZeRO-3 run held them, read without zero_bnb: every rank's flat
     sub-group state dequantized by bitsandbytes with that rank's own absmax, cut into ``ceil(numel / dp)`` slices."""
-    files = sorted(tag_folder.glob("zero_pp_rank_*_mp_rank_00_optim_states.pt"))
+    files = sorted(tag_folder.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"))  # bf16_zero_pp_rank_... in bf16
     ranks = [torch.load(f, weights_only=False)["optimizer_state_dict"]["optimizer_state_dict"]["state"] for f in files]
     shapes = torch.load(tag_folder / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False)["param_shapes"]
     moments = {}

@@ -424,6 +424,50 @@ def test_deepspeeds_zero_to_fp32_functions_read_stage2_and_stage3_checkpoints(ru
     check_zero_to_fp32_habits(os.path.join(runs["workdir"], case), masters, str(tmp_path))
 
 
+def test_zero_to_fp32_splits_a_state_larger_than_max_shard_size_as_deepspeed_does(runs, tmp_path):
+    """max_shard_size was accepted and ignored (one file whatever the size). Now the folder's script and the
+    functions split as DeepSpeed's own convert function does on the same checkpoint (under zero_bnb.enable()): the
+    same files, index and tensors; the shards hold every master exactly. The toy's 135,784 bytes at 40 KB: 2.weight
+    (61,440 bytes) alone, then 0.weight, 0.bias and 2.bias, then 4.weight and 4.bias."""
+    import safetensors.torch
+
+    folder = os.path.join(runs["workdir"], "adam8bit")
+    masters = {name: tensors["fp32"] for name, tensors in _case(runs, 2, "adam8bit")["saved"]["params"].items()}
+    index = convert_zero_checkpoint_to_fp32_state_dict(folder, str(tmp_path / "ours"), max_shard_size="40KB")
+    assert index == str(tmp_path / "ours" / "pytorch_model.bin.index.json")
+    assert zero_to_fp32_main([folder, str(tmp_path / "script"), "--max_shard_size", "40KB", "--safe_serialization"]) == 0
+    zero_bnb.enable()
+    try:
+        deepspeed_zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(folder, str(tmp_path / "stock"),
+                                                                          max_shard_size="40KB")
+        deepspeed_zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(folder, str(tmp_path / "stock_st"),
+                                                                          max_shard_size="40KB",
+                                                                          safe_serialization=True)
+    finally:
+        zero_bnb.disable()
+    for ours, stock, read in (("ours", "stock", lambda f: torch.load(f, weights_only=True)),
+                              ("script", "stock_st", safetensors.torch.load_file)):
+        files = sorted(os.listdir(tmp_path / ours))
+        assert files == sorted(os.listdir(tmp_path / stock)) and len(files) == 4, files  # 3 shards and the index
+        (index_name,) = [name for name in files if name.endswith(".index.json")]
+        with open(tmp_path / ours / index_name) as mine, open(tmp_path / stock / index_name) as theirs:
+            index = json.load(mine)
+            assert index == json.load(theirs)
+        assert index["metadata"]["total_size"] == 4 * sum(m.numel() for m in masters.values())
+        assert sorted(set(index["weight_map"].values()))[1].endswith("-00002-of-00003" + os.path.splitext(files[0])[1])
+        merged = {}
+        for name in sorted(set(index["weight_map"].values())):
+            shard, other = read(tmp_path / ours / name), read(tmp_path / stock / name)
+            assert shard.keys() == other.keys() and all(torch.equal(shard[k], other[k]) for k in shard), name
+            assert sorted(shard) == sorted(k for k, f in index["weight_map"].items() if f == name)
+            merged.update(shard)
+        assert merged.keys() == masters.keys() and all(torch.equal(merged[n], m) for n, m in masters.items())
+    assert (tmp_path / "ours" / "pytorch_model-00001-of-00003.bin").stat().st_size < 64_000  # no whole storage
+    with pytest.raises(CheckpointUsageError, match=r"max_shard_size='5 gigs' is not a size; give a number of bytes"):
+        convert_zero_checkpoint_to_fp32_state_dict(folder, str(tmp_path / "wrong"), max_shard_size="5 gigs")
+    assert not (tmp_path / "wrong").exists()
+
+
 def test_zero_to_fp32_names_a_wrong_dtype_and_a_missing_checkpoint(runs, tmp_path):
     folder = os.path.join(runs["workdir"], "adam8bit")
     with pytest.raises(CheckpointUsageError, match=r"output dtype 'int8' is not supported; choose one of \['bf16'"):

@@ -1,8 +1,9 @@
 """``zero_to_fp32.py`` in a save folder: DeepSpeed's script of that name, for zero_bnb checkpoints.
 
-``python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR [-t TAG] [--safe_serialization]`` writes
+``python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR [-t TAG] [--safe_serialization] [--max_shard_size 5GB]`` writes
 ``pytorch_model.bin`` (or ``model.safetensors``) with the consolidated fp32 module state dict
-(:func:`zero_bnb.tools.recovery.get_fp32_state_dict_from_zero_checkpoint`). The functions users import
+(:func:`zero_bnb.tools.recovery.get_fp32_state_dict_from_zero_checkpoint`); one larger than ``max_shard_size``
+is split into shards and an index, as DeepSpeed's script does (:mod:`zero_bnb.tools.shards`). The functions users import
 from DeepSpeed's script (``deepspeed/utils/zero_to_fp32.py``, 0.19.8) are here with its signatures, so
 ``from zero_to_fp32 import load_state_dict_from_zero_checkpoint`` (or ``convert_zero_checkpoint_to_fp32_state_dict``)
 in a save folder works on zero_bnb checkpoints of every ZeRO stage.
@@ -21,7 +22,7 @@ import torch
 
 from zero_bnb.errors import CheckpointError, CheckpointUsageError
 from zero_bnb.tools.recovery import get_fp32_state_dict_from_zero_checkpoint
-from zero_bnb.tools.views import write_state_dict
+from zero_bnb.tools.shards import parse_shard_size, write_shards
 
 __all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "convert_zero_checkpoint_to_state_dict",
            "get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint", "main"]
@@ -43,18 +44,19 @@ def _output_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def _write(checkpoint_dir: str, output_dir: str, *, dtype: torch.dtype | str, safe_serialization: bool,
-           tag: str | None, exclude_frozen_parameters: bool, max_shard_size: str | int | None) -> tuple[str, int]:
+           tag: str | None, exclude_frozen_parameters: bool, max_shard_size: str | int | None) -> tuple[str, str]:
     dtype = _output_dtype(dtype)
+    if max_shard_size is not None:
+        parse_shard_size(max_shard_size)  # a wrong size is named before the checkpoint is read
     state = get_fp32_state_dict_from_zero_checkpoint(os.fspath(checkpoint_dir), tag, exclude_frozen_parameters)
     if dtype != torch.float32:  # buffers that are not floating point keep their dtype, as in DeepSpeed's
         cast: dict[int, torch.Tensor] = {}  # tied names keep sharing one tensor
         state = {name: cast.setdefault(id(value), value.to(dtype)) if value.is_floating_point() else value
                  for name, value in state.items()}
-    if max_shard_size is not None:
-        logger.info("zero_bnb: max_shard_size=%s is accepted for DeepSpeed's signature; one file is written",
-                    max_shard_size)
-    out = os.path.join(os.fspath(output_dir), "model.safetensors" if safe_serialization else "pytorch_model.bin")
-    return out, write_state_dict(state, out, metadata={"format": "pt"})  # tied names too: every name is written
+    weights_name = "model.safetensors" if safe_serialization else "pytorch_model.bin"  # tied names too: every name
+    out, plan = write_shards(state, os.fspath(output_dir), weights_name, max_shard_size, metadata={"format": "pt"})
+    files = f"{len(plan.files)} files and the index {os.path.basename(out)}" if plan.sharded else "1 file"
+    return out, f"{len(state)} tensors ({files})"
 
 
 def convert_zero_checkpoint_to_state_dict(checkpoint_dir, output_dir, dtype: torch.dtype | str = torch.float32,
@@ -64,12 +66,14 @@ def convert_zero_checkpoint_to_state_dict(checkpoint_dir, output_dir, dtype: tor
 
     Writes ``output_dir/pytorch_model.bin`` (``model.safetensors`` with ``safe_serialization``) with the
     module's state dict: the fp32 master weights, tied names, buffers and frozen parameters, floating-point
-    tensors cast to ``dtype`` (``torch.float32``/``float16``/``bfloat16`` or their names). The file replaces
-    an existing one only once complete. ``max_shard_size`` is accepted for DeepSpeed's signature; one file is
-    written (``from_pretrained`` and ``torch.load`` read it at any size). Returns the file's path.
+    tensors cast to ``dtype`` (``torch.float32``/``float16``/``bfloat16`` or their names). A state larger than
+    ``max_shard_size`` (bytes, or a size such as ``"5GB"``; ``None``: never) is split as DeepSpeed splits it, into
+    ``pytorch_model-00001-of-0000N.bin`` ... and ``pytorch_model.bin.index.json`` (``model-...safetensors``,
+    ``model.safetensors.index.json``) that ``from_pretrained`` reads. Each file replaces an existing one only once
+    complete, the index last. Returns the file's path (the index's when sharded).
 
     Raises:
-        CheckpointUsageError: an unsupported ``dtype``.
+        CheckpointUsageError: an unsupported ``dtype`` or ``max_shard_size``.
         CheckpointError: the checkpoint cannot be read (named, with the fix); nothing is written.
     """
     return _write(checkpoint_dir, output_dir, dtype=dtype, safe_serialization=safe_serialization, tag=tag,
@@ -107,17 +111,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: the one 'latest' names)")
     parser.add_argument("--safe_serialization", action="store_true", help="write model.safetensors")
     parser.add_argument("--exclude_frozen_parameters", action="store_true")
-    parser.add_argument("--max_shard_size", default=None, help="accepted for compatibility; one file is written")
+    parser.add_argument("--max_shard_size", default="5GB",
+                        help="split a larger state into shards and an index, e.g. 5GB or 500MB (default: 5GB)")
     parser.add_argument("-d", "--debug", action="store_true", help="accepted for compatibility")
     args = parser.parse_args(argv)
     try:
-        out, count = _write(args.checkpoint_dir, args.output_dir, dtype=torch.float32,
-                            safe_serialization=args.safe_serialization, tag=args.tag,
-                            exclude_frozen_parameters=args.exclude_frozen_parameters, max_shard_size=None)
+        out, written = _write(args.checkpoint_dir, args.output_dir, dtype=torch.float32,
+                              safe_serialization=args.safe_serialization, tag=args.tag,
+                              exclude_frozen_parameters=args.exclude_frozen_parameters,
+                              max_shard_size=args.max_shard_size)
     except CheckpointError as error:  # a full disk included: nothing written, one line
         print(f"zero_to_fp32: {type(error).__name__}: {' '.join(str(error).split())}", file=sys.stderr)
         return 1
-    print(f"zero_bnb: wrote {count} tensors to {out}")
+    print(f"zero_bnb: wrote {written} to {out}")
     return 0
 
 

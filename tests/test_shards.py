@@ -1,0 +1,67 @@
+"""``max_shard_size``: the split of a state dict into files, against huggingface_hub's (the one DeepSpeed uses).
+
+The split on real checkpoints, written by ``zero_to_fp32`` and read back by transformers' sharded loader, is in
+tests/test_stage3.py (test_zero_to_fp32_splits_a_state_larger_than_max_shard_size_as_deepspeed_does).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from huggingface_hub import split_torch_state_dict_into_shards
+from huggingface_hub.serialization._base import parse_size_to_int
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zero_bnb.errors import CheckpointUsageError
+from zero_bnb.tools.shards import parse_shard_size, plan_shards
+
+DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.uint8)
+
+
+@st.composite
+def states(draw):
+    """A state dict of tensors of various sizes and dtypes; some names tie to an earlier name's tensor. Not empty
+    tensors: huggingface_hub takes every empty tensor for one storage (data pointer 0), a split without bytes."""
+    state: dict[str, torch.Tensor] = {}
+    for index in range(draw(st.integers(0, 12))):
+        if state and draw(st.booleans()) and draw(st.booleans()):
+            state[f"t{index}"] = state[draw(st.sampled_from(sorted(state)))]
+        else:
+            state[f"t{index}"] = torch.empty(draw(st.integers(1, 300)), dtype=draw(st.sampled_from(DTYPES)))
+    return state
+
+
+@settings(max_examples=200, deadline=None)
+@given(state=states(), limit=st.integers(1, 1500), safetensors=st.booleans())
+def test_the_split_is_huggingface_hubs(state, limit, safetensors):
+    """The same files, the same names in each, the same total size as huggingface_hub's split."""
+    weights_name = "model.safetensors" if safetensors else "pytorch_model.bin"
+    pattern = weights_name.replace(".bin", "{suffix}.bin").replace(".safetensors", "{suffix}.safetensors")
+    theirs = split_torch_state_dict_into_shards(state, filename_pattern=pattern, max_shard_size=limit)
+    ours = plan_shards(state, weights_name, limit)
+    if not state:  # huggingface_hub plans no file; zero_bnb writes one empty file (what it always wrote)
+        assert ours.files == {weights_name: []} and not ours.sharded
+        return
+    assert {file: sorted(names) for file, names in ours.files.items()} == {
+        file: sorted(names) for file, names in theirs.filename_to_tensors.items()}
+    assert list(ours.files) == list(theirs.filename_to_tensors)
+    assert ours.sharded == theirs.is_sharded and ours.total_size == theirs.metadata["total_size"]
+    assert ours.index()["weight_map"] == theirs.tensor_to_filename
+
+
+def test_everything_in_one_file_without_a_limit():
+    state = {"a": torch.zeros(10**6), "b": torch.zeros(3)}
+    assert plan_shards(state, "pytorch_model.bin", None).files == {"pytorch_model.bin": ["a", "b"]}
+
+
+@pytest.mark.parametrize("size", ["5GB", "500MB", "1.5 kb", "2TB", " 10KB ", 12345])
+def test_sizes_are_read_as_huggingface_hub_reads_them(size):
+    assert parse_shard_size(size) == (size if isinstance(size, int) else parse_size_to_int(size))
+
+
+@pytest.mark.parametrize("size", ["5GiB", "5G", "", "GB", "-1GB", "0MB", 0, -5, True, 1.5, None])
+def test_a_wrong_size_is_named_with_the_forms_that_work(size):
+    with pytest.raises(CheckpointUsageError) as refused:
+        parse_shard_size(size)
+    assert f"max_shard_size={size!r} is not a size" in str(refused.value) and "'5GB'" in str(refused.value)

@@ -1,0 +1,131 @@
+"""A state dict split into files of at most ``max_shard_size`` bytes, named and indexed as Hugging Face does.
+
+DeepSpeed's ``zero_to_fp32`` (0.19) shards its output with huggingface_hub's ``split_torch_state_dict_into_shards``
+(default ``max_shard_size="5GB"``): ``pytorch_model-00001-of-00003.bin`` ... (``model-...safetensors``) and an index,
+``pytorch_model.bin.index.json`` (``model.safetensors.index.json``), mapping each name to its file, which
+``from_pretrained`` reads; a state that fits in one file keeps the single name and gets no index. :func:`plan_shards`
+is that split without the dependency: tensors in the state's order, a new file when the next one would pass the
+limit, a tensor larger than the limit alone in its file, names sharing one tensor (tied weights) counted once and
+kept in the first one's file.
+
+Local, no collectives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from zero_bnb.errors import CheckpointUsageError
+from zero_bnb.tools.outputs import replacing_file
+from zero_bnb.tools.views import write_state_dict
+
+__all__ = ["ShardPlan", "parse_shard_size", "plan_shards", "write_shards"]
+
+#: The units huggingface_hub's ``parse_size_to_int`` reads (powers of 1000).
+SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+def parse_shard_size(size: int | str) -> int:
+    """``max_shard_size`` in bytes: a positive int, or a number and a unit (``"5GB"``, ``"500MB"``).
+
+    Raises:
+        CheckpointUsageError: anything else (named, with the forms that work).
+    """
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]B)\s*", size, re.IGNORECASE) if isinstance(size, str) else None
+    if match is None or float(match.group(1)) <= 0:
+        raise CheckpointUsageError(f"max_shard_size={size!r} is not a size; give a number of bytes or a number and a "
+                                   f"unit, such as '5GB' or '500MB' ({', '.join(SIZE_UNITS)})")
+    return int(float(match.group(1)) * SIZE_UNITS[match.group(2).upper()])
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPlan:
+    """Which names go to which file; ``files`` in writing order, each file's names in the state's order."""
+
+    files: dict[str, list[str]]
+    total_size: int
+
+    @property
+    def sharded(self) -> bool:
+        return len(self.files) > 1
+
+    def index(self) -> dict:
+        """The index file's contents: ``{"metadata": {"total_size": bytes}, "weight_map": {name: file}}``."""
+        return {"metadata": {"total_size": self.total_size},
+                "weight_map": {name: file for file, names in self.files.items() for name in names}}
+
+
+def _tensor_key(tensor: torch.Tensor) -> tuple:
+    return tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype
+
+
+def plan_shards(state: dict[str, torch.Tensor], weights_name: str, max_shard_size: int | str | None) -> ShardPlan:
+    """Split ``state`` (bytes: each tensor's elements in its dtype) into files named after ``weights_name``
+    (``pytorch_model.bin`` or ``model.safetensors``): ``<stem>-00001-of-0000N<suffix>``, or ``weights_name`` alone
+    when everything fits in one file (always, for ``max_shard_size=None``).
+
+    Raises:
+        CheckpointUsageError: ``max_shard_size`` is not a size.
+    """
+    limit = None if max_shard_size is None else parse_shard_size(max_shard_size)
+    first_of: dict[tuple, str] = {}  # a tensor -> the first name it was seen under
+    tied: dict[str, list[str]] = {}
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_size = total = 0
+    for name, tensor in state.items():
+        key = _tensor_key(tensor)
+        if key in first_of:
+            tied[first_of[key]].append(name)
+            continue
+        first_of[key], tied[name] = name, []
+        size = tensor.numel() * tensor.element_size()
+        total += size
+        if limit is not None and size > limit:
+            shards.append([name])
+            continue
+        if limit is not None and current and current_size + size > limit:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += size
+    if current or not shards:  # an empty state: one empty file, as before
+        shards.append(current)
+    stem, suffix = os.path.splitext(weights_name)
+    names = [weights_name] if len(shards) == 1 else [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{suffix}"
+                                                     for i in range(len(shards))]
+    return ShardPlan({file: [n for name in shard for n in (name, *tied[name])] for file, shard in zip(names, shards)},
+                     total)
+
+
+def write_shards(state: dict[str, torch.Tensor], output_dir: str, weights_name: str, max_shard_size: int | str | None, *,
+                 metadata: dict[str, str] | None = None) -> tuple[str, ShardPlan]:
+    """Write ``state`` into ``output_dir`` as :func:`plan_shards` splits it; each file replaces its name only once
+    complete, the index (if sharded) last. Returns the index's path (the file's when not sharded) and the plan.
+
+    Raises:
+        CheckpointUsageError: ``max_shard_size`` is not a size.
+        CheckpointSaveError: a write failed; the files written before it stay (the index is not written).
+    """
+    plan = plan_shards(state, weights_name, max_shard_size)
+    for file, names in plan.files.items():
+        # A tensor that is a view of a larger one would take the whole storage into its torch.save file.
+        part = {name: state[name] for name in names}
+        if plan.sharded:
+            copies: dict[tuple, torch.Tensor] = {}
+            part = {name: copies.setdefault(_tensor_key(value), value.clone()) for name, value in part.items()}
+        write_state_dict(part, os.path.join(output_dir, file), metadata=metadata)
+    if not plan.sharded:
+        return os.path.join(output_dir, weights_name), plan
+    index = os.path.join(output_dir, f"{weights_name}.index.json")
+    with replacing_file(index) as temporary, open(temporary, "w", encoding="utf-8") as handle:
+        json.dump(plan.index(), handle, indent=2, sort_keys=True)
+        handle.write("\n")
+    return index, plan
