@@ -63,10 +63,12 @@ CASES = [f"{o}-{p}-zero{s}" for o, p, s in itertools.product(OPTIMIZERS, PRECISI
          if (p, s) != ("bf16acc", 2) and TWINS.get(o, f"{o}-{p}-zero{s}") == f"{o}-{p}-zero{s}"]
 #: the stock-vs-zero_bnb reference: every family (but the twins) and precision, ZeRO-1 (ZeRO-2 shares the partitioning).
 REFERENCE_CASES = [f"{o}-{p}-zero1" for o, p in itertools.product(OPTIMIZERS, PRECISIONS) if o not in TWINS]
-#: Optimizer offload: every family at ZeRO-2 in fp32 (classic ZeRO-Offload), and Adam8bit at ZeRO-1 and in bf16.
+#: Optimizer offload: every family at ZeRO-2 in fp32 (classic ZeRO-Offload; of the twins AdamW8bit), and Adam8bit at
+#: ZeRO-1 and in bf16.
 #: bf16acc under offload is DeepSpeed's ZeRO optimizer (its BF16_Optimizer has no offload path). AdEMAMix32bit
 #: (AdEMAMix with optim_bits=32, which replaced bitsandbytes' broken AdEMAMix32bit class) is not run offloaded yet.
-OFFLOAD_CASES = [f"{o}-fp32-zero2-offload" for o in OPTIMIZERS if o not in ("AdEMAMix32bit", "PagedAdamW8bit", "torch.Adam")] + [
+OFFLOAD_CASES = [f"{o}-fp32-zero2-offload" for o in OPTIMIZERS if o not in ("AdEMAMix32bit", "PagedAdamW8bit",
+                                                                             "torch.Adam")] + [
     "Adam8bit-fp32-zero1-offload", "Adam8bit-bf16-zero1-offload", "Adam8bit-bf16acc-zero1-offload",
     "AdamW8bit-bf16-zero2-offload",
 ]

@@ -401,7 +401,8 @@ def test_rescued_stock_stage3_bf16_checkpoint_resumes_at_any_dp_size(work, dp):
                max(float((rescued["params"][n][key].flatten() - stock[n][key]).norm() / stock[n][key].norm())
                    for n in stock if "weight" in n), 1e-2)
     within(f"rescued stock ZeRO-3 bf16 at DP={dp} vs stock (rel.)",
-           worst_relative(sources["stock3_bf16_after"], resumed[dp]["rescued3_bf16_after"]), BF16_REQUANTIZED_LOSS_BOUND)
+           worst_relative(sources["stock3_bf16_after"], resumed[dp]["rescued3_bf16_after"]),
+           BF16_REQUANTIZED_LOSS_BOUND)
 
 
 def test_stock_stage3_state_already_on_the_block_grid_is_rescued_exactly(work):

@@ -435,7 +435,8 @@ def test_zero_to_fp32_splits_a_state_larger_than_max_shard_size_as_deepspeed_doe
     masters = {name: tensors["fp32"] for name, tensors in _case(runs, 2, "adam8bit")["saved"]["params"].items()}
     index = convert_zero_checkpoint_to_fp32_state_dict(folder, str(tmp_path / "ours"), max_shard_size="40KB")
     assert index == str(tmp_path / "ours" / "pytorch_model.bin.index.json")
-    assert zero_to_fp32_main([folder, str(tmp_path / "script"), "--max_shard_size", "40KB", "--safe_serialization"]) == 0
+    script = [folder, str(tmp_path / "script"), "--max_shard_size", "40KB", "--safe_serialization"]
+    assert zero_to_fp32_main(script) == 0
     zero_bnb.enable()
     try:
         deepspeed_zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(folder, str(tmp_path / "stock"),

@@ -3,8 +3,8 @@
 ``python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR [-t TAG] [--safe_serialization] [--max_shard_size 5GB]`` writes
 ``pytorch_model.bin`` (or ``model.safetensors``) with the consolidated fp32 module state dict
 (:func:`zero_bnb.tools.recovery.get_fp32_state_dict_from_zero_checkpoint`); one larger than ``max_shard_size``
-is split into shards and an index, as DeepSpeed's script does (:mod:`zero_bnb.tools.shards`). The functions users import
-from DeepSpeed's script (``deepspeed/utils/zero_to_fp32.py``, 0.19.8) are here with its signatures, so
+is split into shards and an index, as DeepSpeed's script does (:mod:`zero_bnb.tools.shards`). The functions users
+import from DeepSpeed's script (``deepspeed/utils/zero_to_fp32.py``, 0.19.8) are here with its signatures, so
 ``from zero_to_fp32 import load_state_dict_from_zero_checkpoint`` (or ``convert_zero_checkpoint_to_fp32_state_dict``)
 in a save folder works on zero_bnb checkpoints of every ZeRO stage.
 

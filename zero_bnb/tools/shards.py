@@ -105,8 +105,8 @@ def plan_shards(state: dict[str, torch.Tensor], weights_name: str, max_shard_siz
                      total)
 
 
-def write_shards(state: dict[str, torch.Tensor], output_dir: str, weights_name: str, max_shard_size: int | str | None, *,
-                 metadata: dict[str, str] | None = None) -> tuple[str, ShardPlan]:
+def write_shards(state: dict[str, torch.Tensor], output_dir: str, weights_name: str,
+                 max_shard_size: int | str | None, *, metadata: dict[str, str] | None = None) -> tuple[str, ShardPlan]:
     """Write ``state`` into ``output_dir`` as :func:`plan_shards` splits it; each file replaces its name only once
     complete, the index (if sharded) last. Returns the index's path (the file's when not sharded) and the plan.
 
