@@ -26,7 +26,7 @@ from zero_bnb.cli import main
 #: here) relative loss over the following steps; the same path, one bound with about 3x margin.
 REQUANTIZED_LOSS_BOUND = 2e-4
 #: The same in bf16 (gradients reduced in bf16 in another order at another DP size, as tests/test_stage3.py's 1e-3):
-#: measured PENDING.
+#: measured 0 at DP=1 and DP=3 (2026-11-24: the bf16 losses equal the stock run's), bound a quarter of a bf16 ulp.
 BF16_REQUANTIZED_LOSS_BOUND = 1e-3
 from zero_bnb.testing.launch import run_distributed
 from zero_bnb.versions import installed, release
