@@ -5,20 +5,30 @@ to 1e30, NaN/Inf gradients and every hyper-parameter, at step 1 and later, the k
 reference's parameters, codes and absmax bit for bit; it does not depend on the thread count; and it
 is block-local (a partition split at any block boundary and updated in pieces gives the same bits, so
 an elastic resume stays bit-identical). The quantizer alone is checked at every map midpoint, its float
-neighbours and every bucket edge of the kernel's table.
+neighbours and every bucket edge of the kernel's table. The build and its cache (with a fake compiler that
+copies this machine's build): a failing build is tried once per process, an unusable cache folder or a
+cached library another user could have written is a KernelBuildError naming the fix, a damaged cached
+library is rebuilt, and concurrent builders of one key compile once.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import ctypes
+import logging
+import os
 import platform
 
+import bitsandbytes as bnb
 import bitsandbytes.functional as F
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_bnb.kernels import build
+from zero_bnb.kernels import build, cpu_update
+from zero_bnb.kernels.build import KernelBuildError
+from zero_bnb.kernels.cpu_update import install_cpu_update
 from zero_bnb.kernels.fused import fused_quantize, fused_update, quantizer_path
 from zero_bnb.kernels.hyper import BLOCK, FAMILIES, TWO_STATE, UpdateHyper, step_scalars
 from zero_bnb.kernels.reference import quantize_codes, reference_update, sign_fix
@@ -333,3 +343,105 @@ def test_blocks_whose_absmax_is_zero_give_the_reference_bits(name):
         reference_update(hyper, scalars, **inputs)
         assert_same_bits(kernel, inputs)
     assert (kernel["absmax1"].view(rows, blocks)[:, :4] == 0).all(), "the zero blocks stayed zero"
+
+
+# Build and cache robustness: a fake ``CXX`` logs each compile and either fails or copies this machine's real
+# build (so no test here compiles anything).
+
+
+@pytest.fixture
+def fake_cxx(monkeypatch, tmp_path):
+    """``make(fail=..., delay=...)`` installs a fake compiler; ``count()`` is how many compiles it ran."""
+    real = build.build_library()
+    log = tmp_path / "cxx.log"
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_update, "_warned", False)
+    build.forget()
+
+    def make(fail: bool = False, delay: float = 0.0) -> None:
+        fake = tmp_path / "fakecxx"
+        action = "exit 1" if fail else f'sleep {delay}; for last; do :; done; cp "{real}" "$last"'
+        fake.write_text(f'#!/bin/sh\ncase "$1" in --version) echo fake 1.0; exit 0;; esac\n'
+                        f'echo build >> "{log}"\n{action}\n')
+        fake.chmod(0o755)
+        monkeypatch.setenv("CXX", str(fake))
+
+    make.count = lambda: len(log.read_text().splitlines()) if log.exists() else 0
+    yield make
+    build.forget()
+
+
+def test_a_failing_compiler_is_tried_once_per_process_not_at_every_update(fake_cxx, caplog):
+    fake_cxx(fail=True)
+    params = [torch.nn.Parameter(torch.randn(5000)) for _ in range(4)]
+    optimizer = bnb.optim.Adam8bit(params, lr=1e-3)
+    install_cpu_update(optimizer, "auto")
+    with caplog.at_level(logging.WARNING, logger="zero_bnb.kernels.cpu_update"):
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.ones_like(p)
+            optimizer.step()
+    assert fake_cxx.count() == 1 and optimizer.update_step.fused_steps == 0
+    assert len(caplog.records) == 1, [r.getMessage() for r in caplog.records]
+    with pytest.raises(KernelBuildError, match=r"zero_cpu_update is \"fused\".*failed \(exit 1\)"):
+        install_cpu_update(bnb.optim.Adam8bit(params, lr=1e-3), "fused")  # "fused" still raises, no new build
+    assert fake_cxx.count() == 1
+
+
+@pytest.mark.parametrize("where", ["a file", "inside a file"])
+def test_an_unusable_cache_folder_is_a_build_error_naming_it_and_the_fix(fake_cxx, monkeypatch, tmp_path, where):
+    fake_cxx()
+    (tmp_path / "afile").write_text("x")
+    folder = tmp_path / "afile" if where == "a file" else tmp_path / "afile" / "cache"
+    monkeypatch.setenv(build.CACHE_ENV, str(folder))
+    with pytest.raises(KernelBuildError, match=rf"kernel cache folder {folder}: .*set ZERO_BNB_KERNEL_DIR to a "
+                                               rf"writable folder"):
+        build.load_library()
+    assert not cpu_update._fused_available("auto")  # "auto" falls back (with its one warning)
+
+
+@pytest.mark.parametrize("damage", [0, 100])
+def test_a_damaged_cached_library_is_rebuilt_and_build_kernels_checks_that_it_loads(fake_cxx, monkeypatch, tmp_path,
+                                                                                    capsys, damage):
+    """Damaged: empty or truncated (a full disk, a cut copy). Each path is loaded at most once in this process
+    (the dynamic loader hands a loaded path's old handle back), hence two cache folders."""
+    fake_cxx()
+    path = build.build_library()
+    with open(path, "r+b") as handle:
+        handle.truncate(damage)
+    assert build.prebuild() == 0 and capsys.readouterr().out.strip() == path
+    assert fake_cxx.count() == 2 and os.path.getsize(path) > damage
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "other-cache"))
+    path = build.build_library()
+    with open(path, "r+b") as handle:
+        handle.truncate(damage)
+    assert build.load_library().zero_bnb_blockwise_update.restype is ctypes.c_int
+    assert fake_cxx.count() == 4 and os.path.getsize(path) > damage
+
+
+def test_concurrent_builders_of_one_key_compile_once(fake_cxx):
+    fake_cxx(delay=1.0)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # flock excludes separate open files, threads too
+        paths = list(pool.map(lambda _: build.build_library(), range(3)))
+    assert len(set(paths)) == 1 and fake_cxx.count() == 1
+
+
+@pytest.mark.parametrize("what", ["file writable by others", "folder writable by others", "file of another user"])
+def test_a_cached_library_someone_else_could_have_written_is_refused(fake_cxx, monkeypatch, what):
+    fake_cxx()
+    path = build.build_library()
+    if what == "file writable by others":
+        os.chmod(path, 0o666)
+    elif what == "folder writable by others":
+        os.chmod(os.path.dirname(path), 0o777)
+    elif os.getuid() == 0:
+        os.chown(path, 12345, -1)
+    else:  # not root: this process pretends to be another user
+        monkeypatch.setattr(os, "getuid", lambda: 12345)
+    with pytest.raises(KernelBuildError, match=rf"refusing to load the cached kernel {path}: .*(others|uid).*"
+                                               rf"ZERO_BNB_KERNEL_DIR to a folder only you can write"):
+        build.load_library()
+    os.chmod(os.path.dirname(path), 0o1777)  # a sticky folder (like /tmp) keeps others from replacing it
+    if what == "folder writable by others":
+        build.forget()
+        assert build.load_library().zero_bnb_blockwise_update.restype is ctypes.c_int

@@ -8,23 +8,30 @@ the source, the flags, the compiler's version and the CPU's instruction-set flag
 directory never hands one machine a binary built for another. Pre-build with
 ``python -m zero_bnb.kernels.build`` (or ``zero-bnb build-kernels``).
 
-Each process that uses the kernel calls :func:`load_library`; concurrent builds are safe (each writes a
-private file and renames it into place). Local: no collectives.
+Each process that uses the kernel calls :func:`load_library`, which builds (or fails) once per process.
+Concurrent builders of one key wait on a ``flock`` in the cache folder so one compiles and the others load
+its result; where the folder cannot be locked each builds privately, still safely (a private file renamed
+into place). A cached build that does not load is rebuilt; one that another user could have written is
+refused (:func:`_check_trusted`). Local: no collectives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import shlex
+import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 
-__all__ = ["KernelBuildError", "bind", "build_library", "cache_dir", "load_library", "main", "prebuild"]
+__all__ = ["KernelBuildError", "bind", "build_library", "cache_dir", "forget", "load_library", "main", "prebuild"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +42,7 @@ HEADERS = tuple(os.path.join(os.path.dirname(SOURCE), name) for name in ("quanti
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++17")
 #: Where the compiled library is cached (default ``~/.cache/zero_bnb/kernels``).
 CACHE_ENV = "ZERO_BNB_KERNEL_DIR"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 class KernelBuildError(RuntimeError):
@@ -84,19 +92,102 @@ def _key(compiler: list[str]) -> str:
     return digest.hexdigest()[:16]
 
 
-def build_library(force: bool = False) -> str:
-    """Compile the kernel unless a cached build for this source, compiler and CPU exists; its path.
+def _refuse(path: str, why: str) -> KernelBuildError:
+    return KernelBuildError(
+        f"refusing to load the cached kernel {path}: {why}, so another user could have replaced it; remove it and "
+        f"set {CACHE_ENV} to a folder only you can write, then run `zero-bnb build-kernels`"
+    )
+
+
+def _check_trusted(path: str) -> None:
+    """Refuse a library (or its folder) that a user other than this one (or root) could have written.
+
+    The cached library is trusted by its name, as DeepSpeed's JIT-built ops are; this keeps that name from
+    being someone else's file: the file and its folder must belong to this user or root, the file must not be
+    group/world-writable, nor the folder unless it has the sticky bit (``/tmp``).
 
     Raises:
-        KernelBuildError: no compiler, or the compilation failed (its output is in the message).
+        KernelBuildError: the check failed (the message names the path and the fix).
     """
-    compiler = _compiler()
-    folder = cache_dir()
-    path = os.path.join(folder, f"zero_bnb_blockwise_update_{_key(compiler)}.so")
-    if os.path.exists(path) and not force:
-        return path
-    os.makedirs(folder, exist_ok=True)
-    handle, scratch = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
+    trusted = {os.getuid(), 0}
+    folder = os.path.dirname(path) or "."
+    try:
+        folder_stat = os.stat(folder)
+        file_stat = os.stat(path) if os.path.exists(path) else None
+    except OSError as error:
+        raise KernelBuildError(f"cannot inspect the kernel cache {path}: {error}; set {CACHE_ENV} to a writable "
+                               f"folder") from error
+    if folder_stat.st_uid not in trusted:
+        raise _refuse(path, f"its folder belongs to uid {folder_stat.st_uid}, not to you (uid {os.getuid()})")
+    if folder_stat.st_mode & 0o022 and not folder_stat.st_mode & stat.S_ISVTX:
+        raise _refuse(path, f"its folder is writable by others (mode {oct(folder_stat.st_mode & 0o7777)}) "
+                            f"without the sticky bit")
+    if file_stat is not None and file_stat.st_uid not in trusted:
+        raise _refuse(path, f"it belongs to uid {file_stat.st_uid}, not to you (uid {os.getuid()})")
+    if file_stat is not None and file_stat.st_mode & 0o022:
+        raise _refuse(path, f"it is writable by others (mode {oct(file_stat.st_mode & 0o7777)})")
+
+
+def _loads(path: str) -> bool:
+    """Whether the cached library at ``path`` exists, passes :func:`_check_trusted` and loads."""
+    if not os.path.exists(path):
+        return False
+    _check_trusted(path)
+    try:
+        ctypes.CDLL(path)
+    except OSError as error:
+        logger.warning("zero_bnb: the cached fused CPU kernel %s does not load (%s); rebuilding it", path, error)
+        return False
+    return True
+
+
+def _make_folder(folder: str) -> None:
+    """Create the cache folder (``0o755`` when this call creates it).
+
+    Raises:
+        KernelBuildError: it cannot be created (names the folder, the error and the fix).
+    """
+    try:
+        if not os.path.isdir(folder):
+            os.makedirs(folder, exist_ok=True)
+            os.chmod(folder, 0o755)  # not group-writable under umask 002: _check_trusted would refuse it
+    except OSError as error:
+        raise KernelBuildError(
+            f"cannot create the kernel cache folder {folder}: {error}; set {CACHE_ENV} to a writable folder"
+        ) from error
+
+
+@contextlib.contextmanager
+def _build_lock(lock_path: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_path`` (concurrent builders of one key wait for the first).
+
+    Where the file cannot be created or locked (read-only folder, NFS without a lock daemon), nothing is
+    held and each process builds privately (the rename keeps that safe).
+    """
+    try:
+        descriptor = os.open(lock_path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600)
+    except OSError as error:
+        logger.info("zero_bnb: cannot create %s (%s); building without the lock", lock_path, error)
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+        except OSError as error:
+            logger.info("zero_bnb: cannot lock %s (%s); building without the lock", lock_path, error)
+        yield
+    finally:
+        os.close(descriptor)  # releases the flock
+
+
+def _compile(compiler: list[str], folder: str, path: str) -> None:
+    """Compile into a private file in ``folder`` and rename it to ``path``."""
+    try:
+        handle, scratch = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
+    except OSError as error:
+        raise KernelBuildError(
+            f"cannot write into the kernel cache folder {folder}: {error}; set {CACHE_ENV} to a writable folder"
+        ) from error
     os.close(handle)
     command = [*compiler, *FLAGS, SOURCE, "-o", scratch]
     logger.info("building the fused CPU 8-bit optimizer update: %s", " ".join(command))
@@ -106,25 +197,67 @@ def build_library(force: bool = False) -> str:
             raise KernelBuildError(
                 f"compiling {SOURCE} failed (exit {done.returncode}): {' '.join(command)}\n{done.stderr[-2000:]}"
             )
+        os.chmod(scratch, 0o755)
         os.replace(scratch, path)
     except (OSError, subprocess.SubprocessError) as error:
         raise KernelBuildError(f"compiling {SOURCE} with {compiler[0]!r} failed: {error}") from error
     finally:
         if os.path.exists(scratch):
             os.unlink(scratch)
+
+
+def build_library(force: bool = False) -> str:
+    """Compile the kernel unless a cached build for this source, compiler and CPU exists and loads; its path.
+
+    A cached build that does not load (truncated, empty) is rebuilt. Concurrent builders of one key wait on
+    ``{path}.lock`` in the cache folder, so one compiles and the others take its result.
+
+    Raises:
+        KernelBuildError: no compiler, an unusable cache folder, a cached build someone else could have
+            written, or the compilation failed (its output is in the message).
+    """
+    compiler = _compiler()
+    folder = cache_dir()
+    path = os.path.join(folder, f"zero_bnb_blockwise_update_{_key(compiler)}.so")
+    if not force and _loads(path):
+        return path
+    _make_folder(folder)
+    _check_trusted(path)
+    with _build_lock(path[: -len(".so")] + ".lock"):
+        if force or not _loads(path):  # another process may have built it while this one waited
+            _compile(compiler, folder, path)
     return path
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=None)
+def _attempt(compiler: str, folder: str) -> ctypes.CDLL | KernelBuildError:
+    """One build-and-load per process for each ``CXX`` and cache folder: the library, or why it failed."""
+    try:
+        return bind(build_library())
+    except KernelBuildError as error:
+        return error
+
+
 def load_library() -> ctypes.CDLL:
     """The compiled kernel, built on first use and cached for this process.
+
+    A failure is remembered too (per ``CXX`` and cache folder): the build is tried once per process, never at
+    every update. :func:`forget` clears both.
 
     Raises:
         KernelBuildError: it could not be built or loaded.
     """
     import torch  # noqa: F401  (torch's OpenMP runtime is loaded first and shared with the kernel)
 
-    return bind(build_library())
+    result = _attempt(os.environ.get("CXX", ""), cache_dir())
+    if isinstance(result, KernelBuildError):
+        raise KernelBuildError(str(result)) from result.__cause__
+    return result
+
+
+def forget() -> None:
+    """Forget this process's loaded library and remembered build failures (the next use builds again)."""
+    _attempt.cache_clear()
 
 
 def bind(path: str) -> ctypes.CDLL:
@@ -150,13 +283,15 @@ def bind(path: str) -> ctypes.CDLL:
 
 
 def prebuild(force: bool = False) -> int:
-    """Compile (or find) the kernel and print its path; the exit code (1 when it cannot be built).
+    """Compile (or find, or rebuild a damaged one) the kernel, check that it loads and print its path; the exit
+    code (1 when it cannot be built or loaded).
 
     ``zero-bnb build-kernels`` and ``python -m zero_bnb.kernels.build``. Local: run it once per machine
     (or per shared cache folder) before training.
     """
     try:
         path = build_library(force=force)
+        bind(path)  # the printed library loads
     except KernelBuildError as error:
         sys.stderr.write(f"zero_bnb: {error}\n")
         return 1
