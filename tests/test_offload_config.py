@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from zero_bnb.core.config import FORCE_DS_CPU_OPTIMIZER, ZeroBnbConfigError, prepare_offload
+from zero_bnb.core.state_spec import UnsupportedOptimizerError
 
 
 def _optimizer():
@@ -70,11 +71,16 @@ def test_what_deepspeed_cannot_do_at_stages_1_and_2_is_refused_naming_the_settin
     assert repr(config) == before  # nothing was changed
 
 
-def test_a_forced_cpu_optimizer_is_left_to_deepspeed_for_optimizers_zero_bnb_does_not_declare():
-    """An undeclared optimizer is refused later, by spec_for, with the supported list."""
-    config = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}, FORCE_DS_CPU_OPTIMIZER: True}
-    assert prepare_offload(config, bnb.optim.LAMB8bit([torch.nn.Parameter(torch.zeros(8))])) is True
-    assert config[FORCE_DS_CPU_OPTIMIZER] is True
+@pytest.mark.parametrize("force", [None, True])
+def test_an_optimizer_zero_bnb_does_not_declare_is_refused_under_offload_before_deepspeed_asks_for_its_own(force):
+    """zero_bnb's refusal, with the supported list, not DeepSpeed's "set zero_force_ds_cpu_optimizer: false"."""
+    config = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+    if force is not None:
+        config[FORCE_DS_CPU_OPTIMIZER] = force
+    with pytest.raises(UnsupportedOptimizerError, match=r"no state declaration for bitsandbytes\.optim\.lamb\.LAMB8bit"
+                                                        r"\. Supported: .*Adam"):
+        prepare_offload(config, bnb.optim.LAMB8bit([torch.nn.Parameter(torch.zeros(8))]))
+    assert config.get(FORCE_DS_CPU_OPTIMIZER) is force
 
 
 def test_accelerate_keeps_the_users_optimizer_only_while_zero_bnb_routes_the_call():

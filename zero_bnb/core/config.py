@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from zero_bnb.core.state_spec import BNB_BLOCK_SIZE, BNB_KERNEL_MAX_NUMEL, declared
+from zero_bnb.core.state_spec import BNB_BLOCK_SIZE, BNB_KERNEL_MAX_NUMEL, declared, spec_for
 
 __all__ = [
     "CHECKPOINT_VERIFY",
@@ -261,14 +261,16 @@ def prepare_offload(ds_config: dict[str, Any], client_optimizer: Any) -> bool:
 
     Args:
         ds_config: the DeepSpeed config (zero_bnb's keys removed); changed in place.
-        client_optimizer: the optimizer passed to ``initialize`` (``None``: DeepSpeed builds one; an
-            optimizer zero_bnb does not declare is refused later, by :func:`~zero_bnb.core.state_spec.spec_for`).
+        client_optimizer: the optimizer passed to ``initialize`` (``None``: DeepSpeed builds one; under offload
+            an optimizer zero_bnb does not declare is refused here, by :func:`~zero_bnb.core.state_spec.spec_for`,
+            before DeepSpeed would ask for ``zero_force_ds_cpu_optimizer: false``).
 
     Returns:
         Whether the optimizer state is offloaded to the CPU.
 
     Raises:
         ZeroBnbConfigError: naming the setting, its value and the alternative.
+        UnsupportedOptimizerError: the state is offloaded and ``client_optimizer`` is not declared.
     """
     zero = ds_config.get("zero_optimization") or {}
     if not isinstance(zero, Mapping):
@@ -310,7 +312,9 @@ def prepare_offload(ds_config: dict[str, Any], client_optimizer: Any) -> bool:
             "zero_optimization.offload_optimizer.super_offload=true is a ZeRO stage 3 feature that DeepSpeed ignores "
             "at stages 1 and 2; remove it"
         )
-    if client_optimizer is not None and declared(client_optimizer):
+    if client_optimizer is not None and not declared(client_optimizer):
+        spec_for(client_optimizer)  # refused here, naming what zero_bnb supports, before DeepSpeed's own message
+    if client_optimizer is not None:
         if ds_config.get(FORCE_DS_CPU_OPTIMIZER, False) is not False:
             name = f"{type(client_optimizer).__module__}.{type(client_optimizer).__qualname__}"
             raise ZeroBnbConfigError(
