@@ -65,3 +65,29 @@ def test_a_wrong_size_is_named_with_the_forms_that_work(size):
     with pytest.raises(CheckpointUsageError) as refused:
         parse_shard_size(size)
     assert f"max_shard_size={size!r} is not a size" in str(refused.value) and "'5GB'" in str(refused.value)
+
+
+def test_an_earlier_outputs_files_that_the_new_one_does_not_use_are_removed(tmp_path):
+    """from_pretrained reads a single file before an index: a single pytorch_model.bin left by an earlier run beside a
+    new sharded output would be loaded instead of it. Each write removes the earlier output's single file, index and
+    shards of another split (only those names, never a folder), after its own files are written."""
+    import os
+
+    from zero_bnb.tools.shards import write_shards
+
+    state = {"a": torch.arange(300, dtype=torch.float32), "b": torch.ones(300)}
+    (tmp_path / "pytorch_model-00001-of-00009.bin").mkdir()  # a folder: not an output file
+    others = ["model.safetensors", "pytorch_model-old.bin", "notes.txt"]
+    for name in others:
+        (tmp_path / name).write_text("kept")
+    unrelated = sorted(others + ["pytorch_model-00001-of-00009.bin"])
+    out, plan = write_shards(state, str(tmp_path), "pytorch_model.bin", None)
+    assert not plan.sharded and sorted(os.listdir(tmp_path)) == sorted(unrelated + ["pytorch_model.bin"])
+    out, plan = write_shards(state, str(tmp_path), "pytorch_model.bin", 1500)  # 2 shards and the index
+    shards = ["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin", "pytorch_model.bin.index.json"]
+    assert plan.sharded and sorted(os.listdir(tmp_path)) == sorted(unrelated + shards)
+    assert torch.equal(torch.load(tmp_path / shards[0])["a"], state["a"])
+    (tmp_path / "pytorch_model-00003-of-00003.bin").write_text("an earlier split's")
+    write_shards(state, str(tmp_path), "pytorch_model.bin", "2TB")
+    assert sorted(os.listdir(tmp_path)) == sorted(unrelated + ["pytorch_model.bin"])
+    assert torch.equal(torch.load(tmp_path / "pytorch_model.bin")["b"], state["b"])

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zero_bnb.errors import CheckpointUsageError
+from zero_bnb.errors import CheckpointSaveError, CheckpointUsageError
+from zero_bnb.format.durable import fsync_dir, remove_tree
 from zero_bnb.tools.outputs import replacing_file
 from zero_bnb.tools.views import write_state_dict
 
@@ -108,11 +109,14 @@ def plan_shards(state: dict[str, torch.Tensor], weights_name: str, max_shard_siz
 def write_shards(state: dict[str, torch.Tensor], output_dir: str, weights_name: str,
                  max_shard_size: int | str | None, *, metadata: dict[str, str] | None = None) -> tuple[str, ShardPlan]:
     """Write ``state`` into ``output_dir`` as :func:`plan_shards` splits it; each file replaces its name only once
-    complete, the index (if sharded) last. Returns the index's path (the file's when not sharded) and the plan.
+    complete, the index (if sharded) last; then files an earlier output of ``weights_name`` left there that this one
+    does not use are removed (:func:`_remove_stale`). Returns the index's path (the file's when not sharded) and the
+    plan.
 
     Raises:
         CheckpointUsageError: ``max_shard_size`` is not a size.
-        CheckpointSaveError: a write failed; the files written before it stay (the index is not written).
+        CheckpointSaveError: a write failed; the files written before it stay (the index is not written, nothing is
+            removed); or a stale file could not be removed (named).
     """
     plan = plan_shards(state, weights_name, max_shard_size)
     for file, names in plan.files.items():
@@ -122,10 +126,38 @@ def write_shards(state: dict[str, torch.Tensor], output_dir: str, weights_name: 
             copies: dict[tuple, torch.Tensor] = {}
             part = {name: copies.setdefault(_tensor_key(value), value.clone()) for name, value in part.items()}
         write_state_dict(part, os.path.join(output_dir, file), metadata=metadata)
-    if not plan.sharded:
-        return os.path.join(output_dir, weights_name), plan
     index = os.path.join(output_dir, f"{weights_name}.index.json")
-    with replacing_file(index) as temporary, open(temporary, "w", encoding="utf-8") as handle:
-        json.dump(plan.index(), handle, indent=2, sort_keys=True)
-        handle.write("\n")
-    return index, plan
+    if plan.sharded:
+        with replacing_file(index) as temporary, open(temporary, "w", encoding="utf-8") as handle:
+            json.dump(plan.index(), handle, indent=2, sort_keys=True)
+            handle.write("\n")
+    _remove_stale(output_dir, weights_name, plan)
+    return (index if plan.sharded else os.path.join(output_dir, weights_name)), plan
+
+
+def _remove_stale(output_dir: str, weights_name: str, plan: ShardPlan) -> None:
+    """Remove what an earlier output of ``weights_name`` in ``output_dir`` left that this one does not use: its single
+    file beside a new index (``from_pretrained`` reads a single file before an index: it would load the old
+    weights), its index beside a new single file, and shards of another split. Only those names; after the new files.
+
+    Raises:
+        CheckpointSaveError: one could not be removed (named, with the command); the new files are written.
+    """
+    stem, suffix = os.path.splitext(weights_name)
+    shard = re.compile(rf"{re.escape(stem)}-\d{{5}}-of-\d{{5}}{re.escape(suffix)}")
+    kept = set(plan.files) | ({f"{weights_name}.index.json"} if plan.sharded else set())
+    stale = sorted(name for name in os.listdir(output_dir) if name not in kept and (
+        name in (weights_name, f"{weights_name}.index.json") or shard.fullmatch(name))
+        and not os.path.isdir(os.path.join(output_dir, name)))  # files and links; a folder is nobody's output
+    for name in stale:
+        path = os.path.join(output_dir, name)
+        try:
+            remove_tree(path)
+        except OSError as error:
+            raise CheckpointSaveError(
+                f"wrote the new {weights_name} output in {output_dir}, but could not remove {path}, which an earlier "
+                f"output left ({type(error).__name__}: {error}); from_pretrained could read it instead of the new "
+                f"files: remove it (rm -f {path!r})"
+            ) from error
+    if stale:
+        fsync_dir(output_dir)
