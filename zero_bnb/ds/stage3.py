@@ -13,9 +13,9 @@
 * gradients are reduce-scattered on those slices: DeepSpeed's own ``__avg_scatter_grads`` runs, and the
   ``reduce_scatter_coalesced`` it calls (which cuts ``ceil(numel / dp)``) is handed each gradient zero-padded
   to its parameter's whole slices (a module-level patch that passes a stock engine's gradients as they are;
-  the override of ``__avg_scatter_grads`` only names the bucket's parameters to it), a one-parameter all-gather (``_all_gather_sequential``, whose buffer is
-  ``ceil(numel / dp) * dp``) goes through a buffer of the padded size, and at DP=1 (no gather) the
-  parameter is a view of its partition's first ``numel`` elements;
+  the override of ``__avg_scatter_grads`` only names the bucket's parameters to it); a one-parameter
+  all-gather (``_all_gather_sequential``, whose buffer is ``ceil(numel / dp) * dp``) goes through a buffer of
+  the padded size, and at DP=1 (no gather) the parameter is a view of its partition's first ``numel`` elements;
 * each sub-group holds one parameter, so the base optimizer's state of a sub-group is one parameter's
   slice and a checkpoint group is one parameter at every DP size.
 

@@ -18,8 +18,8 @@ from zero_bnb.format.paths import check_name
 from zero_bnb.format.unpickle import check_checkpoint_file, safe_load
 
 __all__ = ["MODEL_STATES", "UNIVERSAL_STATE", "WRITTEN_BY_ZERO_BNB", "fp32_partitions", "group_hyperparameters",
-           "group_states", "is_stage3", "is_stage3_model_file", "model_file_of", "model_states_files", "param_entries", "read_rank_files",
-           "stage3_model_states", "stock_dp_world_size", "zero_file_names"]
+           "group_states", "is_stage3", "is_stage3_model_file", "model_file_of", "model_states_files", "param_entries",
+           "read_rank_files", "stage3_model_states", "stock_dp_world_size", "zero_file_names"]
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 #: The file that marks a DeepSpeed universal checkpoint's tag folder (relative to it).

@@ -1,7 +1,8 @@
 """Checkpoint conversion as Python functions: zero_bnb <-> DeepSpeed universal, and stock DeepSpeed rescue.
 
-(``inspect`` and ``export`` live in :mod:`zero_bnb.tools.views`.) All functions run in one process, without a DeepSpeed engine or ``torch.distributed``. The
-command line (``zero-bnb inspect|verify|convert|export``) is a thin layer over them.
+(``inspect`` and ``export`` live in :mod:`zero_bnb.tools.views`.) All functions run in one process, without a
+DeepSpeed engine or ``torch.distributed``. The command line (``zero-bnb inspect|verify|convert|export``) is a thin
+layer over them.
 
 Paths: ``path`` may be a save folder (holding ``latest`` / ``latest_universal`` and tag
 folders; ``tag=None`` then follows the pointer file) or one tag folder. Outputs of
