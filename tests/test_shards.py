@@ -91,3 +91,19 @@ def test_an_earlier_outputs_files_that_the_new_one_does_not_use_are_removed(tmp_
     write_shards(state, str(tmp_path), "pytorch_model.bin", "2TB")
     assert sorted(os.listdir(tmp_path)) == sorted(unrelated + ["pytorch_model.bin"])
     assert torch.equal(torch.load(tmp_path / "pytorch_model.bin")["b"], state["b"])
+
+
+def test_a_safetensors_file_that_from_pretrained_would_read_first_is_named(tmp_path, caplog):
+    """A model.safetensors left by an earlier run with --safe_serialization is read by from_pretrained before a new
+    pytorch_model.bin: it is kept (another format: maybe wanted) but named in a warning with the command."""
+    import logging
+
+    from zero_bnb.tools.shards import write_shards
+
+    (tmp_path / "model.safetensors").write_text("an earlier run's")
+    with caplog.at_level(logging.WARNING, logger="zero_bnb.tools.shards"):
+        write_shards({"a": torch.zeros(3)}, str(tmp_path), "pytorch_model.bin", None)
+    assert (tmp_path / "model.safetensors").read_text() == "an earlier run's"
+    expected = (f"zero_bnb: {tmp_path} also holds model.safetensors, which from_pretrained reads before "
+                f"pytorch_model.bin: remove it if an earlier run left it (rm {str(tmp_path / 'model.safetensors')!r})")
+    assert [record.getMessage() for record in caplog.records] == [expected]

@@ -14,6 +14,7 @@ Local, no collectives.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -26,6 +27,11 @@ from zero_bnb.tools.outputs import replacing_file
 from zero_bnb.tools.views import write_state_dict
 
 __all__ = ["ShardPlan", "parse_shard_size", "plan_shards", "write_shards"]
+
+logger = logging.getLogger(__name__)
+
+#: Files ``from_pretrained`` reads before a weights name's own file and index (safetensors first).
+_READ_FIRST = {"pytorch_model.bin": ("model.safetensors", "model.safetensors.index.json")}
 
 #: The units huggingface_hub's ``parse_size_to_int`` reads (powers of 1000).
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -132,6 +138,11 @@ def write_shards(state: dict[str, torch.Tensor], output_dir: str, weights_name: 
             json.dump(plan.index(), handle, indent=2, sort_keys=True)
             handle.write("\n")
     _remove_stale(output_dir, weights_name, plan)
+    shadowing = [name for name in _READ_FIRST.get(weights_name, ()) if os.path.lexists(os.path.join(output_dir, name))]
+    if shadowing:
+        logger.warning("zero_bnb: %s also holds %s, which from_pretrained reads before %s: remove it if an earlier "
+                       "run left it (rm %s)", output_dir, " and ".join(shadowing), weights_name,
+                       " ".join(repr(os.path.join(output_dir, name)) for name in shadowing))
     return (index if plan.sharded else os.path.join(output_dir, weights_name)), plan
 
 
