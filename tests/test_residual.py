@@ -79,6 +79,17 @@ def test_exhaustive_over_every_top_half(low):
     _check_exceptions(bits, residual.index.tolist())
 
 
+@pytest.mark.parametrize("shift", [1, 0xFFFF, 0x8000])
+def test_every_weight_beside_a_master_it_is_not_the_rounding_of_joins_back_exactly(shift):
+    """The join's 32-bit arithmetic wraps where the top half does (bf16 0x8000 with a carry gives 0x7FFF...): every
+    16-bit weight, next to masters whose top half is off by ``shift``, around the rounding boundary."""
+    weights = torch.arange(1 << 16, dtype=torch.int32)
+    for low in (0x0000, 0x7FFF, 0x8000, 0x8001, 0xFFFF):
+        bits = [(((w + shift) & 0xFFFF) << 16) | low for w in range(1 << 16)]
+        weight = torch.where(weights >= 1 << 15, weights - (1 << 16), weights).to(torch.int16).view(torch.bfloat16)
+        assert _bits(join_bf16(weight, split_bf16(_floats(bits), weight))) == bits
+
+
 def test_trained_like_weights_need_almost_no_exceptions():
     torch.manual_seed(0)
     master = torch.randn(1 << 20) * 0.02
@@ -101,17 +112,38 @@ def test_derived_masters_rebuild_exactly_from_the_module_weights(storage, start,
     dtype = torch.float32 if storage == MODULE else torch.bfloat16
     module = {name: value.to(dtype) for name, value in masters.items()}
     master = module_slice(params, masters, start, end)
-    derived = derive(storage, master, module_slice(params, module, start, end), params, module, start, end)
+    derived = derive(storage, master, module_slice(params, module, start, end), params, start, end)
     assert derived_problems(derived.to_dict(), storage, end - start) == []
     rebuilt = rebuild(storage, derived, params, module, start, end, model_file="m.pt", shard_file="s.pt")
     assert torch.equal(rebuilt.view(torch.int32), master.view(torch.int32))
+
+
+@pytest.mark.parametrize("storage", [MODULE, MODULE_LOW16])
+def test_module_weights_back_to_back_in_one_storage_are_read_in_place(storage):
+    """DeepSpeed's module weights are views of one flat buffer (and so are those a memory-mapped model file gives
+    back): the group's range is one view of it, no copy; the masters rebuild exactly as from separate tensors."""
+    params, masters = _group()
+    dtype = torch.float32 if storage == MODULE else torch.bfloat16
+    flat = torch.cat([masters[p.name].reshape(-1) for p in params]).to(dtype)
+    module = {p.name: flat[p.offset : p.offset + p.numel].view(p.shape) for p in params}
+    separate = {name: value.to(dtype) for name, value in masters.items()}
+    for start, end in [(0, 21), (5, 14), (13, 21)]:
+        weight = module_slice(params, module, start, end)
+        assert weight.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        assert torch.equal(weight, flat[start:end])
+        master = module_slice(params, masters, start, end)  # separate tensors: copied
+        derived = derive(storage, master, weight, params, start, end)
+        assert derived.digests == derive(storage, master, module_slice(params, separate, start, end), params, start,
+                                         end).digests
+        rebuilt = rebuild(storage, derived, params, module, start, end, model_file="m.pt", shard_file="s.pt")
+        assert torch.equal(rebuilt.view(torch.int32), master.view(torch.int32))
 
 
 def test_an_edited_model_file_is_named_not_combined_into_wrong_masters():
     params, masters = _group()
     module = {name: value.to(torch.bfloat16) for name, value in masters.items()}
     derived = derive(MODULE_LOW16, module_slice(params, masters, 0, 21), module_slice(params, module, 0, 21),
-                     params, module, 0, 21)
+                     params, 0, 21)
     edited = dict(module, b=module["b"] + 1)
     for check in (rebuild, check_module):  # a load's check without a rebuild refuses the same
         with pytest.raises(CheckpointFormatError, match=r"m\.pt: the module weights of \['b'\].*s\.pt"):
@@ -130,7 +162,7 @@ def test_malformed_stored_residuals_are_refused():
     params, masters = _group()
     module = {name: value.to(torch.bfloat16) for name, value in masters.items()}
     good = derive(MODULE_LOW16, module_slice(params, masters, 0, 21), module_slice(params, module, 0, 21),
-                  params, module, 0, 21).to_dict()
+                  params, 0, 21).to_dict()
     assert derived_problems(None, MODULE, 21)
     assert derived_problems(dict(good, low16=good["low16"][:-1]), MODULE_LOW16, 21)
     assert derived_problems(dict(good, exception_index=torch.tensor([3, 3]), exception_value=torch.zeros(2)),

@@ -67,7 +67,7 @@ def _derive_local(optimizer: PartitionedOptimizer, index: int, weights: Mapping[
     weight = module_slice(params, by_name, start, end)
     if not rounds_to(master, weight):
         return None, 0, _NOT_ROUNDING
-    derived = derive(storage, master, weight, params, by_name, start, end)
+    derived = derive(storage, master, weight, params, start, end)
     return derived, 0 if derived.residual is None else derived.residual.index.numel(), ""
 
 

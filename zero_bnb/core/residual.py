@@ -25,6 +25,8 @@ __all__ = ["CHUNK", "Residual", "join_bf16", "rounds_to", "split_bf16"]
 
 #: Elements processed at once (bounds the temporaries).
 CHUNK = 1 << 24
+#: Elements :func:`join_bf16` processes at once (its temporaries stay in the cache).
+_JOIN_CHUNK = 1 << 18
 _HALF = 0x8000
 
 
@@ -85,15 +87,22 @@ def join_bf16(weight: torch.Tensor, residual: Residual) -> torch.Tensor:
     """The fp32 master of bf16 ``weight`` (1-D, CPU) and its :class:`Residual`, in a new tensor.
 
     The caller checks ``residual``'s shapes and that ``index`` lies in range (``format.masters``).
+    In 32-bit integers (wrapping): ``master = (bf16 << 16) + lo - (carry << 16)``, and ``lo - (carry << 16)``
+    is ``lo`` read as a signed 16-bit number, except for the tie ``lo == 0x8000`` (no carry), which
+    ``((lo + 0x7FFF) & 0xFFFF) - 0x7FFF`` maps back to ``0x8000``. Same-dtype, in-place operations on
+    cache-sized chunks: no mixed-dtype kernels, no temporaries beyond one chunk.
     """
     out = torch.empty(weight.numel(), dtype=torch.float32)
-    out_low, out_hi = _halves(out)
+    bits = out.view(torch.int32)
     weight_bits = weight.contiguous().view(torch.int16)
-    for start in range(0, weight.numel(), CHUNK):
-        low = residual.low[start : start + CHUNK]
-        out_low[start : start + CHUNK] = low
-        out_hi[start : start + CHUNK] = _hi(weight_bits[start : start + CHUNK], low)
-    out.view(torch.int32)[residual.index] = residual.value.view(torch.int32)
+    low32 = torch.empty(min(_JOIN_CHUNK, weight.numel()), dtype=torch.int32)
+    for start in range(0, weight.numel(), _JOIN_CHUNK):
+        master = bits[start : start + _JOIN_CHUNK]
+        low = low32[: master.numel()]
+        master.copy_(weight_bits[start : start + _JOIN_CHUNK]).bitwise_left_shift_(16)
+        low.copy_(residual.low[start : start + _JOIN_CHUNK]).add_(_HALF - 1).bitwise_and_(0xFFFF).sub_(_HALF - 1)
+        master.add_(low)
+    bits[residual.index] = residual.value.view(torch.int32)
     return out
 
 

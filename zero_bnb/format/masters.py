@@ -77,11 +77,17 @@ class DerivedMasters:
         return 0 if r is None else r.low.nbytes + r.index.nbytes + r.value.nbytes
 
 
-def _pieces(params, tensors: Mapping[str, torch.Tensor], start: int, end: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _overlaps(params, start: int, end: int) -> Iterator[tuple[Any, int, int]]:
+    """Each parameter (``ParamEntry``) overlapping the global range ``[start, end)``, with its overlap ``[lo, hi)``."""
     for param in params:
         lo, hi = max(start, param.offset), min(end, param.offset + param.numel)
         if lo < hi:
-            yield param.name, tensors[param.name].detach().reshape(-1)[lo - param.offset : hi - param.offset]
+            yield param, lo, hi
+
+
+def _pieces(params, tensors: Mapping[str, torch.Tensor], start: int, end: int) -> Iterator[tuple[str, torch.Tensor]]:
+    for param, lo, hi in _overlaps(params, start, end):
+        yield param.name, tensors[param.name].detach().reshape(-1)[lo - param.offset : hi - param.offset]
 
 
 def piece_digest(piece: torch.Tensor) -> str:
@@ -91,18 +97,36 @@ def piece_digest(piece: torch.Tensor) -> str:
 
 def module_slice(params, tensors: Mapping[str, torch.Tensor], start: int, end: int) -> torch.Tensor:
     """The global element range ``[start, end)`` of a flat group whose parameters (``ParamEntry``, in flat
-    order) have module weights ``tensors`` (name -> tensor), as one new 1-D CPU tensor."""
-    pieces = [piece.to("cpu") for _, piece in _pieces(params, tensors, start, end)]
-    return torch.cat(pieces) if pieces else torch.empty(0)
+    order) have module weights ``tensors`` (name -> tensor), as one 1-D CPU tensor: a view where the pieces lie
+    back to back in one CPU storage (DeepSpeed's flat 16-bit groups, and the model file it saves them into),
+    else a new tensor. Read it, never write it."""
+    pieces = [piece for _, piece in _pieces(params, tensors, start, end)]
+    span = _span(pieces)
+    if span is not None:
+        return span
+    return torch.cat([piece.to("cpu") for piece in pieces]) if pieces else torch.empty(0)
 
 
-def derive(storage: str, master: torch.Tensor, weight: torch.Tensor, params, tensors: Mapping[str, torch.Tensor],
-           start: int, end: int) -> DerivedMasters:
+def _span(pieces: list[torch.Tensor]) -> torch.Tensor | None:
+    """One view of ``pieces`` (1-D) if each starts where the previous one ends in the same CPU storage."""
+    if not pieces or pieces[0].device.type != "cpu":
+        return None
+    first = pieces[0]
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for piece in pieces:
+        if (piece.device != first.device or piece.dtype != first.dtype or piece.stride() != (1,)
+                or piece.untyped_storage().data_ptr() != storage or piece.storage_offset() != offset):
+            return None
+        offset += piece.numel()
+    return first.as_strided((offset - first.storage_offset(),), (1,))
+
+
+def derive(storage: str, master: torch.Tensor, weight: torch.Tensor, params, start: int, end: int) -> DerivedMasters:
     """What a shard stores for the masters ``master`` (1-D fp32, CPU, the range ``[start, end)``) of a group
-    stored as ``storage`` (:data:`MODULE` or :data:`MODULE_LOW16`), beside the module weights ``tensors``
-    (``weight`` is :func:`module_slice` of them). The caller has checked that the weights are the masters'
-    rounding (``core.residual.rounds_to``)."""
-    digests = {name: piece_digest(piece) for name, piece in _pieces(params, tensors, start, end)}
+    stored as ``storage`` (:data:`MODULE` or :data:`MODULE_LOW16`), beside its module weights ``weight``
+    (:func:`module_slice` of them: each parameter's piece is hashed from it, no second copy). The caller has
+    checked that the weights are the masters' rounding (``core.residual.rounds_to``)."""
+    digests = {p.name: piece_digest(weight[lo - start : hi - start]) for p, lo, hi in _overlaps(params, start, end)}
     return DerivedMasters(digests, None if storage == MODULE else split_bf16(master, weight))
 
 
@@ -118,7 +142,7 @@ def check_module(storage: str, derived: DerivedMasters, params, module: Mapping[
             edited or replaced after the save), naming the parameters.
     """
     dtype = module_dtype(storage)
-    overlapping = [p for p in params if max(start, p.offset) < min(end, p.offset + p.numel)]
+    overlapping = [p for p, _, _ in _overlaps(params, start, end)]
     wrong = [f"{p.name}: {_describe(module.get(p.name))}" for p in overlapping
              if not (isinstance(module.get(p.name), torch.Tensor) and module[p.name].dtype == dtype
                      and tuple(module[p.name].shape) == tuple(p.shape))]
