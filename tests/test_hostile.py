@@ -10,6 +10,7 @@ weights-only loads in bf16), plus two independent jobs saving into one folder at
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ from hostile_scenarios import (
     UNSAFE_TAGS,
     Payload,
     _declare,
+    _replace_module_weight,
     hostile,
     replace_listed_file,
     resign,
@@ -35,10 +37,12 @@ from scenarios import _save_result, _stock_engine, cli, make_engine, result
 
 import zero_bnb
 from zero_bnb.core.config import ZeroBnbConfigError
-from zero_bnb.errors import CheckpointUsageError
+from zero_bnb.errors import CheckpointFormatError, CheckpointUsageError
 from zero_bnb.format import durable
 from zero_bnb.format.lock import LOCK_NAME
 from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR
+from zero_bnb.format.reader import CheckpointReader
+from zero_bnb.format.stock_files import MODEL_STATES
 from zero_bnb.testing.launch import run_distributed
 from zero_bnb.testing.toy import DEFAULT_RUN as RUN
 from zero_bnb.testing.toy import build_model, train_steps
@@ -305,7 +309,8 @@ def test_no_re_signed_manifest_mutation_runs_code_escapes_or_crashes(sources, mu
         _AUDIT["on"] = False
     for code, out, err in results:
         assert code in (0, 1, 2), (code, out, err)
-        assert code == 0 or (err.count("\n") == 1 and err.startswith("zero-bnb ")), err
+        lines = [line for line in err.splitlines() if "%|" not in line]  # the checksums' and groups' progress bars
+        assert code == 0 or (len(lines) == 1 and lines[0].startswith("zero-bnb ")), err
         assert str(SECRET_SIZE) not in out + err
     assert not _AUDIT["hits"], _AUDIT["hits"]
     assert (root / "secret" / "data.bin").read_bytes() == secret_before
@@ -725,6 +730,60 @@ def test_verify_refuses_values_a_re_signed_checkpoint_carries_naming_the_field(s
     code, _, err = cli("verify", zb)
     last = err.strip().split("\n")[-1]  # after the checksums' progress bar
     assert code == 1 and last.startswith("zero-bnb verify: CheckpointFormatError: ") and expected in last, err
+
+
+def test_a_verified_read_hashes_each_byte_once_and_still_names_a_model_file_replaced_and_re_signed(sources, tmp_path,
+                                                                                                monkeypatch):
+    """Masters derived from the module weights (fp32 here): where the whole model file was verified against the
+    SHA-256 the save took of it (the manifest's module_sha256), its pieces are not hashed again, so every byte of
+    the checkpoint is hashed once; without verification the per-weight SHA-256s are the check. A model file
+    replaced after the save and re-signed is named either way; one re-signed with its weights intact still reads."""
+    zb = _fresh(sources, tmp_path)
+    hashed = []
+    real = hashlib.sha256
+
+    class Counting:  # the real SHA-256, counting the bytes it is given
+        def __init__(self, data=b""):
+            self.inner = real()
+            self.update(data)
+
+        def update(self, data):
+            hashed.append(memoryview(data).nbytes)
+            self.inner.update(data)
+
+        def hexdigest(self):
+            return self.inner.hexdigest()
+
+    monkeypatch.setattr(hashlib, "sha256", Counting)
+    manifest = zero_bnb.verify_checkpoint(str(zb)).manifest  # checks every value: rebuilds every shard's masters
+    manifest_bytes = (zb / "A" / SUBDIR / MANIFEST_NAME).stat().st_size
+    module_bytes = 4 * sum(p.numel for group in manifest.groups for p in group.params)
+    assert manifest.module_sha256 and all(group.masters == "module" for group in manifest.groups)
+    assert sum(hashed) == sum(r.size for r in manifest.files) + 2 * manifest_bytes  # the manifest: identity, self-check
+
+    def unverified():
+        reader = CheckpointReader(str(zb / "A"))
+        reader.preload()
+        reader.check_values()
+
+    def edit_model_file(states):
+        states["note"] = "edited after the save, weights intact"
+        replace_listed_file(str(zb / "A"), MODEL_STATES, states)
+
+    for edit in (None, edit_model_file):
+        if edit is not None:
+            edit(torch.load(zb / "A" / MODEL_STATES, weights_only=False))
+        hashed.clear()
+        unverified()
+        assert sum(hashed) == module_bytes + 2 * (zb / "A" / SUBDIR / MANIFEST_NAME).stat().st_size
+    hashed.clear()
+    zero_bnb.verify_checkpoint(str(zb))  # the model file re-signed since the save: verified, and its pieces hashed
+    assert sum(hashed) > sum(r.size for r in manifest.files) + module_bytes
+    _replace_module_weight(str(zb / "A"))
+    for read in (lambda: zero_bnb.verify_checkpoint(str(zb)), unverified):
+        with pytest.raises(CheckpointFormatError, match=r"mp_rank_00_model_states\.pt: the module weights of "
+                                                        r"\['0\.weight'\] are not the ones"):
+            read()
 
 
 def test_verify_accepts_non_finite_values_the_manifest_declares(sources, tmp_path):

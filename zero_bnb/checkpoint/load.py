@@ -88,6 +88,7 @@ def _open_zero_bnb(engine, tag_folder: str, optimizer_states: bool) -> Opened:
         _pinned_everywhere(reader, tag_folder)
         if engine.zero_bnb_config.checkpoint_verify:
             agree(lambda: reader.verify(rank, world))
+            reader.verified = True  # every rank checked its share (agree raised on all ranks had one failed)
 
         def prepared() -> SavedState:
             if optimizer_states:

@@ -60,7 +60,8 @@ __all__ = [
 
 FORMAT_NAME = "zero_bnb"
 #: Version 2 stores the loss scaler as plain data (every file loads with ``weights_only=True``); version 3
-#: may derive master weights from the module weights (``GroupEntry.masters``, ``Manifest.module_file``).
+#: may derive master weights from the module weights (``GroupEntry.masters``, ``Manifest.module_file``; the
+#: optional ``Manifest.module_sha256``, which older version-3 readers ignore, came later).
 FORMAT_VERSION = 3
 #: Versions this release reads (version 1 files hold DeepSpeed's pickled loss scaler, an allowed class;
 #: versions 1 and 2 store every master weight in the shards).
@@ -174,7 +175,8 @@ class Manifest:
     ``files`` lists every file of the tag folder with its size and SHA-256, paths relative to
     the tag folder. ``non_finite`` maps parameter names to the saved tensors (``fp32`` or a
     state key) that held NaN/Inf when the checkpoint was written. ``module_file`` names DeepSpeed's model
-    file (relative to the tag folder) when some group's masters derive from its module weights.
+    file (relative to the tag folder) when some group's masters derive from its module weights, and
+    ``module_sha256`` its SHA-256 as saved (what those masters were split against; empty in older checkpoints).
     """
 
     dp_world_size: int
@@ -188,6 +190,7 @@ class Manifest:
     versions: dict[str, str] = field(default_factory=dict)
     batch: dict[str, int] = field(default_factory=dict)  # global, micro, accumulation, dp (zero_bnb.checkpoint.batch)
     module_file: str = ""
+    module_sha256: str = ""
     format_version: int = FORMAT_VERSION
     format_name: str = FORMAT_NAME
 
@@ -203,6 +206,7 @@ class Manifest:
             shards=tuple(shard_name(rank, dp_world_size) for rank in range(dp_world_size)),
             files=tuple(sorted(files, key=lambda record: record.path)), non_finite=dict(non_finite or {}),
             versions=versions.installed(), module_file=module_file,
+            module_sha256=next((record.sha256 for record in files if module_file and record.path == module_file), ""),
         )
         manifest.validate(source)
         return manifest
@@ -276,6 +280,7 @@ class Manifest:
                 versions=dict(data["versions"]),
                 batch=dict(data.get("batch", {})),
                 module_file=data.get("module_file", ""),
+                module_sha256=data.get("module_sha256", ""),
                 format_version=data["format_version"],
                 format_name=data["format_name"],
             )
@@ -319,6 +324,8 @@ class Manifest:
         if derived and self.module_file not in {record.path for record in self.files}:
             fail("module_file", self.module_file, f"groups {derived[:5]} derive their masters from its module weights, "
                                                   f"but {self.module_file or 'it'} is not listed in the manifest's files")
+        if self.module_sha256 and not (self.module_file and _SHA256.fullmatch(self.module_sha256)):
+            fail("module_sha256", self.module_sha256, "it must be 64 lowercase hex digits, beside a module_file")
         for g, group in enumerate(self.groups):
             where = f"groups[{g}]"
             keys = [state.key for state in group.states]
@@ -375,7 +382,7 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "dp_world_size": int, "block_size": int, "optimizer_class": str, "optimizer_spec": str, "groups": list,
     "shards": list, "files": list, "non_finite": dict, "versions": dict, "format_version": int,
 }
-_OPTIONAL_TYPES: dict[str, type] = {"module_file": str}
+_OPTIONAL_TYPES: dict[str, type] = {"module_file": str, "module_sha256": str}
 
 
 def _check_bounds(text: str, source: str) -> None:

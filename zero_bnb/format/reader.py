@@ -62,6 +62,9 @@ class CheckpointReader:
         self._checked: set[tuple[int, int]] = set()  # (shard, group) whose module weights were checked
         self._module: dict | None = None  # the model file's module weights, for derived masters
         self._unclaimed: dict[str, object] = {}  # a model file read for masters, not yet handed to load()
+        #: Every file's SHA-256 was checked against the manifest: by :meth:`verify` of all files here, or by a load
+        #: whose ranks each verified a share and agreed (it sets this).
+        self.verified = False
 
     @property
     def identity(self) -> str:
@@ -70,8 +73,19 @@ class CheckpointReader:
         return self._manifest_digest
 
     def verify(self, rank: int = 0, world_size: int = 1, *, progress: bool = False) -> int:
-        """Check this rank's share of the files' SHA-256; returns the bytes read."""
-        return verify_checksums(self.files, self.manifest, rank, world_size, progress=progress)
+        """Check this rank's share of the files' SHA-256 (with ``world_size`` 1 every file: :attr:`verified`);
+        returns the bytes read."""
+        read = verify_checksums(self.files, self.manifest, rank, world_size, progress=progress)
+        self.verified = self.verified or world_size == 1
+        return read
+
+    def _module_file_verified(self) -> bool:
+        """Whether the model file's bytes are known to be those the derived masters were split against: verified,
+        and the manifest's record of the file is still the SHA-256 the save took of it (``module_sha256``). A model
+        file replaced after the save and re-signed in the manifest is not: its pieces are hashed then."""
+        manifest = self.manifest
+        return self.verified and bool(manifest.module_sha256) and any(
+            record.path == manifest.module_file and record.sha256 == manifest.module_sha256 for record in manifest.files)
 
     @property
     def replicated(self) -> ReplicatedPayload:
@@ -149,11 +163,13 @@ class CheckpointReader:
         start, end = entry.element_ranges[rank]
         return how(entry.masters, self._shard(rank).groups[group_index].derived, entry.params, self._module_weights(),
                    start, end, model_file=os.path.join(self.tag_folder, self.manifest.module_file),
-                   shard_file=os.path.join(self.tag_folder, SUBDIR, self.manifest.shards[rank]))
+                   shard_file=os.path.join(self.tag_folder, SUBDIR, self.manifest.shards[rank]),
+                   file_verified=self._module_file_verified())
 
     def check_module_weights(self, rank: int = 0, world_size: int = 1) -> None:
         """Check this process's share (shards ``rank``, ``rank + world_size``, ...) of the module weights that
-        derived masters are rebuilt from (dtype, shape and SHA-256 of every piece, as a rebuild checks them),
+        derived masters are rebuilt from (dtype, shape and SHA-256 of every piece, as a rebuild checks them; no
+        piece is hashed where the whole model file was verified against the SHA-256 the save took of it),
         without rebuilding; shards whose masters were rebuilt here already were checked then. Call after
         :meth:`preload`. Once every process of a load has called it with its rank, every piece was checked by one
         of them, and :meth:`module_weights_as_cast` may hand out the model file's weights.
