@@ -11,7 +11,7 @@ from zero_bnb.core.residual import join_bf16, rounds_to, split_bf16
 from zero_bnb.errors import CheckpointFormatError
 from zero_bnb.format.manifest import ParamEntry
 from zero_bnb.format.masters import (FULL, MODULE, MODULE_LOW16, casts_like_masters, check_module, derive,
-                                     derived_problems, module_slice, rebuild)
+                                     derived_problems, module_slice, rebuild, rebuild_into)
 
 
 def _floats(bits: list[int]) -> torch.Tensor:
@@ -137,6 +137,26 @@ def test_module_weights_back_to_back_in_one_storage_are_read_in_place(storage):
                                          end).digests
         rebuilt = rebuild(storage, derived, params, module, start, end, model_file="m.pt", shard_file="s.pt")
         assert torch.equal(rebuilt.view(torch.int32), master.view(torch.int32))
+
+
+@pytest.mark.parametrize("storage", [MODULE, MODULE_LOW16])
+def test_any_part_of_a_range_rebuilds_straight_into_its_destination(storage):
+    """A load writes each part of a shard's range it needs into the new partition (no tensor of the whole range):
+    every part equals that part of the whole rebuild, the bf16 exceptions (ties, NaN) included."""
+    params = (ParamEntry("a", (40, 50), 0), ParamEntry("b", (700,), 2000), ParamEntry("c", (9,), 2700))
+    torch.manual_seed(0)
+    masters = {p.name: torch.randn(*p.shape) for p in params}
+    masters["a"].view(-1)[::7] = _floats([0x3F818000, 0x7FC00001, 0x00018000, 0xFF800000] * 72)[:286]  # exceptions
+    dtype = torch.float32 if storage == MODULE else torch.bfloat16
+    module = {name: value.to(dtype) for name, value in masters.items()}
+    start, end = 13, 2709
+    master = module_slice(params, masters, start, end)
+    derived = derive(storage, master, module_slice(params, module, start, end), params, start, end)
+    assert storage == MODULE or derived.residual.index.numel() > 100
+    for offset, length in [(0, end - start), (0, 1), (5, 1990), (1987, 700), (end - start - 3, 3), (200, 0)]:
+        out = torch.full((length,), float("nan"))
+        rebuild_into(storage, derived, params, module, start, offset, out)
+        assert torch.equal(out.view(torch.int32), master[offset : offset + length].view(torch.int32)), (offset, length)
 
 
 def test_an_edited_model_file_is_named_not_combined_into_wrong_masters():

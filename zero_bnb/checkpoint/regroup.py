@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from zero_bnb.checkpoint.restore import SavedState
+from zero_bnb.checkpoint.restore import SavedState, copy_piece_range
 from zero_bnb.checkpoint.whole import FullGroup, gather_full
 from zero_bnb.core import quant
 from zero_bnb.core.layout import ceil_div
@@ -56,6 +56,8 @@ class RegroupedState:
 
     def piece(self, rank: int, group_index: int, key: str) -> torch.Tensor:
         return self._pieces[(group_index, key)]
+
+    copy_range = copy_piece_range
 
 
 def _flatten_by_param(group: FullGroup, spec: OptimizerSpec, block_size: int) -> tuple[dict, dict[str, str], dict]:

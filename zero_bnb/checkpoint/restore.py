@@ -37,6 +37,7 @@ __all__ = [
     "apply_restore",
     "check_compatible",
     "check_family",
+    "copy_piece_range",
     "gather_range",
     "master_weights",
     "plan_restore",
@@ -52,6 +53,15 @@ class SavedState(Protocol):
 
     def piece(self, rank: int, group_index: int, key: str) -> torch.Tensor:
         """Saved tensor ``key`` (``"fp32"`` for master weights) of group ``group_index`` from shard ``rank``."""
+
+    def copy_range(self, rank: int, group_index: int, key: str, offset: int, out: torch.Tensor) -> None:
+        """Elements ``[offset, offset + out.shape[-1])`` (last axis) of :meth:`piece` into ``out``
+        (:func:`copy_piece_range`, or straight from what the piece is made of)."""
+
+
+def copy_piece_range(saved: SavedState, rank: int, group_index: int, key: str, offset: int, out: torch.Tensor) -> None:
+    """:meth:`SavedState.copy_range` as a slice of :meth:`SavedState.piece`."""
+    out.copy_(saved.piece(rank, group_index, key)[..., offset : offset + out.shape[-1]])
 
 
 def check_compatible(
@@ -137,10 +147,8 @@ def gather_range(saved: SavedState, group_index: int, key: str, ranges, target: 
     Ranges run along the last axis (the partition axis); leading axes are copied whole.
     """
     for segment in plan_copy(ranges, target):
-        source = saved.piece(segment.source, group_index, key)
-        out[..., segment.dst_offset : segment.dst_offset + segment.length].copy_(
-            source[..., segment.src_offset : segment.src_offset + segment.length]
-        )
+        saved.copy_range(segment.source, group_index, key, segment.src_offset,
+                         out[..., segment.dst_offset : segment.dst_offset + segment.length])
 
 
 def master_weights(saved: SavedState) -> Callable[..., torch.Tensor]:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from zero_bnb.checkpoint.restore import copy_piece_range
 from zero_bnb.core import quant
 from zero_bnb.core.kinds import is_partitioned, saved_ranges, to_axis
 from zero_bnb.core.layout import ceil_div
@@ -88,6 +89,8 @@ class StockCheckpoint:
 
     def piece(self, rank: int, group_index: int, key: str) -> torch.Tensor:
         return self._pieces[(rank, group_index, key)]
+
+    copy_range = copy_piece_range
 
     @classmethod
     def open(cls, engine, load_dir: str, tag: str) -> StockCheckpoint:

@@ -42,6 +42,11 @@ class Residual:
     index: torch.Tensor
     value: torch.Tensor
 
+    def part(self, start: int, end: int) -> Residual:
+        """The residual of elements ``[start, end)`` (exception indices shifted to the part; ``index`` is increasing)."""
+        lo, hi = torch.searchsorted(self.index, torch.tensor([start, end], dtype=self.index.dtype)).tolist()
+        return Residual(self.low[start:end], self.index[lo:hi] - start, self.value[lo:hi])
+
 
 def _halves(bits32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The bottom and top 16 bits of each element of an int32 (or float32) tensor, as int16 views."""
@@ -83,8 +88,9 @@ def split_bf16(master: torch.Tensor, weight: torch.Tensor) -> Residual:
     return Residual(torch.cat(low_parts), torch.cat(index_parts), torch.cat(value_parts))
 
 
-def join_bf16(weight: torch.Tensor, residual: Residual) -> torch.Tensor:
-    """The fp32 master of bf16 ``weight`` (1-D, CPU) and its :class:`Residual`, in a new tensor.
+def join_bf16(weight: torch.Tensor, residual: Residual, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 master of bf16 ``weight`` (1-D, CPU) and its :class:`Residual`, in a new tensor or into ``out``
+    (1-D contiguous float32 of the same length), which is returned.
 
     The caller checks ``residual``'s shapes and that ``index`` lies in range (``format.masters``).
     In 32-bit integers (wrapping): ``master = (bf16 << 16) + lo - (carry << 16)``, and ``lo - (carry << 16)``
@@ -92,7 +98,7 @@ def join_bf16(weight: torch.Tensor, residual: Residual) -> torch.Tensor:
     ``((lo + 0x7FFF) & 0xFFFF) - 0x7FFF`` maps back to ``0x8000``. Same-dtype, in-place operations on
     cache-sized chunks: no mixed-dtype kernels, no temporaries beyond one chunk.
     """
-    out = torch.empty(weight.numel(), dtype=torch.float32)
+    out = torch.empty(weight.numel(), dtype=torch.float32) if out is None else out
     bits = out.view(torch.int32)
     weight_bits = weight.contiguous().view(torch.int16)
     low32 = torch.empty(min(_JOIN_CHUNK, weight.numel()), dtype=torch.int32)

@@ -29,7 +29,8 @@ from zero_bnb.core.residual import Residual, join_bf16, split_bf16
 from zero_bnb.errors import CheckpointFormatError
 
 __all__ = ["FULL", "MODULE", "MODULE_BYTES", "MODULE_LOW16", "SHARD_BYTES", "STORAGES", "DerivedMasters", "casts_like_masters",
-           "check_module", "derive", "derived_problems", "module_dtype", "module_slice", "piece_digest", "rebuild"]
+           "check_module", "derive", "derived_problems", "module_dtype", "module_slice", "piece_digest", "rebuild",
+           "rebuild_into"]
 
 FULL = "fp32"
 MODULE = "module"
@@ -174,6 +175,19 @@ def rebuild(storage: str, derived: DerivedMasters, params, module: Mapping[str, 
                                shard_file=shard_file, file_verified=file_verified)
     weight = module_slice(overlapping, module, start, end)
     return weight if storage == MODULE else join_bf16(weight, derived.residual)
+
+
+def rebuild_into(storage: str, derived: DerivedMasters, params, module: Mapping[str, Any], start: int, offset: int,
+                 out: torch.Tensor) -> None:
+    """Write the fp32 masters of elements ``[offset, offset + len(out))`` of a shard group's range (which starts at
+    global element ``start``) into ``out`` (1-D contiguous float32): no tensor of the whole range is made. Call
+    after :func:`check_module` passed for the range."""
+    lo = start + offset
+    weight = module_slice(params, module, lo, lo + out.numel())
+    if storage == MODULE:
+        out.copy_(weight)
+    else:
+        join_bf16(weight, derived.residual.part(offset, offset + out.numel()), out=out)
 
 
 def casts_like_masters(storage: str, dtype: torch.dtype) -> bool:

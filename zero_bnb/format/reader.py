@@ -17,7 +17,7 @@ from zero_bnb.format.integrity import check_file_list, verify_checksums
 from zero_bnb.core.kinds import is_partitioned, saved_ranges
 from zero_bnb.core.state_spec import StateKind
 from zero_bnb.format.manifest import MANIFEST_NAME, MASTER_KEY, MAX_MANIFEST_BYTES, SUBDIR, decode_manifest
-from zero_bnb.format.masters import FULL, casts_like_masters, check_module, rebuild
+from zero_bnb.format.masters import FULL, casts_like_masters, check_module, rebuild, rebuild_into
 from zero_bnb.format.payload import ReplicatedPayload, ShardPayload, read_replicated, read_shard
 from zero_bnb.format.pinned import PinnedFolder
 from zero_bnb.format.tags import resolve_tag
@@ -179,9 +179,13 @@ class CheckpointReader:
         """
         for shard in range(rank, len(self.manifest.shards), world_size):
             for index, entry in enumerate(self.manifest.groups):
-                if entry.masters != FULL and (shard, index) not in self._checked:
-                    self._derived(shard, index, check_module)
-                    self._checked.add((shard, index))
+                if entry.masters != FULL:
+                    self._check_module(shard, index)
+
+    def _check_module(self, rank: int, group_index: int) -> None:
+        if (rank, group_index) not in self._checked:
+            self._derived(rank, group_index, check_module)
+            self._checked.add((rank, group_index))
 
     def module_weights_as_cast(self, dtypes: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
         """The model file's module weights (memory-mapped) of the parameters in ``dtypes`` (name -> the dtype the
@@ -214,6 +218,19 @@ class CheckpointReader:
         """Bytes of tensor data shard ``rank`` stores for a group's masters (fp32, or residual and exceptions)."""
         group = self._shard(rank).groups[group_index]
         return group.fp32.nbytes if group.fp32 is not None else group.derived.nbytes
+
+    def copy_range(self, rank: int, group_index: int, key: str, offset: int, out: torch.Tensor) -> None:
+        """Elements ``[offset, offset + out.shape[-1])`` (last axis) of :meth:`piece` into ``out``. Derived masters
+        not rebuilt here yet go straight into a float32 ``out``, checked first as a rebuild checks them: a load
+        makes no tensor of a shard's whole range and copies nothing twice."""
+        entry = self.manifest.groups[group_index]
+        if (key != MASTER_KEY or entry.masters == FULL or (rank, group_index) in self._masters
+                or out.dtype != torch.float32 or out.dim() != 1 or not out.is_contiguous()):
+            out.copy_(self.piece(rank, group_index, key)[..., offset : offset + out.shape[-1]])
+            return
+        self._check_module(rank, group_index)
+        rebuild_into(entry.masters, self._shard(rank).groups[group_index].derived, entry.params, self._module_weights(),
+                     entry.element_ranges[rank][0], offset, out)
 
     def piece(self, rank: int, group_index: int, key: str) -> torch.Tensor:
         """Saved tensor ``key`` (:data:`MASTER_KEY` for the fp32 masters, rebuilt if derived) of a group from
