@@ -83,6 +83,13 @@ def test_an_optimizer_zero_bnb_does_not_declare_is_refused_under_offload_before_
     assert config.get(FORCE_DS_CPU_OPTIMIZER) is force
 
 
+def test_an_optimizer_factory_under_offload_is_left_for_deepspeed_to_build_and_zero_bnb_to_check():
+    """DeepSpeed accepts a callable that builds the optimizer; its family is checked once it is built."""
+    config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert prepare_offload(config, lambda params: bnb.optim.LAMB8bit(params)) is True
+    assert config[FORCE_DS_CPU_OPTIMIZER] is False
+
+
 def test_accelerate_keeps_the_users_optimizer_only_while_zero_bnb_routes_the_call():
     """Accelerate and Trainer call accelerate.accelerator.map_pytorch_optim_to_deepspeed under offload."""
     import accelerate.accelerator

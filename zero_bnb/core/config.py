@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from zero_bnb.core.state_spec import BNB_BLOCK_SIZE, BNB_KERNEL_MAX_NUMEL, declared, spec_for
 
 __all__ = [
@@ -263,7 +265,8 @@ def prepare_offload(ds_config: dict[str, Any], client_optimizer: Any) -> bool:
         ds_config: the DeepSpeed config (zero_bnb's keys removed); changed in place.
         client_optimizer: the optimizer passed to ``initialize`` (``None``: DeepSpeed builds one; under offload
             an optimizer zero_bnb does not declare is refused here, by :func:`~zero_bnb.core.state_spec.spec_for`,
-            before DeepSpeed would ask for ``zero_force_ds_cpu_optimizer: false``).
+            before DeepSpeed would ask for ``zero_force_ds_cpu_optimizer: false``; an optimizer factory, a
+            callable DeepSpeed calls with the parameters, is checked once DeepSpeed has built the optimizer).
 
     Returns:
         Whether the optimizer state is offloaded to the CPU.
@@ -312,8 +315,9 @@ def prepare_offload(ds_config: dict[str, Any], client_optimizer: Any) -> bool:
             "zero_optimization.offload_optimizer.super_offload=true is a ZeRO stage 3 feature that DeepSpeed ignores "
             "at stages 1 and 2; remove it"
         )
-    if client_optimizer is not None and not declared(client_optimizer):
+    if isinstance(client_optimizer, torch.optim.Optimizer) and not declared(client_optimizer):
         spec_for(client_optimizer)  # refused here, naming what zero_bnb supports, before DeepSpeed's own message
+    # An optimizer factory (a callable DeepSpeed calls with the parameters) is checked once DeepSpeed has built it.
     if client_optimizer is not None:
         if ds_config.get(FORCE_DS_CPU_OPTIMIZER, False) is not False:
             name = f"{type(client_optimizer).__module__}.{type(client_optimizer).__qualname__}"
