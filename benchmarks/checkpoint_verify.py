@@ -16,7 +16,9 @@ For each DP size and precision: trains one step of a ``--params``-parameter MLP 
 ``bnb.optim.Adam8bit`` under zero_bnb (ZeRO-1, gloo), then ``--repeats`` times saves it under a
 new tag and loads it with checksum verification on and off (save, load on, load off, save, ...)
 so that drift hits every figure alike; the previous tag is removed between repeats, untimed.
-Size, presence and format checks run in both load variants; only the SHA-256 pass differs.
+Size, presence and format checks run in both load variants; only the SHA-256 pass differs. Each save and load is
+timed in wall-clock seconds and in process CPU seconds summed over the ranks (``time.process_time``, barriers
+excluded), which other jobs on a shared machine inflate far less.
 Writes ``benchmarks/results/checkpoint_verify.json`` and prints a markdown table.
 """
 
@@ -67,21 +69,32 @@ def _measure(rank, world, params, precision, repeats, workdir, result_path):
     engine.backward(loss)
     engine.step()
     saves, timings = [], {True: [], False: []}
+    cpu = {"save": [], True: [], False: []}  # process CPU time, summed over the ranks (robust to other jobs' load)
+
+    def cpu_of_ranks(seconds: float) -> float:
+        parts: list = [None] * world
+        dist.all_gather_object(parts, seconds)
+        return sum(parts)
+
     for index in range(repeats):
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         engine.save_checkpoint(workdir, tag=f"bench{index}")
+        used = time.process_time() - start_cpu
         dist.barrier()
         saves.append(time.perf_counter() - start)
+        cpu["save"].append(cpu_of_ranks(used))
         if rank == 0 and index:
             shutil.rmtree(os.path.join(workdir, f"bench{index - 1}"))
         for verify in (True, False):
             engine.zero_bnb_config = dataclasses.replace(engine.zero_bnb_config, checkpoint_verify=verify)
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             engine.load_checkpoint(workdir)
+            used = time.process_time() - start_cpu
             dist.barrier()
             timings[verify].append(time.perf_counter() - start)
+            cpu[verify].append(cpu_of_ranks(used))
     if rank == 0:
         folder = os.path.join(workdir, f"bench{repeats - 1}")
         files = [os.path.join(root, name) for root, _, names in os.walk(folder) for name in names]
@@ -103,6 +116,9 @@ def _measure(rank, world, params, precision, repeats, workdir, result_path):
             "median_verified_s": on,
             "median_unverified_s": off,
             "verify_overhead_ratio": on / off,
+            "save_cpu_s": statistics.median(cpu["save"]),
+            "median_verified_cpu_s": statistics.median(cpu[True]),
+            "median_unverified_cpu_s": statistics.median(cpu[False]),
             "sha256_one_process_s": hash_s,
             "sha256_gb_per_s": total / hash_s / 1e9,
         }
@@ -111,6 +127,8 @@ def _measure(rank, world, params, precision, repeats, workdir, result_path):
 
 
 _FIGURES = ("save_s", "median_verified_s", "median_unverified_s")
+#: The same three as process CPU seconds, summed over the ranks (other jobs' load inflates wall time, not these).
+_CPU_FIGURES = ("save_cpu_s", "median_verified_cpu_s", "median_unverified_cpu_s")
 
 
 def _compare(args) -> int:
@@ -142,10 +160,11 @@ def _compare(args) -> int:
     for index, cell in enumerate(runs[base][0]):
         row = {"dp": cell["dp"], "precision": cell["precision"]}
         for name, rounds in runs.items():
-            row[name] = {key: statistics.median(r[index][key] for r in rounds) for key in (*_FIGURES, "checkpoint_bytes")}
-            row[name]["per_round"] = {key: [r[index][key] for r in rounds] for key in _FIGURES}
+            row[name] = {key: statistics.median(r[index][key] for r in rounds)
+                         for key in (*_FIGURES, *_CPU_FIGURES, "checkpoint_bytes")}
+            row[name]["per_round"] = {key: [r[index][key] for r in rounds] for key in (*_FIGURES, *_CPU_FIGURES)}
             row[name]["parameters"] = rounds[0][index]["parameters"]
-        for key in _FIGURES:
+        for key in (*_FIGURES, *_CPU_FIGURES):
             row[f"ratio_{key}"] = row["this tree"][key] / row[base][key]
         rows.append(row)
     report = {"benchmark": f"checkpoint save and load: this tree vs {args.compare_ref} (median of {args.rounds} "
@@ -161,11 +180,11 @@ def _compare(args) -> int:
     with open(out, "w") as handle:
         json.dump(report, handle, indent=1)
     print("| DP | precision | checkpoint MB (base / this) | save s (base / this) | ratio | load verified s | ratio | "
-          "load unverified s | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "load unverified s | ratio | save CPU s | ratio | load verified CPU s | ratio | load unverified CPU s | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         b, t = row[base], row["this tree"]
-        cells = [f"{b[key]:.2f} / {t[key]:.2f} | {row[f'ratio_{key}']:.2f}x" for key in _FIGURES]
+        cells = [f"{b[key]:.2f} / {t[key]:.2f} | {row[f'ratio_{key}']:.2f}x" for key in (*_FIGURES, *_CPU_FIGURES)]
         print(f"| {row['dp']} | {row['precision']} | {b['checkpoint_bytes'] / 1e6:.0f} / {t['checkpoint_bytes'] / 1e6:.0f} | "
               + " | ".join(cells) + " |")
     return 0
