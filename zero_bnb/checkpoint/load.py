@@ -80,7 +80,7 @@ def _agreed_kind(tag_folder: str) -> str:
     return kind
 
 
-def _open_zero_bnb(engine, tag_folder: str, optimizer_states: bool) -> Opened:
+def _open_zero_bnb(engine, tag_folder: str, optimizer_states: bool, module_only: bool) -> Opened:
     optimizer = engine.optimizer
     rank, world = dist.get_rank(), dist.get_world_size()
     reader = agree(lambda: CheckpointReader(tag_folder))  # pinned: every later read is of this save's files
@@ -94,7 +94,8 @@ def _open_zero_bnb(engine, tag_folder: str, optimizer_states: bool) -> Opened:
             if optimizer_states:
                 check_family(optimizer, reader.manifest)  # before the files, whose layout depends on it, are opened
             reader.preload()
-            return regroup.for_engine(engine, reader)  # the checkpoint's groups differ (bitsandbytes overrides)
+            # the checkpoint's groups differ (bitsandbytes overrides), or a weights-only load into a changed model
+            return regroup.for_engine(engine, reader, module_only=module_only)
 
         saved = agree(prepared)  # plan_load checks the rest (check_compatible first) before anything changes
     except BaseException:
@@ -121,7 +122,7 @@ class Opened:
             self.reader.close()
 
 
-def open_for_load(engine, load_dir: str, folder_tag: str, *, optimizer_states: bool) -> Opened:
+def open_for_load(engine, load_dir: str, folder_tag: str, *, optimizer_states: bool, module_only: bool = False) -> Opened:
     """The checkpoint ``load_dir/folder_tag``, checked and ready for :func:`plan_load`.
 
     Collective: every rank of the engine's world must call it. A zero_bnb checkpoint is pinned
@@ -135,6 +136,8 @@ def open_for_load(engine, load_dir: str, folder_tag: str, *, optimizer_states: b
         folder_tag: the folder name under ``load_dir`` (see :func:`zero_bnb.format.tags.resolve_tag`).
         optimizer_states: whether the optimizer state will be loaded (else only parameter
             names and shapes must match).
+        module_only: a weights-only load (``load_module_only``): the model may have new or fewer parameters
+            (:func:`~zero_bnb.checkpoint.regroup.masters_by_name`; ``load_module_strict`` is the model file's check).
 
     Raises:
         zero_bnb.errors.CheckpointError: on every rank, naming the file or difference found;
@@ -143,8 +146,9 @@ def open_for_load(engine, load_dir: str, folder_tag: str, *, optimizer_states: b
     """
     tag_folder = os.path.join(load_dir, folder_tag)
     if _agreed_kind(tag_folder) == "zero_bnb":
-        return _open_zero_bnb(engine, tag_folder, optimizer_states)
-    return Opened(agree(lambda: regroup.for_engine(engine, StockCheckpoint.open(engine, load_dir, folder_tag))), None)
+        return _open_zero_bnb(engine, tag_folder, optimizer_states, module_only)
+    return Opened(agree(lambda: regroup.for_engine(engine, StockCheckpoint.open(engine, load_dir, folder_tag),
+                                                   module_only=module_only)), None)
 
 
 @dataclass
@@ -180,6 +184,8 @@ def plan_load(engine, opened: Opened, model_file: str, *, optimizer_states: bool
     """
     saved = opened.saved
     optimizer = plan_restore(engine.optimizer, saved, engine.param_names, load_optimizer_states=optimizer_states)
+    fresh = getattr(saved, "fresh", frozenset())  # new parameters of a weights-only load keep their weights
+    regroup.keep_fresh_masters(engine.optimizer, optimizer, fresh, engine.param_names)
     if opened.reader is None:
         model_states = safe_load(model_file, "DeepSpeed model file", deepspeed_classes=True)
     else:  # the bytes of the save that was verified, whatever now lies at model_file; mapped: the trained
@@ -188,7 +194,8 @@ def plan_load(engine, opened: Opened, model_file: str, *, optimizer_states: bool
                                           deepspeed_classes=True, mmap=True)
     plan_frozen_fragments(engine.module, engine.param_names, model_states, opened.reader, engine.optimizer.dp_rank,
                           model_file)
-    trained = {param: engine.param_names[param] for param in engine.optimizer.trained_params()}
+    trained = {param: engine.param_names[param] for param in engine.optimizer.trained_params()
+               if engine.param_names[param] not in fresh}
     master = master_weights(saved)  # reads a parameter's saved ranges only when asked for it
     if isinstance(model_states, dict) and DERIVED_PARAMS_KEY in model_states:
         live = {} if custom_load_fn else {name: param for param, name in trained.items()}

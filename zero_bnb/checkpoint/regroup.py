@@ -20,16 +20,17 @@ from typing import Any
 
 import torch
 
-from zero_bnb.checkpoint.restore import SavedState, copy_piece_range
+from zero_bnb.checkpoint.restore import RestorePlan, SavedState, copy_piece_range, master_weights
 from zero_bnb.checkpoint.whole import FullGroup, gather_full
 from zero_bnb.core import quant
+from zero_bnb.core.kinds import local_range
 from zero_bnb.core.layout import ceil_div
 from zero_bnb.core.state_spec import OptimizerSpec, StateKind
 from zero_bnb.errors import CheckpointMismatchError
 from zero_bnb.format.manifest import MASTER_KEY, GroupEntry, Manifest, ParamEntry, StateEntry
 from zero_bnb.format.payload import ReplicatedGroup, ReplicatedPayload
 
-__all__ = ["RegroupedState", "by_name", "for_engine", "live_params"]
+__all__ = ["RegroupedState", "by_name", "for_engine", "keep_fresh_masters", "live_params", "masters_by_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,20 +40,94 @@ def live_params(optimizer: Any, names: dict) -> list[tuple[ParamEntry, ...]]:
     return [optimizer.param_entries(index, names) for index in range(optimizer.num_groups)]
 
 
-def for_engine(engine: Any, saved: SavedState) -> SavedState:
-    """:func:`by_name` for a :class:`~zero_bnb.ds.engine.ZeroBnbEngine` (its optimizer, names and overrides). Local."""
+def for_engine(engine: Any, saved: SavedState, *, module_only: bool = False) -> SavedState:
+    """:func:`by_name` for a :class:`~zero_bnb.ds.engine.ZeroBnbEngine` (its optimizer, names and overrides); with
+    ``module_only``, :func:`masters_by_name` (a weights-only load into a changed model). Local."""
     optimizer = engine.optimizer
-    return by_name(saved, live_params(optimizer, engine.param_names), optimizer.zero_bnb_spec,
-                   getattr(engine, "zero_bnb_isolated", None), log=optimizer.dp_rank == 0)
+    live = live_params(optimizer, engine.param_names)
+    if module_only:
+        aliases: dict[str, list[str]] = {}
+        for name, param in engine.module.named_parameters(remove_duplicate=False):
+            if param in engine.param_names:
+                aliases.setdefault(engine.param_names[param], []).append(name)
+        return masters_by_name(saved, live, aliases)
+    return by_name(saved, live, optimizer.zero_bnb_spec, getattr(engine, "zero_bnb_isolated", None),
+                   log=optimizer.dp_rank == 0)
+
+
+def masters_by_name(saved: SavedState, live: list[tuple[ParamEntry, ...]],
+                    aliases: dict[str, list[str]] | None = None) -> SavedState:
+    """``saved`` as it is when its groups hold the live parameters; else only its master weights, regrouped like the
+    running optimizer by parameter name, for a weights-only load (``load_module_only``) into a changed model.
+
+    A live parameter takes the saved master of its name or of another name it has in the module (``aliases``: a
+    tied weight whose first name changed with the module's definition order). A live parameter with none (a new
+    head) is listed in the result's ``fresh`` and keeps its current weights (:func:`keep_fresh_masters`); saved
+    parameters the model lacks are left out. Whether the module's entries may be missing or unexpected
+    (``load_module_strict``) is the model file's check (:func:`~zero_bnb.checkpoint.model_file.check_model_states`).
+
+    Raises:
+        CheckpointMismatchError: a parameter whose saved master has another shape, naming it and both shapes.
+    """
+    saved_groups = [group.params for group in saved.manifest.groups]
+    if saved_groups == [tuple(group) for group in live]:
+        return saved
+    saved_params = {p.name: p for group in saved_groups for p in group}
+    master = master_weights(saved)
+    block = saved.manifest.block_size
+    pieces: dict[tuple[int, str], torch.Tensor] = {}
+    entries, fresh, reshaped = [], [], []
+    for target, params in enumerate(live):
+        numel = sum(p.numel for p in params)
+        flat = torch.zeros(numel, dtype=torch.float32)
+        for p in params:
+            source = next((name for name in (aliases or {}).get(p.name, [p.name]) if name in saved_params), None)
+            if source is None:
+                fresh.append(p.name)
+            elif saved_params[source].shape != p.shape:
+                reshaped.append(f"{p.name}: saved {saved_params[source].shape}, model {p.shape}")
+            else:
+                master(source, out=flat[p.offset : p.offset + p.numel])
+        pieces[(target, MASTER_KEY)] = flat
+        entries.append(GroupEntry(numel, tuple(params), (), ((0, numel),), ((0, ceil_div(numel, block)),)))
+    if reshaped:
+        raise CheckpointMismatchError(
+            f"cannot load the module weights of this checkpoint into the running model: parameter shapes differ "
+            f"({reshaped}). Build the model that wrote it, or give the changed parameters new names"
+        )
+    old = saved.manifest
+    manifest = Manifest(dp_world_size=1, block_size=block, optimizer_class=old.optimizer_class,
+                        optimizer_spec=old.optimizer_spec, groups=tuple(entries), shards=("regrouped",),
+                        non_finite=old.non_finite, versions=old.versions, batch=old.batch)
+    empty = ReplicatedGroup(param_group={}, counters={}, replicated={})
+    state = RegroupedState(manifest, ReplicatedPayload((empty,) * len(live), saved.replicated.wrapper), pieces)
+    state.fresh = frozenset(fresh)
+    return state
+
+
+def keep_fresh_masters(optimizer: Any, plan: RestorePlan, fresh: frozenset[str], names: dict) -> None:
+    """Put the running optimizer's current master weights of the ``fresh`` parameters (:func:`masters_by_name`) back
+    into ``plan``'s partitions of this rank, so that a weights-only load leaves them as they were. Local."""
+    if not fresh:
+        return
+    for group in plan.groups:
+        start, end = local_range(StateKind.ELEMENTWISE, optimizer.geometry(group.index), optimizer.dp_rank)
+        current = optimizer.master_partition(group.index).detach()
+        for p in optimizer.param_entries(group.index, names):
+            low, high = max(start, p.offset), min(end, p.offset + p.numel)
+            if p.name in fresh and low < high:
+                group.master[low - start : high - start].copy_(current[low - start : high - start])
 
 
 class RegroupedState:
-    """A :class:`~zero_bnb.checkpoint.restore.SavedState` in the running optimizer's grouping (one whole shard per group)."""
+    """A :class:`~zero_bnb.checkpoint.restore.SavedState` in the running optimizer's grouping (one whole shard per group).
+    ``fresh``: live parameters it holds no saved master of (:func:`masters_by_name`)."""
 
     def __init__(self, manifest: Manifest, replicated: ReplicatedPayload, pieces: dict[tuple[int, str], torch.Tensor]):
         self.manifest = manifest
         self.replicated = replicated
         self._pieces = pieces
+        self.fresh: frozenset[str] = frozenset()
 
     def piece(self, rank: int, group_index: int, key: str) -> torch.Tensor:
         return self._pieces[(group_index, key)]

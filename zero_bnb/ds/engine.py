@@ -361,7 +361,8 @@ class ZeroBnbEngine(DeepSpeedEngine):
                 "load_checkpoint(custom_load_fn=...) is not supported at ZeRO stage 3 by zero_bnb (the module's weights "
                 "are partitions set from the master weights); load without it"
             )
-        opened = open_for_load(self, load_dir, folder_tag, optimizer_states=optimizer_states)
+        opened = open_for_load(self, load_dir, folder_tag, optimizer_states=optimizer_states,
+                               module_only=load_module_only)
         try:
             plan: LoadPlan = agree(lambda: plan_load(
                 self, opened, self._model_file(load_dir, folder_tag, opened), optimizer_states=optimizer_states,
