@@ -15,6 +15,8 @@ import bitsandbytes as bnb
 import torch
 import torch.distributed as dist
 
+import zero_bnb
+
 from zero_bnb.testing.consolidate import consolidated_state
 from zero_bnb.testing.toy import DEFAULT_RUN as RUN
 from zero_bnb.testing.toy import LEARNING_RATE as LR
@@ -281,11 +283,54 @@ def _bf16_zero2_into_bf16(context, out):
             out[label + ":gathered"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
 
+class _Reordered(torch.nn.Module):
+    """The toy model with a tied alias ``head`` of its last layer registered first (so ``head.weight`` becomes the
+    parameter's first name, as when a module's definition order changes) and a new layer ``newhead``."""
+
+    def __init__(self, alias: bool):
+        toy = build_model()
+        super().__init__()
+        if alias:
+            self.add_module("head", toy[4])
+        for index, layer in enumerate(toy):
+            self.add_module(str(index), layer)
+        torch.manual_seed(7)
+        self.add_module("newhead", torch.nn.Linear(90, 8))
+
+    def forward(self, x):
+        for name, layer in self.named_children():
+            x = layer(x) if name.isdigit() else x
+        return x
+
+
+def _module_only_into_a_changed_model(context, out):
+    """Weights-only loads of the bf16 ZeRO-2 checkpoint (saved at DP=2) into a fine-tuning model at DP=3: a new layer
+    (``newhead``) in two of the optimizer's groups, and the last layer's first name changed by a tied alias."""
+    world, workdir = context["world"], context["workdir"]
+    for strict, alias in ((False, True), (True, False)):
+        model = _Reordered(alias)
+        layers = [getattr(model, str(index)) for index in (0, 2, 4)]
+        groups = [{"params": [layers[0].weight, layers[1].weight, model.newhead.weight], "weight_decay": 0.1},
+                  {"params": [layer.bias for layer in layers] + [model.newhead.bias], "weight_decay": 0.0},
+                  {"params": [layers[2].weight], "weight_decay": 0.01}]
+        init = {f"newhead.{n}": p.detach().clone() for n, p in model.newhead.named_parameters()}
+        engine, *_ = zero_bnb.initialize(model=model, optimizer=bnb.optim.Adam8bit(groups, lr=LR), config=RUN.ds_config(
+            world, bf16={"enabled": True}, zero_optimization={"stage": 2}))
+        label = f"module_only_changed:strict={strict}"
+        out[label] = _error(lambda engine=engine, strict=strict: engine.load_checkpoint(
+            os.path.join(workdir, "bf16_zero2"), load_module_only=True, load_module_strict=strict))
+        state = consolidated_state(engine)
+        if dist.get_rank() == 0 and not strict:
+            out[label + ":masters"] = {name: tensors["fp32"] for name, tensors in state["params"].items()}
+            out[label + ":module"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            out[label + ":init"] = init
+
+
 def misc_dp3(rank, world, workdir):
     """At DP=3: stock DeepSpeed refuses its own checkpoint; zero_bnb explains; AdamW checkpoint resumes."""
     out: dict = {}
     run_phases(out, {"world": world, "workdir": workdir}, _stock_at_another_dp, _adamw_loads, _bf16_zero2_into_fp32,
-               _bf16_zero2_into_bf16)
+               _bf16_zero2_into_bf16, _module_only_into_a_changed_model)
     _save_result(os.path.join(workdir, "misc_dp3.pt"), out)
 
 

@@ -270,3 +270,27 @@ def test_partitions_above_the_update_limit_train_exactly_like_whole_ones(misc, n
     assert pieces["calls"] == expected and len(expected) >= len(pieces["partitions"]) + 20, pieces["calls"]
     assert pieces["losses"] == whole["losses"]
     _assert_state_equal(whole["state"], pieces["state"], exact_codes=True)
+
+
+def test_a_weights_only_load_into_a_changed_model_loads_by_name_like_stock_deepspeed(misc):
+    """Fine-tuning: load_module_only into a model with a new layer (in two of the optimizer's groups) and the last
+    layer's first name changed by a tied alias, at DP=3 from DP=2. strict=False loads what matches: the shared
+    parameters' masters are the saved ones and their bf16 weights those cast, bit for bit; the new layer keeps its
+    weights. strict=True refuses, naming the missing keys."""
+    dp2, dp3 = misc
+    label = "module_only_changed:strict=False"
+    assert dp3[label] is None, dp3[label]
+    masters, module, init = dp3[label + ":masters"], dp3[label + ":module"], dp3[label + ":init"]
+    saved = dp2["bf16_zero2_masters"]
+    renamed = {"head.weight": "4.weight", "head.bias": "4.bias"}
+    shared = [name for name in masters if name not in init]
+    assert sorted(renamed) == sorted(set(shared) - set(saved)) and len(shared) == len(saved), shared
+    for name in shared:
+        expected = saved[renamed.get(name, name)]
+        assert torch.equal(masters[name], expected), name
+        assert module[name].dtype == torch.bfloat16 and torch.equal(module[name], expected.bfloat16()), name
+    for name, weight in init.items():  # as initialize made it: the module in bf16, its masters those in fp32
+        assert torch.equal(module[name], weight.bfloat16()) and torch.equal(masters[name], weight.bfloat16().float()), name
+    refused = dp3["module_only_changed:strict=True"]
+    assert "CheckpointMismatchError" in refused and "missing in checkpoint: ['newhead.bias', 'newhead.weight']" in refused
+    assert "load_module_strict=False" in refused and "\n" not in refused, refused
