@@ -196,6 +196,20 @@ def _module_only(context, out):
             weights = {engine.param_names[p]: p.detach().clone() for p in engine.module.parameters()}
         out[name] = {"masters": state and {n: t["fp32"] for n, t in state["params"].items()}, "weights": weights,
                      "steps": engine.global_steps, "loss": train_steps(engine, RUN, STEPS_BEFORE, 1)[0]}
+    # fine-tuning: a new layer (never run here) beside the saved ones, loaded with load_module_strict=False
+    model = build_model()
+    torch.manual_seed(7)
+    model.add_module("newhead", torch.nn.Linear(90, 8))
+    init = {f"newhead.{n}": p.detach().clone() for n, p in model.newhead.named_parameters()}
+    groups = param_groups(model[:5]) + [{"params": list(model.newhead.parameters()), "weight_decay": 0.0}]
+    engine, *_ = zero_bnb.initialize(model=model, optimizer=OPTIMIZERS["Adam8bit"](groups, lr=LR),
+                                     config=stage3_config(world))
+    engine.load_checkpoint(os.path.join(workdir, "adam8bit"), load_module_only=True, load_module_strict=False)
+    state = consolidated_state(engine)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        weights = {engine.param_names[p]: p.detach().clone() for p in engine.module.parameters()}
+    out["module_only_changed"] = {"masters": state and {n: t["fp32"] for n, t in state["params"].items()},
+                                  "weights": weights, "init": init}
 
 
 def _frozen_engine(world: int, stage: int, zero_init: bool = False):

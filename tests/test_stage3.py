@@ -301,6 +301,18 @@ def test_weights_only_loads_restore_exact_masters_and_module_weights(runs, load)
     assert loaded["loss"] == pytest.approx(saved["losses"][STEPS_BEFORE], rel=1e-6)  # forward before the step
 
 
+def test_a_weights_only_load_into_a_model_with_a_new_layer_loads_by_name(runs):
+    """load_module_only, load_module_strict=False at stage 3 (DP 2 -> 3) into the toy with a new layer: the saved
+    parameters get their exact masters and weights, the new layer keeps its own."""
+    saved, loaded = _case(runs, 2, "adam8bit"), _case(runs, 3, "module_only_changed")
+    masters = {name: tensors["fp32"] for name, tensors in saved["saved"]["params"].items()}
+    assert set(loaded["masters"]) == set(masters) | set(loaded["init"])
+    for name, master in masters.items():
+        assert torch.equal(loaded["masters"][name], master) and torch.equal(loaded["weights"][name], master), name
+    for name, weight in loaded["init"].items():
+        assert torch.equal(loaded["masters"][name], weight) and torch.equal(loaded["weights"][name], weight), name
+
+
 @pytest.mark.parametrize("zero, words", [
     ({"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}},
      "offload_optimizer.device='nvme' (ZeRO-Infinity's NVMe swapping writes the optimizer state to its own swap files; "
