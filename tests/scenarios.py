@@ -281,6 +281,19 @@ def _bf16_zero2_into_bf16(context, out):
         if dist.get_rank() == 0:
             out[label + ":module"] = loaded
             out[label + ":gathered"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        # bf16 at DP=3: a rank owns no element of the 346-element bias group; every group still derives its masters
+        # from the module weights, and they reload bit for bit
+        if name == "zero1":
+            engine.save_checkpoint(os.path.join(workdir, "bf16_dp3"), tag="c")
+            with open(os.path.join(workdir, "bf16_dp3", "c", "zero_bnb", "manifest.json"), encoding="utf-8") as handle:
+                groups = json.load(handle)["groups"]
+            out["bf16_dp3_storages"] = [(group["masters"], group["element_ranges"]) for group in groups]
+        else:
+            out["bf16_dp3_reload"] = _error(lambda engine=engine: engine.load_checkpoint(
+                os.path.join(workdir, "bf16_dp3"), tag="c"))
+            state = consolidated_state(engine)
+            if dist.get_rank() == 0:
+                out["bf16_dp3_reloaded"] = {n: tensors["fp32"] for n, tensors in state["params"].items()}
 
 
 class _Reordered(torch.nn.Module):

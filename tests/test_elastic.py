@@ -294,3 +294,17 @@ def test_a_weights_only_load_into_a_changed_model_loads_by_name_like_stock_deeps
     refused = dp3["module_only_changed:strict=True"]
     assert "CheckpointMismatchError" in refused and "missing in checkpoint: ['newhead.bias', 'newhead.weight']" in refused
     assert "load_module_strict=False" in refused and "\n" not in refused, refused
+
+
+def test_bf16_masters_derive_where_a_rank_owns_no_element_of_a_group(misc):
+    """bf16 ZeRO-1 at DP=3 saves the masters it loaded: the bias group's third rank owns no element, every group is
+    still stored derived (module weights + low halves), and the masters reload bit for bit."""
+    dp2, dp3 = misc
+    storages = dp3["bf16_dp3_storages"]
+    assert [storage for storage, _ in storages] == ["module+low16"] * 3, storages
+    assert any(start == end for _, ranges in storages for start, end in ranges), storages
+    assert dp3["bf16_dp3_reload"] is None, dp3["bf16_dp3_reload"]
+    reloaded, masters = dp3["bf16_dp3_reloaded"], dp2["bf16_zero2_masters"]
+    assert reloaded.keys() == masters.keys()
+    for name, master in masters.items():
+        assert torch.equal(reloaded[name].view(torch.int32), master.view(torch.int32)), name

@@ -106,13 +106,16 @@ def _group():
 
 
 @pytest.mark.parametrize("storage", [MODULE, MODULE_LOW16])
-@pytest.mark.parametrize("start,end", [(0, 21), (5, 14), (12, 17), (13, 21)])
+@pytest.mark.parametrize("start,end", [(0, 21), (5, 14), (12, 17), (13, 21), (21, 21), (0, 0)])
 def test_derived_masters_rebuild_exactly_from_the_module_weights(storage, start, end):
+    """Any range, empty ones too (a rank that owns no element of a small group at a large DP size)."""
     params, masters = _group()
     dtype = torch.float32 if storage == MODULE else torch.bfloat16
     module = {name: value.to(dtype) for name, value in masters.items()}
     master = module_slice(params, masters, start, end)
-    derived = derive(storage, master, module_slice(params, module, start, end), params, start, end)
+    weight = module_slice(params, module, start, end)
+    assert weight.dtype == dtype and master.dtype == torch.float32 and weight.numel() == end - start
+    derived = derive(storage, master, weight, params, start, end)
     assert derived_problems(derived.to_dict(), storage, end - start) == []
     rebuilt = rebuild(storage, derived, params, module, start, end, model_file="m.pt", shard_file="s.pt")
     assert torch.equal(rebuilt.view(torch.int32), master.view(torch.int32))

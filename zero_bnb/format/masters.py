@@ -100,12 +100,15 @@ def module_slice(params, tensors: Mapping[str, torch.Tensor], start: int, end: i
     """The global element range ``[start, end)`` of a flat group whose parameters (``ParamEntry``, in flat
     order) have module weights ``tensors`` (name -> tensor), as one 1-D CPU tensor: a view where the pieces lie
     back to back in one CPU storage (DeepSpeed's flat 16-bit groups, and the model file it saves them into),
-    else a new tensor. Read it, never write it."""
+    else a new tensor; of the weights' dtype even when the range is empty (a rank may own no element of a small
+    group). Read it, never write it."""
     pieces = [piece for _, piece in _pieces(params, tensors, start, end)]
     span = _span(pieces)
     if span is not None:
         return span
-    return torch.cat([piece.to("cpu") for piece in pieces]) if pieces else torch.empty(0)
+    if not pieces:
+        return torch.empty(0, dtype=next((tensors[p.name].dtype for p in params if p.name in tensors), torch.float32))
+    return torch.cat([piece.to("cpu") for piece in pieces])
 
 
 def _span(pieces: list[torch.Tensor]) -> torch.Tensor | None:
