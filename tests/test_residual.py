@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_bnb.core.residual import join_bf16, rounds_to, split_bf16
+from zero_bnb.core.residual import CHUNK, join_bf16, rounds_to, split_bf16
 from zero_bnb.errors import CheckpointFormatError
 from zero_bnb.format.manifest import ParamEntry
 from zero_bnb.format.masters import (FULL, MODULE, MODULE_LOW16, casts_like_masters, check_module, derive,
@@ -97,6 +97,27 @@ def test_trained_like_weights_need_almost_no_exceptions():
     residual = split_bf16(master, weight)
     assert residual.index.numel() < 40  # about one tie in 2^17 elements, half of them carried
     assert torch.equal(join_bf16(weight, residual).view(torch.int32), master.view(torch.int32))
+
+
+def test_chunk_boundaries_change_nothing():
+    """Elements on either side of each CHUNK boundary: exceptions found in every chunk, indices increasing, and
+    ``rounds_to`` sees a single wrong weight in the last, partial chunk."""
+    n = 2 * CHUNK + 40
+    torch.manual_seed(1)
+    master = torch.randn(n) * 0.02
+    edges = _floats(_EDGES)
+    for at in (0, CHUNK - len(_EDGES), CHUNK, 2 * CHUNK - 11, n - len(_EDGES)):
+        master[at : at + len(_EDGES)] = edges
+    weight = master.to(torch.bfloat16)
+    assert rounds_to(master, weight)
+    weight[CHUNK - 1] = weight[CHUNK]  # not its master's rounding: an exception of the first chunk
+    residual = split_bf16(master, weight)
+    index = residual.index.tolist()
+    assert index == sorted(set(index)) and CHUNK - 1 in index and any(i >= 2 * CHUNK for i in index)
+    assert torch.equal(join_bf16(weight, residual).view(torch.int32), master.view(torch.int32))
+    late = master.to(torch.bfloat16)
+    late[n - 1] = late[n - 2] if late[n - 2] != late[n - 1] else -late[n - 1]
+    assert not rounds_to(master, late)
 
 
 def _group():

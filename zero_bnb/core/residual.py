@@ -23,10 +23,8 @@ import torch
 
 __all__ = ["CHUNK", "Residual", "join_bf16", "rounds_to", "split_bf16"]
 
-#: Elements processed at once (bounds the temporaries).
-CHUNK = 1 << 24
-#: Elements :func:`join_bf16` processes at once (its temporaries stay in the cache).
-_JOIN_CHUNK = 1 << 18
+#: Elements processed at once (the temporaries stay in the cache).
+CHUNK = 1 << 18
 _HALF = 0x8000
 
 
@@ -54,10 +52,12 @@ def _halves(bits32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pairs[0::2], pairs[1::2]  # little-endian (checked at import)
 
 
-def _hi(weight16: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """The master's top 16 bits that ``weight16`` and ``low`` give when no tie carried (int16, wrapping)."""
-    carry = (low < 0) & (low != -_HALF)  # lo > 0x8000 as unsigned
-    return weight16 - carry.to(torch.int16)
+def _join_chunk(out: torch.Tensor, weight16: torch.Tensor, low16: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """``out`` (int32) = the master bits that ``weight16`` and ``low16`` give when no tie carried (see
+    :func:`join_bf16`); ``scratch`` is an int32 buffer of the same length. Returns ``out``."""
+    out.copy_(weight16).bitwise_left_shift_(16)
+    scratch.copy_(low16).add_(_HALF - 1).bitwise_and_(0xFFFF).sub_(_HALF - 1)
+    return out.add_(scratch)
 
 
 def _check(master: torch.Tensor, weight: torch.Tensor) -> None:
@@ -70,22 +70,27 @@ def _check(master: torch.Tensor, weight: torch.Tensor) -> None:
 def split_bf16(master: torch.Tensor, weight: torch.Tensor) -> Residual:
     """The :class:`Residual` of fp32 ``master`` beside bf16 ``weight`` (1-D, same length, CPU).
 
-    ``join_bf16(weight, split_bf16(master, weight))`` is ``master`` bit for bit for every pair.
+    ``join_bf16(weight, split_bf16(master, weight))`` is ``master`` bit for bit for every pair: each
+    chunk is joined as :func:`join_bf16` would join it, and the elements that differ from the master
+    are the exceptions. Same-dtype operations on cache-sized chunks, like :func:`join_bf16`.
     """
     _check(master, weight)
-    low_all, hi_all = _halves(master.contiguous())
+    bits = master.contiguous().view(torch.int32)
     weight_bits = weight.contiguous().view(torch.int16)
-    low_parts, index_parts, value_parts = [], [], []
-    for start in range(0, master.numel(), CHUNK):
-        low, hi = low_all[start : start + CHUNK], hi_all[start : start + CHUNK]
-        wrong = torch.nonzero(_hi(weight_bits[start : start + CHUNK], low) != hi).flatten()
-        low_parts.append(low.clone())
-        index_parts.append(wrong + start)
-        value_parts.append(master[start : start + CHUNK].view(torch.int32)[wrong].view(torch.float32))
-    if not low_parts:
-        return Residual(torch.empty(0, dtype=torch.int16), torch.empty(0, dtype=torch.int64),
-                        torch.empty(0, dtype=torch.float32))
-    return Residual(torch.cat(low_parts), torch.cat(index_parts), torch.cat(value_parts))
+    low = _halves(bits)[0].clone()
+    joined = torch.empty(min(CHUNK, bits.numel()), dtype=torch.int32)
+    low32 = torch.empty_like(joined)
+    differs = torch.empty(joined.numel(), dtype=torch.bool)
+    index_parts = [torch.empty(0, dtype=torch.int64)]
+    for start in range(0, bits.numel(), CHUNK):
+        chunk = bits[start : start + CHUNK]
+        end = start + chunk.numel()
+        join = _join_chunk(joined[: chunk.numel()], weight_bits[start:end], low[start:end], low32[: chunk.numel()])
+        wrong = torch.ne(join, chunk, out=differs[: chunk.numel()])
+        if wrong.any():
+            index_parts.append(torch.nonzero(wrong).flatten().add_(start))
+    index = torch.cat(index_parts)
+    return Residual(low, index, bits[index].view(torch.float32))
 
 
 def join_bf16(weight: torch.Tensor, residual: Residual, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,13 +106,11 @@ def join_bf16(weight: torch.Tensor, residual: Residual, out: torch.Tensor | None
     out = torch.empty(weight.numel(), dtype=torch.float32) if out is None else out
     bits = out.view(torch.int32)
     weight_bits = weight.contiguous().view(torch.int16)
-    low32 = torch.empty(min(_JOIN_CHUNK, weight.numel()), dtype=torch.int32)
-    for start in range(0, weight.numel(), _JOIN_CHUNK):
-        master = bits[start : start + _JOIN_CHUNK]
-        low = low32[: master.numel()]
-        master.copy_(weight_bits[start : start + _JOIN_CHUNK]).bitwise_left_shift_(16)
-        low.copy_(residual.low[start : start + _JOIN_CHUNK]).add_(_HALF - 1).bitwise_and_(0xFFFF).sub_(_HALF - 1)
-        master.add_(low)
+    low32 = torch.empty(min(CHUNK, weight.numel()), dtype=torch.int32)
+    for start in range(0, weight.numel(), CHUNK):
+        master = bits[start : start + CHUNK]
+        end = start + master.numel()
+        _join_chunk(master, weight_bits[start:end], residual.low[start:end], low32[: master.numel()])
     bits[residual.index] = residual.value.view(torch.int32)
     return out
 
@@ -120,8 +123,12 @@ def rounds_to(master: torch.Tensor, weight: torch.Tensor) -> bool:
     if weight.dtype == torch.float32:
         return torch.equal(master.view(torch.int32), weight.view(torch.int32))
     view = {2: torch.int16, 4: torch.int32, 8: torch.int64}[weight.element_size()]
-    return all(torch.equal(master[s : s + CHUNK].to(weight.dtype).view(view), weight[s : s + CHUNK].view(view))
-               for s in range(0, master.numel(), CHUNK))
+    rounded = torch.empty(min(CHUNK, master.numel()), dtype=weight.dtype)  # reused: no page faults per chunk
+    for start in range(0, master.numel(), CHUNK):
+        chunk = rounded[: master[start : start + CHUNK].numel()].copy_(master[start : start + CHUNK])
+        if not torch.equal(chunk.view(view), weight[start : start + CHUNK].view(view)):
+            return False
+    return True
 
 
 if sys.byteorder != "little":  # pragma: no cover - torch supports little-endian machines only
