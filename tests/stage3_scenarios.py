@@ -269,8 +269,29 @@ def _frozen_resume(context, out):
     for stage in (3, 2):
         engine = _frozen_engine(world, stage)
         engine.load_checkpoint(os.path.join(workdir, "frozen"))
+        if stage == 2:  # a stage-2 checkpoint of the frozen model, for _unfrozen_module_only
+            engine.save_checkpoint(os.path.join(workdir, f"frozen_stage2_dp{world}"), tag="mid")
         out[f"frozen_stage{stage}"] = {"loaded": _frozen_weight(engine), "state": consolidated_state(engine),
                                        "loss": train_steps(engine, RUN, STEPS_BEFORE, 1)[0]}
+
+
+def _unfrozen_module_only(context, out):
+    """Full fine-tuning from a LoRA-style checkpoint: ``load_module_only`` into the toy with every layer trained. The
+    stage-2 checkpoint's frozen weight becomes the first layer's weight and its master (else the next step would put
+    the model's own weight back); the stage-3 one holds only slices of it per rank: refused, naming it."""
+    world, workdir = context["world"], context["workdir"]
+    for stage, folder in ((2, f"frozen_stage2_dp{world}"), (3, "frozen")):
+        config = stage3_config(world) if stage == 3 else RUN.ds_config(world, zero_optimization={"stage": stage})
+        model = build_model()
+        with torch.no_grad():
+            model[0].weight.fill_(0.5)  # not the saved weight (the toy's own, never trained while frozen)
+        engine = zero_bnb.initialize(model=model, optimizer=OPTIMIZERS["Adam8bit"](list(model.parameters()), lr=LR),
+                                     config=config)[0]
+        error = _error(lambda engine=engine, folder=folder: engine.load_checkpoint(os.path.join(workdir, folder),
+                                                                                   load_module_only=True))
+        state = consolidated_state(engine)
+        out[f"unfrozen_stage{stage}"] = {"error": error, "weight": _frozen_weight(engine),
+                                         "master": state and state["params"]["0.weight"]["fp32"]}
 
 
 def _frozen_init_resume(context, out):
@@ -305,7 +326,7 @@ def stage3_resume(rank, world, workdir):
     # Offloaded checkpoints load offloaded at DP=3 and without offload at DP=1; one saved without offload loads
     # offloaded at DP=3.
     phases = [_resume(case, offload=world != 1 or case not in OFFLOADED) for case in CASES]
-    phases += [_frozen_resume, _frozen_init_resume]
+    phases += [_frozen_resume, _unfrozen_module_only, _frozen_init_resume]
     if world == 1:
         phases.append(_resume(OFFLOADED_AT_DP1, name=f"{OFFLOADED_AT_DP1}_offloaded"))
     if world == 3:

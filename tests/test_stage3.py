@@ -225,6 +225,21 @@ def test_frozen_parameters_are_restored_at_any_dp_size_and_stage(runs):
                for name, t in saved["state"]["params"].items())
 
 
+def test_a_weights_only_load_into_a_model_that_now_trains_a_frozen_parameter(runs):
+    """LoRA run, then full fine-tuning from its checkpoint (load_module_only, every layer trained): at stage 2 the
+    frozen weight becomes the layer's weight and its master (the master used to stay the model's own weight, which
+    the next step put back); a stage-3 checkpoint holds only slices of it per rank: refused, naming it."""
+    saved = _case(runs, 2, "frozen")["saved"]
+    for dp in (3, 1):
+        stage2, stage3 = _case(runs, dp, "unfrozen_stage2"), _case(runs, dp, "unfrozen_stage3")
+        assert stage2["error"] is None, stage2["error"]
+        assert torch.equal(stage2["weight"], saved) and torch.equal(stage2["master"], saved), dp
+        assert stage3["error"].startswith("CheckpointMismatchError: "), stage3["error"]
+        for part in ("['0.weight (0 of ", "were frozen when this checkpoint was saved and are trained now",
+                     "zero-bnb export"):
+            assert part in stage3["error"], (part, stage3["error"])
+
+
 def test_frozen_parameters_of_a_model_built_under_zero_init_resume_at_any_dp_size(runs):
     """A LoRA-style model built under deepspeed.zero.Init (parameters partitioned as created), its first weight
     frozen, saved at DP=2: trains exactly as the same model built whole, and its frozen weight and trained state come

@@ -184,14 +184,16 @@ def plan_load(engine, opened: Opened, model_file: str, *, optimizer_states: bool
     """
     saved = opened.saved
     optimizer = plan_restore(engine.optimizer, saved, engine.param_names, load_optimizer_states=optimizer_states)
-    fresh = getattr(saved, "fresh", frozenset())  # new parameters of a weights-only load keep their weights
-    regroup.keep_fresh_masters(engine.optimizer, optimizer, fresh, engine.param_names)
     if opened.reader is None:
         model_states = safe_load(model_file, "DeepSpeed model file", deepspeed_classes=True)
     else:  # the bytes of the save that was verified, whatever now lies at model_file; mapped: the trained
         # weights in it are never read (see plan_trained_weights)
         model_states = opened.reader.load(os.path.basename(model_file), "DeepSpeed model file",
                                           deepspeed_classes=True, mmap=True)
+    fresh = getattr(saved, "fresh", frozenset())  # parameters of a weights-only load with no saved master
+    numels = {name: int(getattr(param, "ds_numel", param.numel())) for param, name in engine.param_names.items()}
+    regroup.keep_fresh_masters(engine.optimizer, optimizer, fresh, engine.param_names,
+                               regroup.saved_fresh_weights(fresh, model_states, numels, model_file))
     plan_frozen_fragments(engine.module, engine.param_names, model_states, opened.reader, engine.optimizer.dp_rank,
                           model_file)
     trained = {param: engine.param_names[param] for param in engine.optimizer.trained_params()

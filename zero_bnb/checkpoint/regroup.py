@@ -30,7 +30,8 @@ from zero_bnb.errors import CheckpointMismatchError
 from zero_bnb.format.manifest import MASTER_KEY, GroupEntry, Manifest, ParamEntry, StateEntry
 from zero_bnb.format.payload import ReplicatedGroup, ReplicatedPayload
 
-__all__ = ["RegroupedState", "by_name", "for_engine", "keep_fresh_masters", "live_params", "masters_by_name"]
+__all__ = ["RegroupedState", "by_name", "for_engine", "keep_fresh_masters", "live_params", "masters_by_name",
+           "saved_fresh_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,18 +106,63 @@ def masters_by_name(saved: SavedState, live: list[tuple[ParamEntry, ...]],
     return state
 
 
-def keep_fresh_masters(optimizer: Any, plan: RestorePlan, fresh: frozenset[str], names: dict) -> None:
-    """Put the running optimizer's current master weights of the ``fresh`` parameters (:func:`masters_by_name`) back
-    into ``plan``'s partitions of this rank, so that a weights-only load leaves them as they were. Local."""
+def saved_fresh_weights(fresh: frozenset[str], model_states: Any, numels: dict[str, int],
+                        model_file: str) -> dict[str, torch.Tensor]:
+    """The weights DeepSpeed's model file holds for ``fresh`` parameters (:func:`masters_by_name`: no saved master),
+    flat and in fp32: those frozen when it was saved. DeepSpeed's module load sets such a parameter to its saved
+    weight, so its master must be that weight too (as stock DeepSpeed's ``refresh_fp32_params`` makes it), or the
+    next step would put the model's old weight back. Local, pure.
+
+    Args:
+        numels: each live parameter's name -> its number of elements (the whole parameter at stage 3).
+
+    Raises:
+        CheckpointMismatchError: the file holds only a part of such a weight (a ZeRO-3 save keeps a frozen
+            parameter's slices in each rank's model file and an empty entry here), naming the parameters and the fix.
+    """
+    module = model_states.get("module") if isinstance(model_states, dict) else None
+    if not fresh or not isinstance(module, dict):
+        return {}
+    weights, partial = {}, []
+    for name in sorted(fresh):
+        entry = module.get(name)
+        if not isinstance(entry, torch.Tensor):
+            continue  # a new parameter: it keeps its weights
+        if entry.numel() != numels[name]:
+            partial.append(f"{name} ({entry.numel()} of {numels[name]} elements)")
+        else:
+            weights[name] = entry.detach().reshape(-1).to(torch.float32)
+    if partial:
+        raise CheckpointMismatchError(
+            f"{model_file}: parameter(s) {partial[:5]} were frozen when this checkpoint was saved and are trained now, "
+            f"but its model file holds only a part of their weights (a ZeRO-3 save keeps each rank's slice of a frozen "
+            f"parameter in that rank's file), so a weights-only load cannot start them from their saved values. "
+            f"Write the whole weights with `zero-bnb export` (or the folder's zero_to_fp32.py), load them into the "
+            f"model before zero_bnb.initialize, and start without load_checkpoint; or freeze them as the saved run did"
+        )
+    return weights
+
+
+def keep_fresh_masters(optimizer: Any, plan: RestorePlan, fresh: frozenset[str], names: dict,
+                       saved_weights: dict[str, torch.Tensor] | None = None) -> None:
+    """Put the master weights of the ``fresh`` parameters (:func:`masters_by_name`) into ``plan``'s partitions of
+    this rank: from ``saved_weights`` (:func:`saved_fresh_weights`: the weights DeepSpeed's module load gives them)
+    where it has them, else the running optimizer's current ones, so that a new parameter keeps its weights. Local."""
     if not fresh:
         return
+    saved_weights = saved_weights or {}
     for group in plan.groups:
         start, end = local_range(StateKind.ELEMENTWISE, optimizer.geometry(group.index), optimizer.dp_rank)
         current = optimizer.master_partition(group.index).detach()
         for p in optimizer.param_entries(group.index, names):
             low, high = max(start, p.offset), min(end, p.offset + p.numel)
-            if p.name in fresh and low < high:
-                group.master[low - start : high - start].copy_(current[low - start : high - start])
+            if p.name not in fresh or low >= high:
+                continue
+            if p.name in saved_weights:
+                source = saved_weights[p.name][low - p.offset : high - p.offset]
+            else:
+                source = current[low - start : high - start]
+            group.master[low - start : high - start].copy_(source)
 
 
 class RegroupedState:
