@@ -389,15 +389,23 @@ def test_a_failing_compiler_is_tried_once_per_process_not_at_every_update(fake_c
 
 
 @pytest.mark.parametrize("where", ["a file", "inside a file"])
-def test_an_unusable_cache_folder_is_a_build_error_naming_it_and_the_fix(fake_cxx, monkeypatch, tmp_path, where):
+def test_an_unusable_cache_folder_is_a_build_error_naming_it_and_the_fix(fake_cxx, monkeypatch, tmp_path, where,
+                                                                         caplog):
+    """The fix is the folder's, not a compiler's: neither the warning nor "fused" mode's error advises installing one."""
     fake_cxx()
     (tmp_path / "afile").write_text("x")
     folder = tmp_path / "afile" if where == "a file" else tmp_path / "afile" / "cache"
     monkeypatch.setenv(build.CACHE_ENV, str(folder))
-    with pytest.raises(KernelBuildError, match=rf"kernel cache folder {folder}: .*set ZERO_BNB_KERNEL_DIR to a "
-                                               rf"writable folder"):
+    with pytest.raises(build.KernelCacheError, match=rf"kernel cache folder {folder}: .*set ZERO_BNB_KERNEL_DIR to a "
+                                                     rf"writable folder"):
         build.load_library()
-    assert not cpu_update._fused_available("auto")  # "auto" falls back (with its one warning)
+    with caplog.at_level(logging.WARNING, logger="zero_bnb.kernels.cpu_update"):
+        assert not cpu_update._fused_available("auto")  # "auto" falls back (with its one warning)
+    [warning] = [record.getMessage() for record in caplog.records]
+    assert "set ZERO_BNB_KERNEL_DIR to a writable folder" in warning and "compiler" not in warning, warning
+    with pytest.raises(build.KernelCacheError) as refused:
+        cpu_update._fused_available("fused")
+    assert "ZERO_BNB_KERNEL_DIR" in str(refused.value) and "compiler" not in str(refused.value), str(refused.value)
 
 
 @pytest.mark.parametrize("damage", [0, 100])

@@ -31,7 +31,8 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
-__all__ = ["KernelBuildError", "bind", "build_library", "cache_dir", "forget", "load_library", "main", "prebuild"]
+__all__ = ["KernelBuildError", "KernelCacheError", "bind", "build_library", "cache_dir", "forget", "load_library", "main",
+           "prebuild"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,11 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 class KernelBuildError(RuntimeError):
     """The fused CPU update could not be compiled or loaded."""
+
+
+class KernelCacheError(KernelBuildError):
+    """The kernel cache folder cannot be used: it is not writable, or another user could have written its library.
+    The message names the fix (a compiler is not the problem)."""
 
 
 def cache_dir() -> str:
@@ -92,8 +98,8 @@ def _key(compiler: list[str]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _refuse(path: str, why: str) -> KernelBuildError:
-    return KernelBuildError(
+def _refuse(path: str, why: str) -> KernelCacheError:
+    return KernelCacheError(
         f"refusing to load the cached kernel {path}: {why}, so another user could have replaced it; remove it and "
         f"set {CACHE_ENV} to a folder only you can write, then run `zero-bnb build-kernels`"
     )
@@ -115,7 +121,7 @@ def _check_trusted(path: str) -> None:
         folder_stat = os.stat(folder)
         file_stat = os.stat(path) if os.path.exists(path) else None
     except OSError as error:
-        raise KernelBuildError(f"cannot inspect the kernel cache {path}: {error}; set {CACHE_ENV} to a writable "
+        raise KernelCacheError(f"cannot inspect the kernel cache {path}: {error}; set {CACHE_ENV} to a writable "
                                f"folder") from error
     if folder_stat.st_uid not in trusted:
         raise _refuse(path, f"its folder belongs to uid {folder_stat.st_uid}, not to you (uid {os.getuid()})")
@@ -152,7 +158,7 @@ def _make_folder(folder: str) -> None:
             os.makedirs(folder, exist_ok=True)
             os.chmod(folder, 0o755)  # not group-writable under umask 002: _check_trusted would refuse it
     except OSError as error:
-        raise KernelBuildError(
+        raise KernelCacheError(
             f"cannot create the kernel cache folder {folder}: {error}; set {CACHE_ENV} to a writable folder"
         ) from error
 
@@ -185,7 +191,7 @@ def _compile(compiler: list[str], folder: str, path: str) -> None:
     try:
         handle, scratch = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
     except OSError as error:
-        raise KernelBuildError(
+        raise KernelCacheError(
             f"cannot write into the kernel cache folder {folder}: {error}; set {CACHE_ENV} to a writable folder"
         ) from error
     os.close(handle)
@@ -251,7 +257,7 @@ def load_library() -> ctypes.CDLL:
 
     result = _attempt(os.environ.get("CXX", ""), cache_dir())
     if isinstance(result, KernelBuildError):
-        raise KernelBuildError(str(result)) from result.__cause__
+        raise type(result)(str(result)) from result.__cause__
     return result
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from zero_bnb.core.config import CPU_UPDATE_MODES
-from zero_bnb.kernels.build import KernelBuildError, load_library
+from zero_bnb.kernels.build import KernelBuildError, KernelCacheError, load_library
 from zero_bnb.kernels.fused import fused_update
 from zero_bnb.kernels.hyper import FAMILIES, UpdateHyper, step_scalars
 
@@ -39,18 +39,20 @@ def _fused_available(mode: str) -> bool:
         load_library()
         return True
     except KernelBuildError as error:
+        # A cache-folder problem names its own fix; otherwise the compiler is what is missing.
+        fix = ("do as it says" if isinstance(error, KernelCacheError) else
+               "install a C++ compiler with OpenMP (e.g. apt-get install g++)") + " and run `zero-bnb build-kernels`"
         if mode == "fused":
-            raise KernelBuildError(
-                f"zero_cpu_update is \"fused\" but the fused CPU 8-bit update cannot be built: {error}. Install a C++ "
-                f"compiler with OpenMP (e.g. apt-get install g++) and run `zero-bnb build-kernels`, or set "
-                f"zero_cpu_update to \"auto\" or \"bitsandbytes\""
+            raise type(error)(
+                f"zero_cpu_update is \"fused\" but the fused CPU 8-bit update cannot be built: {error}. To fix it, "
+                f"{fix}, or set zero_cpu_update to \"auto\" or \"bitsandbytes\""
             ) from error
         if not _warned:
             _warned = True
             logger.warning(
                 "zero_bnb: the fused CPU 8-bit optimizer update could not be built (%s); using bitsandbytes' CPU path, "
-                "which was 12-26x slower in benchmarks/results/cpu_optimizer_step.md. Install a C++ compiler with "
-                "OpenMP (e.g. apt-get install g++) and run `zero-bnb build-kernels` to get the fast one", error,
+                "which was 12-26x slower in benchmarks/results/cpu_optimizer_step.md. To get the fast one, %s", error,
+                fix,
             )
         return False
 
