@@ -191,9 +191,10 @@ def plan_load(engine, opened: Opened, model_file: str, *, optimizer_states: bool
         model_states = opened.reader.load(os.path.basename(model_file), "DeepSpeed model file",
                                           deepspeed_classes=True, mmap=True)
     fresh = getattr(saved, "fresh", frozenset())  # parameters of a weights-only load with no saved master
-    numels = {name: int(getattr(param, "ds_numel", param.numel())) for param, name in engine.param_names.items()}
-    regroup.keep_fresh_masters(engine.optimizer, optimizer, fresh, engine.param_names,
-                               regroup.saved_fresh_weights(fresh, model_states, numels, model_file))
+    if fresh:
+        numels = {name: int(getattr(param, "ds_numel", param.numel())) for param, name in engine.param_names.items()}
+        regroup.keep_fresh_masters(engine.optimizer, optimizer, fresh, engine.param_names,
+                                   regroup.saved_fresh_weights(fresh, model_states, numels, model_file))
     plan_frozen_fragments(engine.module, engine.param_names, model_states, opened.reader, engine.optimizer.dp_rank,
                           model_file)
     trained = {param: engine.param_names[param] for param in engine.optimizer.trained_params()

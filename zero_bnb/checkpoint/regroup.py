@@ -144,13 +144,12 @@ def saved_fresh_weights(fresh: frozenset[str], model_states: Any, numels: dict[s
 
 
 def keep_fresh_masters(optimizer: Any, plan: RestorePlan, fresh: frozenset[str], names: dict,
-                       saved_weights: dict[str, torch.Tensor] | None = None) -> None:
+                       saved_weights: dict[str, torch.Tensor]) -> None:
     """Put the master weights of the ``fresh`` parameters (:func:`masters_by_name`) into ``plan``'s partitions of
     this rank: from ``saved_weights`` (:func:`saved_fresh_weights`: the weights DeepSpeed's module load gives them)
     where it has them, else the running optimizer's current ones, so that a new parameter keeps its weights. Local."""
     if not fresh:
         return
-    saved_weights = saved_weights or {}
     for group in plan.groups:
         start, end = local_range(StateKind.ELEMENTWISE, optimizer.geometry(group.index), optimizer.dp_rank)
         current = optimizer.master_partition(group.index).detach()
