@@ -1,21 +1,38 @@
 """The test launcher itself: a child that dies natively leaves its Python stack behind, and every child's
-OpenMP runtime starts with one thread (the environment is set before the child imports torch)."""
+OpenMP runtime starts with one thread and sees no CUDA device, on DeepSpeed's CPU accelerator (the environment is
+set before the child imports torch), whatever GPUs the machine has."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessExitedException
 
-from zero_bnb.testing.launch import run_distributed
+from zero_bnb.testing.launch import child_environment_for, gpus_missing, run_distributed
+
+CHILD_KEYS = ("OMP_NUM_THREADS", "DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES")
+
+
+def _where_am_i() -> dict:
+    """What a rank sees of its devices: the launcher's variables, torch's CUDA devices, DeepSpeed's accelerator and
+    the device of a tensor it makes there, and the process group's backend."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    return {**{key: os.environ.get(key, "unset") for key in CHILD_KEYS},
+            "cuda_devices": torch.cuda.device_count(), "accelerator": get_accelerator().device_name(),
+            "tensor_device": torch.ones(1, device=get_accelerator().current_device_name()).device.type,
+            "backend": dist.get_backend()}
 
 
 def abort_natively_on_rank_1(rank: int, world_size: int, folder: str) -> None:
-    """Rank 1 aborts the way a C++ ``std::terminate`` does (SIGABRT); rank 0 records its start-up environment."""
+    """Rank 1 aborts the way a C++ ``std::terminate`` does (SIGABRT); each rank first records where it runs."""
     with open(os.path.join(folder, f"env{rank}"), "w") as handle:
-        handle.write(os.environ.get("OMP_NUM_THREADS", "unset"))
+        json.dump(_where_am_i(), handle)
     dist.barrier()
     if rank == 1:
         os.abort()
@@ -30,5 +47,49 @@ def test_a_native_abort_in_a_child_prints_its_python_stack(tmp_path, capfd):
     err = capfd.readouterr().err
     assert "Fatal Python error: Aborted" in err, err[-2000:]
     assert "in abort_natively_on_rank_1" in err, err[-2000:]
-    assert [(tmp_path / f"env{rank}").read_text() for rank in (0, 1)] == ["1", "1"]
+    seen = [json.loads((tmp_path / f"env{rank}").read_text()) for rank in (0, 1)]
+    # On a machine with one GPU, DeepSpeed's CUDA accelerator gave rank 1 "cuda:1" and the launch died at once; with
+    # several, gloo ranks got CUDA tensors. CPU ranks see no CUDA device, whatever the machine has.
+    assert seen == [{"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "cuda_devices": 0,
+                     "accelerator": "cpu", "tensor_device": "cpu", "backend": "gloo"}] * 2, seen
     assert os.environ.get("OMP_NUM_THREADS") == before  # the parent's environment is restored
+
+
+def test_cpu_ranks_stay_on_the_cpu_whatever_the_parent_sets(tmp_path, monkeypatch):
+    # A user's shell may name the CUDA accelerator or a GPU: the CPU launcher's children override both, and the
+    # parent gets its own values back.
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    run_distributed(record_where, 2, str(tmp_path))
+    seen = [json.loads((tmp_path / f"env{rank}").read_text()) for rank in (0, 1)]
+    assert {(s["DS_ACCELERATOR"], s["CUDA_VISIBLE_DEVICES"], s["accelerator"], s["backend"]) for s in seen} == {
+        ("cpu", "", "cpu", "gloo")}, seen
+    assert (os.environ["DS_ACCELERATOR"], os.environ["CUDA_VISIBLE_DEVICES"]) == ("cuda", "0")
+
+
+def record_where(rank: int, world_size: int, folder: str) -> None:
+    with open(os.path.join(folder, f"env{rank}"), "w") as handle:
+        json.dump(_where_am_i(), handle)
+
+
+def test_the_launcher_names_its_devices_and_refuses_gpu_ranks_it_cannot_place():
+    assert child_environment_for("cpu") == {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    assert child_environment_for("cuda")["DS_ACCELERATOR"] == "cuda"
+    with pytest.raises(ValueError, match=r"device must be one of \['cpu', 'cuda'\], got 'tpu'"):
+        child_environment_for("tpu")
+    too_many = torch.cuda.device_count() + 1
+    assert gpus_missing(too_many) is not None
+    with pytest.raises(ValueError, match=f"needs {too_many} CUDA device"):
+        run_distributed(record_where, too_many, "unused", device="cuda")
+
+
+@pytest.mark.skipif(gpus_missing(2) is not None, reason=str(gpus_missing(2)))
+def test_gpu_ranks_get_one_device_each_and_nccl(tmp_path):
+    run_distributed(record_where_gpu, 2, str(tmp_path), device="cuda")
+    seen = [json.loads((tmp_path / f"env{rank}").read_text()) for rank in (0, 1)]
+    assert [(s["accelerator"], s["backend"], s["current"]) for s in seen] == [("cuda", "nccl", 0), ("cuda", "nccl", 1)]
+
+
+def record_where_gpu(rank: int, world_size: int, folder: str) -> None:
+    with open(os.path.join(folder, f"env{rank}"), "w") as handle:
+        json.dump({**_where_am_i(), "current": torch.cuda.current_device()}, handle)

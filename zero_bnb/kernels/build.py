@@ -31,8 +31,8 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
-__all__ = ["KernelBuildError", "KernelCacheError", "bind", "build_library", "cache_dir", "forget", "load_library", "main",
-           "prebuild"]
+__all__ = ["KernelBuildError", "KernelCacheError", "MARCH_ENV", "bind", "build_library", "cache_dir", "flags", "forget",
+           "load_library", "main", "prebuild"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,25 @@ HEADERS = tuple(os.path.join(os.path.dirname(SOURCE), name) for name in ("quanti
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++17")
 #: Where the compiled library is cached (default ``~/.cache/zero_bnb/kernels``).
 CACHE_ENV = "ZERO_BNB_KERNEL_DIR"
+#: The instruction set to build for, as gcc's ``-march`` (default ``native``): ``x86-64-v2`` (the scalar path),
+#: ``x86-64-v3`` (AVX2), ``x86-64-v4`` (AVX-512), ... to test or use another path on one machine. Part of the key.
+MARCH_ENV = "ZERO_BNB_KERNEL_MARCH"
+
+
+def flags() -> tuple[str, ...]:
+    """The compiler flags: :data:`FLAGS` with ``-march`` from ``$ZERO_BNB_KERNEL_MARCH`` when it is set.
+
+    Raises:
+        KernelBuildError: the variable holds something other than one ``-march`` value.
+    """
+    march = os.environ.get(MARCH_ENV, "").strip()
+    if not march:
+        return FLAGS
+    if not all(c.isalnum() or c in "-_." for c in march):
+        raise KernelBuildError(
+            f"{MARCH_ENV}={march!r} is not a -march value; use e.g. x86-64-v3, x86-64-v4 or native, or unset it"
+        )
+    return tuple(f"-march={march}" if flag.startswith("-march=") else flag for flag in FLAGS)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -91,7 +110,7 @@ def _key(compiler: list[str]) -> str:
         ) from error
     digest = hashlib.sha256()
     sources = b"".join(open(path, "rb").read() for path in (SOURCE, *HEADERS))
-    for part in (sources, " ".join(FLAGS).encode(), "\0".join(compiler).encode(), version.encode(),
+    for part in (sources, " ".join(flags()).encode(), "\0".join(compiler).encode(), version.encode(),
                  _cpu_flags().encode()):
         digest.update(part)
         digest.update(b"\0")
@@ -195,7 +214,7 @@ def _compile(compiler: list[str], folder: str, path: str) -> None:
             f"cannot write into the kernel cache folder {folder}: {error}; set {CACHE_ENV} to a writable folder"
         ) from error
     os.close(handle)
-    command = [*compiler, *FLAGS, SOURCE, "-o", scratch]
+    command = [*compiler, *flags(), SOURCE, "-o", scratch]
     logger.info("building the fused CPU 8-bit optimizer update: %s", " ".join(command))
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
@@ -236,8 +255,8 @@ def build_library(force: bool = False) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _attempt(compiler: str, folder: str) -> ctypes.CDLL | KernelBuildError:
-    """One build-and-load per process for each ``CXX`` and cache folder: the library, or why it failed."""
+def _attempt(compiler: str, folder: str, march: str) -> ctypes.CDLL | KernelBuildError:
+    """One build-and-load per process for each ``CXX``, cache folder and ``-march``: the library, or why it failed."""
     try:
         return bind(build_library())
     except KernelBuildError as error:
@@ -255,7 +274,7 @@ def load_library() -> ctypes.CDLL:
     """
     import torch  # noqa: F401  (torch's OpenMP runtime is loaded first and shared with the kernel)
 
-    result = _attempt(os.environ.get("CXX", ""), cache_dir())
+    result = _attempt(os.environ.get("CXX", ""), cache_dir(), os.environ.get(MARCH_ENV, ""))
     if isinstance(result, KernelBuildError):
         raise type(result)(str(result)) from result.__cause__
     return result

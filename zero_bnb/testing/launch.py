@@ -1,7 +1,9 @@
-"""Run a function on N local CPU processes with torch.distributed (gloo) and DeepSpeed.
+"""Run a function on N local processes with torch.distributed and DeepSpeed: CPU ranks (gloo) or one per GPU (nccl).
 
-Used by the elastic demo and the tests; real training launches use ``deepspeed`` or
-``torchrun`` instead.
+Used by the elastic demo, the tests and the benchmarks; real training launches use ``deepspeed`` or
+``torchrun`` instead. CPU ranks stay on the CPU on a machine with GPUs too: their children see no CUDA
+device and use DeepSpeed's CPU accelerator (otherwise DeepSpeed's CUDA accelerator gives rank r the
+device ``cuda:r``, which a machine with fewer GPUs than ranks lacks and gloo cannot reduce-scatter).
 """
 
 from __future__ import annotations
@@ -17,20 +19,49 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["init_worker", "run_distributed"]
+__all__ = ["DEVICES", "child_environment_for", "gpus_missing", "init_worker", "run_distributed"]
 
 logger = logging.getLogger(__name__)
 
-#: Set in the parent before spawning, so each child's OpenMP runtime reads it when torch is first imported
-#: (which happens while the child unpickles ``fn``, before :func:`init_worker` runs).
-_CHILD_ENV = {"OMP_NUM_THREADS": "1"}
+#: Where the ranks run: ``"cpu"`` (gloo, DeepSpeed's CPU accelerator, no CUDA device visible) or ``"cuda"``
+#: (nccl, rank r on ``cuda:r``).
+DEVICES = ("cpu", "cuda")
+
+#: Set in the parent before spawning, so each child reads it before it first imports torch (which happens while
+#: the child unpickles ``fn``, before :func:`init_worker` runs): OpenMP's thread count, CUDA's visible devices and
+#: DeepSpeed's accelerator are all fixed at first use.
+_CHILD_ENV = {
+    "cpu": {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""},
+    "cuda": {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cuda"},
+}
+_BACKEND = {"cpu": "gloo", "cuda": "nccl"}
 
 
-def init_worker(rank: int, world_size: int, store: str) -> None:
-    """Join a gloo process group through ``deepspeed.init_distributed``, rendezvous by file.
+def child_environment_for(device: str) -> dict[str, str]:
+    """The environment variables :func:`run_distributed` gives its children for ``device`` (a copy)."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {list(DEVICES)}, got {device!r}")
+    return dict(_CHILD_ENV[device])
+
+
+def gpus_missing(world_size: int) -> str | None:
+    """Why ``world_size`` GPU ranks cannot run here (a reason for ``pytest.skip``), or ``None`` when they can."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"needs {world_size} CUDA device(s); this machine has none"
+    if torch.cuda.device_count() < world_size:
+        return f"needs {world_size} CUDA devices, one per rank; this machine has {torch.cuda.device_count()}"
+    return None
+
+
+def init_worker(rank: int, world_size: int, store: str, device: str = "cpu") -> None:
+    """Join a process group (gloo for ``"cpu"``, nccl for ``"cuda"``) through ``deepspeed.init_distributed``,
+    rendezvous by file.
 
     A file rendezvous (``store``: a path no process group has used) avoids picking a TCP port
-    that another process may take before the group binds it.
+    that another process may take before the group binds it. Processes not started by
+    :func:`run_distributed` get its environment here, before torch first touches CUDA.
     """
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -38,17 +69,19 @@ def init_worker(rank: int, world_size: int, store: str) -> None:
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
-        **_CHILD_ENV,  # already set by run_distributed; processes started another way get it here
+        **child_environment_for(device),
     )
     import deepspeed
     import torch
 
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
-                               auto_mpi_discovery=False, verbose=False)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    deepspeed.init_distributed(dist_backend=_BACKEND[device], init_method=f"file://{store}", rank=rank,
+                               world_size=world_size, auto_mpi_discovery=False, verbose=False)
 
 
-def _worker(rank: int, world_size: int, store: str, fn: Callable[..., Any], args: tuple) -> None:
+def _worker(rank: int, world_size: int, store: str, fn: Callable[..., Any], args: tuple, device: str) -> None:
     import torch.distributed as dist
 
     # A native abort (SIGABRT, SIGSEGV) in a child would otherwise leave only "terminate called ..." behind:
@@ -58,7 +91,7 @@ def _worker(rank: int, world_size: int, store: str, fn: Callable[..., Any], args
     # frozen, the cyclic collector skips it, so each collection costs what the run allocates since. DeepSpeed collects
     # explicitly: its BF16_Optimizer eight times per engine (see_memory_usage(force=True)), 3.6 s of 3.8 s per build.
     gc.freeze()
-    init_worker(rank, world_size, store)
+    init_worker(rank, world_size, store, device)
     try:
         fn(rank, world_size, *args)
         dist.barrier()
@@ -71,9 +104,10 @@ def _worker(rank: int, world_size: int, store: str, fn: Callable[..., Any], args
 
 
 @contextlib.contextmanager
-def _child_environment() -> Iterator[None]:
-    saved = {key: os.environ.get(key) for key in _CHILD_ENV}
-    os.environ.update(_CHILD_ENV)
+def _child_environment(device: str) -> Iterator[None]:
+    values = child_environment_for(device)
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
     try:
         yield
     finally:
@@ -84,12 +118,20 @@ def _child_environment() -> Iterator[None]:
                 os.environ[key] = value
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, device: str = "cpu") -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
 
-    ``fn`` must be importable (a module-level function). Each process joins a gloo process
-    group through ``deepspeed.init_distributed``; a child's exception is re-raised here.
+    ``fn`` must be importable (a module-level function). Each process joins a process group
+    through ``deepspeed.init_distributed``; a child's exception is re-raised here.
+    ``device="cpu"`` (the default) keeps every rank on the CPU whatever GPUs the machine has;
+    ``device="cuda"`` puts rank r on ``cuda:r`` with nccl.
+
+    Raises:
+        ValueError: an unknown ``device``, or fewer CUDA devices than ranks for ``"cuda"``.
     """
-    with tempfile.TemporaryDirectory(prefix="zero_bnb_rendezvous_") as folder, _child_environment():
+    if device == "cuda" and (reason := gpus_missing(world_size)) is not None:
+        raise ValueError(f"run_distributed(device=\"cuda\") {reason}; use device=\"cpu\" or fewer ranks")
+    with tempfile.TemporaryDirectory(prefix="zero_bnb_rendezvous_") as folder, _child_environment(device):
         store = os.path.join(folder, "store")
-        mp.start_processes(_worker, args=(world_size, store, fn, args), nprocs=world_size, start_method="spawn")
+        mp.start_processes(_worker, args=(world_size, store, fn, args, device), nprocs=world_size,
+                           start_method="spawn")
