@@ -80,6 +80,38 @@ def test_a_partition_above_the_limit_is_really_split():
     assert next(iter(optimizer.state.values()))["step"] == 1
 
 
+def test_pieces_of_paged_state_stay_tagged_paged():
+    # bitsandbytes' CUDA path accepts a CPU tensor over managed memory only when it carries is_paged; a slice would
+    # lose the tag and a paged partition above the limit would fail on a GPU.
+    param = torch.nn.Parameter(torch.randn(5000))
+    optimizer = bnb.optim.Adam8bit([param], lr=1e-2)
+    param.grad = torch.randn(5000)
+    optimizer.step()
+    for key in ("state1", "state2", "absmax1", "absmax2"):
+        optimizer.state[param][key].is_paged, optimizer.state[param][key].page_deviceid = True, 0
+    chunked = ChunkedUpdate(optimizer, spec_for(optimizer), 1024)
+    seen = []
+    chunked.original = lambda group, p, g, i: seen.append(
+        {key: (getattr(value, "is_paged", False), getattr(value, "page_deviceid", None))
+         for key, value in optimizer.state[p].items() if key in ("state1", "state2", "absmax1", "absmax2")})
+    optimizer.update_step = chunked
+    optimizer.step()
+    assert len(seen) == 5 and all(tags == {key: (True, 0) for key in tags} and len(tags) == 4 for tags in seen), seen
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="paged optimizer state needs CUDA managed memory")
+@pytest.mark.parametrize("name", ["PagedAdamW8bit", "PagedLion8bit"])
+def test_a_paged_optimizer_on_gpu_updates_in_pieces_exactly(name):
+    numel = 300_000  # >= 1e5 elements: bitsandbytes pages this state
+    optimizer_cls = getattr(bnb.optim, name)
+    reference = _run(optimizer_cls, numel, None, 3, device="cuda")
+    chunked = _run(optimizer_cls, numel, 64 * 256, 3, device="cuda")
+    assert getattr(reference[1]["state1"], "is_paged", False) or reference[1]["state1"].device.type == "cpu"
+    assert torch.equal(reference[0], chunked[0])
+    for key, value in reference[1].items():
+        assert torch.equal(value, chunked[1][key]) if torch.is_tensor(value) else value == chunked[1][key], key
+
+
 def test_stacked_moments_cannot_be_split_and_say_why():
     param = torch.nn.Parameter(torch.randn(5000))
     optimizer = bnb.optim.AdEMAMix8bit([param], lr=1e-3)

@@ -88,6 +88,53 @@ def test_bitsandbytes_mode_and_fp32_state_keep_bitsandbytes_path(name, mode):
     assert wired_optimizer.update_step.fused_steps == 0
 
 
+def _paged_like(device: str, paged: bool):
+    """An Adam8bit parameter on ``device`` whose state is what bitsandbytes makes for a paged optimizer on a GPU:
+    uint8 codes and float32 absmax in CPU tensors (over CUDA managed memory there) tagged ``is_paged``; the
+    optimizer's own path is replaced by a recorder."""
+    param = torch.nn.Parameter(torch.zeros(NUMEL, device=device))
+    param.grad = torch.zeros(NUMEL, device=device)
+    optimizer = bnb.optim.Adam8bit([param], lr=1e-2)
+    blocks = -(-NUMEL // 256)
+    state = {"step": 0, "state1": torch.zeros(NUMEL, dtype=torch.uint8), "state2": torch.zeros(NUMEL, dtype=torch.uint8),
+             "absmax1": torch.zeros(blocks), "absmax2": torch.zeros(blocks),
+             "qmap1": bnb.functional.create_dynamic_map(signed=True).to(device),
+             "qmap2": bnb.functional.create_dynamic_map(signed=False).to(device)}
+    for key in ("state1", "state2", "absmax1", "absmax2"):
+        state[key].is_paged = paged
+    optimizer.state[param] = state
+    install_cpu_update(optimizer, "auto")
+    calls = []
+    optimizer.update_step.original = lambda group, p, gindex, pindex: calls.append(p)
+    return param, optimizer, calls
+
+
+@pytest.mark.parametrize(("device", "paged"), [("meta", True), ("meta", False), ("cpu", True)])
+def test_a_parameter_off_the_cpu_or_paged_state_takes_bitsandbytes_path_and_counts_nothing(device, paged):
+    # On a GPU, PagedAdamW8bit's state is a CPU tensor over CUDA managed memory: deciding by the state's device sent
+    # a CUDA parameter to the CPU kernel, which raised after the step was counted. The meta device stands in for CUDA.
+    param, optimizer, calls = _paged_like(device, paged)
+    optimizer.update_step(optimizer.param_groups[0], param, 0, 0)
+    assert calls == [param]
+    assert optimizer.update_step.fused_steps == 0
+    assert optimizer.state[param]["step"] == 0
+
+
+def test_a_step_the_kernel_refuses_is_not_counted():
+    param, optimizer = make("Adam8bit")
+    install_cpu_update(optimizer, "auto")
+    param.grad = gradients(1)[0]
+    optimizer.step()
+    state = optimizer.state[param]
+    assert state["step"] == 1
+    state["absmax2"] = state["absmax2"][:-1].clone()  # the wrong size: the kernel refuses before touching anything
+    before = param.detach().clone()
+    with pytest.raises(ValueError, match="absmax2 must be a contiguous CPU torch.float32 tensor of 20 elements"):
+        optimizer.step()
+    assert state["step"] == 1 and optimizer.update_step.fused_steps == 1
+    assert torch.equal(param.detach(), before)
+
+
 @pytest.fixture
 def no_compiler(monkeypatch, tmp_path):
     """A machine without a C++ compiler (and an empty kernel cache)."""

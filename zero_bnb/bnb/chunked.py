@@ -52,6 +52,9 @@ class ChunkedUpdate:
                     )
                 first, last = to_axis(kind, start, end, block)
                 piece[key] = value[..., first:last]
+                if getattr(value, "is_paged", False):  # bitsandbytes' CUDA path takes paged state by this tag only
+                    piece[key].is_paged = True
+                    piece[key].page_deviceid = getattr(value, "page_deviceid", None)
             elif kind is StateKind.PARTITION_SCALAR:
                 raise ValueError(f"state {key!r} holds one value for the whole partition; it cannot be updated in pieces")
             else:

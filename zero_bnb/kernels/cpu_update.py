@@ -1,10 +1,12 @@
-"""Sends every blockwise 8-bit update whose state lives on the CPU to the fused kernel.
+"""Sends every blockwise 8-bit update of a parameter that lives on the CPU to the fused kernel.
 
 :class:`CpuUpdate` replaces a bitsandbytes optimizer's ``update_step`` (as
-:class:`zero_bnb.bnb.chunked.ChunkedUpdate` does, which may wrap it): an fp32 parameter whose
-``state1`` is uint8 on the CPU is updated by :func:`~zero_bnb.kernels.fused.fused_update`; anything else
-(GPU state, fp32 state, fp16/bf16 parameters, an optimizer without a fused kernel) takes the optimizer's
-own path. The configuration and step counting are bitsandbytes' (``get_config``, ``state["step"] += 1``,
+:class:`zero_bnb.bnb.chunked.ChunkedUpdate` does, which may wrap it): an fp32 CPU parameter with a CPU
+gradient whose ``state1`` is uint8 on the CPU and not paged is updated by
+:func:`~zero_bnb.kernels.fused.fused_update`; anything else (a parameter on a GPU, paged state, fp32
+state, fp16/bf16 parameters, an optimizer without a fused kernel) takes the optimizer's own path. The
+decision is the *parameter's* device: bitsandbytes' paged state (``is_paged``, parameters of at least
+1e5 elements on CUDA) is a CPU tensor over CUDA managed memory, which the CUDA kernel updates. The configuration and step counting are bitsandbytes' (``get_config``, ``state["step"] += 1``,
 AdEMAMix's alpha/beta3 schedule from ``bitsandbytes/optim/ademamix.py``), so per-parameter overrides keep
 working. The ``zero_cpu_update`` setting chooses: ``"auto"`` (fused when it builds, else bitsandbytes'
 path with one warning), ``"fused"`` (fail if it cannot build) or ``"bitsandbytes"``.
@@ -89,12 +91,22 @@ class CpuUpdate:
         self.fused_steps = 0
 
     def _fusable(self, p: torch.Tensor) -> bool:
+        """Whether the kernel takes ``p``: decided by the parameter's and gradient's device, never by the state's
+        alone (paged state is a CPU tensor whatever the parameter's device); every state tensor must be a plain
+        CPU tensor too."""
+        if self.mode == "bitsandbytes" or getattr(self.optimizer, "optimizer_name", None) not in FAMILIES:
+            return False
         state = self.optimizer.state[p]
         codes = state.get("state1")
-        return (self.mode != "bitsandbytes" and getattr(self.optimizer, "optimizer_name", None) in FAMILIES
-                and isinstance(codes, torch.Tensor) and codes.dtype == torch.uint8 and codes.device.type == "cpu"
-                and p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32
-                and _fused_available(self.mode))
+        if not (isinstance(codes, torch.Tensor) and codes.dtype == torch.uint8):
+            return False
+        if not (p.device.type == "cpu" and p.dtype == torch.float32 and p.grad is not None
+                and p.grad.device.type == "cpu" and p.grad.dtype == torch.float32):
+            return False
+        tensors = [value for value in state.values() if isinstance(value, torch.Tensor)]
+        if any(value.device.type != "cpu" or getattr(value, "is_paged", False) for value in tensors):
+            return False
+        return _fused_available(self.mode)
 
     @torch.no_grad()
     def __call__(self, group: dict[str, Any], p: torch.Tensor, gindex: int, pindex: int) -> Any:
@@ -104,11 +116,11 @@ class CpuUpdate:
         p.grad = p.grad.contiguous()
         state = self.optimizer.state[p]
         config = self.optimizer.get_config(gindex, pindex, group)
-        state["step"] += 1
-        step = state["step"]
+        step = state["step"] + 1  # counted once the kernel has taken the step: a refusal leaves the count as it was
         hyper = hyper_for(self.optimizer.optimizer_name, config, step)
         fused_update(hyper, step_scalars(hyper, step), p.data, p.grad, state["state1"], state["absmax1"],
                      state["qmap1"], state.get("state2"), state.get("absmax2"), state.get("qmap2"))
+        state["step"] = step
         self.fused_steps += 1
         return None
 

@@ -83,17 +83,19 @@ def train_steps(engine, run: ToyRun, first_step: int, count: int) -> list[float]
     dp, rank = dist.get_world_size(), dist.get_rank()
     accum = run.grad_accum(dp)
     dtype = next(engine.module.parameters()).dtype  # fp32, or bf16/fp16 under mixed precision
+    # The sum crosses ranks where the process group can reduce it: on the CPU for gloo, on the device for nccl.
+    where = "cpu" if dist.get_backend() == "gloo" else engine.device
     losses = []
     for step in range(first_step, first_step + count):
         inputs, targets = (t.to(dtype) for t in global_batch(step, run.global_batch_size))
-        total = torch.zeros(())
+        total = torch.zeros((), device=where)
         for micro in range(accum):
             start = (micro * dp + rank) * run.micro_batch
             rows = slice(start, start + run.micro_batch)
             loss = torch.nn.functional.mse_loss(engine(inputs[rows].to(engine.device)), targets[rows].to(engine.device))
             engine.backward(loss)
             engine.step()
-            total += loss.detach().float().cpu()  # the sum crosses ranks on the CPU (gloo)
+            total += loss.detach().float().to(where)
         dist.all_reduce(total)
         losses.append(total.item() / (accum * dp))
     return losses
