@@ -1,0 +1,63 @@
+"""The fused CPU kernel and its reference against golden vectors from bitsandbytes' CUDA kernel.
+
+The fixtures in ``tests/golden/`` (or the folder ``$ZERO_BNB_GOLDEN`` names) hold inputs and the CUDA kernel's
+outputs, written on a GPU by ``benchmarks/gpu/golden_vectors.py`` (``benchmarks/gpu/check.sh`` runs it); format in
+``zero_bnb/testing/golden.py``. Without fixtures the test says so and skips: it is not coverage until a GPU has
+produced them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from zero_bnb.kernels.fused import fused_update
+from zero_bnb.kernels.reference import reference_update
+from zero_bnb.testing.golden import agreement, golden_cases, read_fixtures
+
+FOLDER = os.environ.get("ZERO_BNB_GOLDEN") or os.path.join(os.path.dirname(__file__), "golden")
+FIXTURES = {case.name: (case, outputs, metadata) for case, outputs, metadata in read_fixtures(FOLDER)}
+NAMES = sorted(case.name for case in golden_cases())
+NO_FIXTURES = (f"no golden vectors in {FOLDER}: run `bash benchmarks/gpu/check.sh OUTDIR` on a machine with an NVIDIA "
+               "GPU and copy OUTDIR/golden/*.safetensors there")
+
+#: Tolerances, measured against an NVIDIA H200 (bitsandbytes 0.50.2, CUDA 13.0; docs/bounds.md): codes one apart at
+#: most, in at most CODE_LIMIT places per case (quantization boundaries where CUDA's __fdividef or __powf rounds the
+#: normalised moment to the other side); absmax within ABSMAX_ULPS float32 ulps; the parameter within P_ULPS ulps
+#: (the CUDA kernel divides with __fdividef, within 2 ulps, and may contract into fused multiply-adds); NaN where
+#: the GPU has NaN, nowhere else.
+CODE_LIMIT = 2
+ABSMAX_ULPS = 1
+P_ULPS = 4
+
+
+def test_every_case_has_its_fixture_or_there_are_none():
+    if not FIXTURES:
+        pytest.skip(NO_FIXTURES)
+    assert sorted(FIXTURES) == NAMES
+
+
+@pytest.mark.parametrize("update", [fused_update, reference_update], ids=["fused", "reference"])
+@pytest.mark.parametrize("name", NAMES)
+def test_cpu_updates_agree_with_bitsandbytes_cuda_kernel(name, update):
+    if not FIXTURES:
+        pytest.skip(NO_FIXTURES)
+    case, outputs, metadata = FIXTURES[name]
+    assert metadata["device"] != "cpu", f"{case.name}: written on the CPU (a dry run), not by the CUDA kernel"
+    report = agreement(case, outputs, update)
+    print(f"[golden] {case.name} {update.__name__} on {metadata['device']}: {report}")
+    assert report["code_distance"] <= 1 and report["codes"] <= CODE_LIMIT, (case.name, report)
+    assert report["absmax_ulps"] <= ABSMAX_ULPS, (case.name, report)
+    assert report["p_ulps"] <= P_ULPS, (case.name, report)
+    assert report["nan_mismatches"] == 0, (case.name, report)
+
+
+def test_a_file_of_another_format_is_refused_naming_it(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"p": torch.zeros(1)}, str(tmp_path / "stray.safetensors"), metadata={"format": "other"})
+    with pytest.raises(ValueError, match=r"stray.safetensors is not a golden-vector fixture: its metadata format is "
+                                         r"'other', expected 'zero_bnb-golden-8bit-update/1'"):
+        read_fixtures(str(tmp_path))

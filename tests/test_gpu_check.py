@@ -1,0 +1,47 @@
+"""benchmarks/gpu/check.sh, the one command a GPU machine runs: on a machine without CUDA its CPU dry run goes through
+every step (set-up check, the GPU tests collected, the cross-device check with the GPU sides on a CPU rank, golden
+vectors from bitsandbytes' CPU path and their agreement report) and exits 0; a wheel folder without wheels is an
+error that names it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECK = os.path.join(ROOT, "benchmarks", "gpu", "check.sh")
+
+
+def _check(out, **env) -> subprocess.CompletedProcess:
+    environment = {key: value for key, value in os.environ.items() if key != "ZERO_BNB_WHEELS"}
+    return subprocess.run(["bash", CHECK, str(out)], capture_output=True, text=True, timeout=600,
+                          env={**environment, **env})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, check.sh runs the whole GPU check (about 9 minutes): "
+                                                      "run it directly")
+def test_the_dry_run_goes_through_every_step_and_exits_0(tmp_path):
+    done = _check(tmp_path)
+    log = (tmp_path / "check.log").read_text()
+    assert done.returncode == 0, log[-3000:]
+    assert "no CUDA device: a CPU dry run of the same steps" in log and "check: all steps passed" in log
+    assert sorted(os.listdir(tmp_path)) == ["check.log", "cross_device.json", "machine.txt", "pytest.txt"]
+    assert "tests/test_fp16.py::test_an_fp16_run_with_overflow_skipped_steps_resumes_on_a_gpu" in (
+        tmp_path / "pytest.txt").read_text()
+    report = json.loads((tmp_path / "cross_device.json").read_text())
+    assert set(report["cases"]) == {"fp32-zero1", "fp16-zero2", "bf16-zero3"}
+    assert all(case["ok"] and case["tensors"] == 18 for case in report["cases"].values()), report
+    assert "golden_vectors: 12 fixtures" in log  # bitsandbytes' CPU path cannot run AdEMAMix: its 2 cases are noted
+    assert "commit:" in (tmp_path / "machine.txt").read_text()
+
+
+def test_a_wheel_folder_without_wheels_is_named(tmp_path):
+    empty = tmp_path / "wheels"
+    empty.mkdir()
+    done = _check(tmp_path / "out", ZERO_BNB_WHEELS=str(empty))
+    assert done.returncode == 1
+    assert f"set-up: no wheels in ZERO_BNB_WHEELS={empty}" in done.stdout
