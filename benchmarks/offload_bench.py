@@ -222,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="zero_bnb_offload_bench_") as workdir:
         result_path = os.path.join(workdir, "measure.json")
-        run_distributed(measure, args.dp, args, result_path)
+        # The model on the GPUs where there is one per rank (nccl); else CPU ranks (gloo) that see no GPU.
+        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= args.dp else "cpu"
+        run_distributed(measure, args.dp, args, result_path, device=device)
         with open(result_path) as handle:
             raw = json.load(handle)
     summary, markdown = summarise(raw, args)

@@ -64,6 +64,12 @@ def summarise(raw: dict, *, model: str, config, args: dict, step_bytes_per_param
             "samples_per_s": args["micro_batch"] * dp / step,
             "optimizer_step_s": optimizer_step,
             "memory_bytes_per_rank": statistics.median(record["memory_bytes"]),
+            # GPU: peak allocated over what was allocated before the engine, per phase (median of rounds); what a
+            # load kept allocated; what was left once the engine was destroyed (0: nothing leaked into later readings)
+            "memory_bytes_by_phase": {phase: statistics.median(values)
+                                      for phase, values in record.get("memory_bytes_by_phase", {}).items() if values},
+            "kept_after_load_bytes": record.get("kept_after_load_bytes"),
+            "left_after_destroy_bytes": max(record.get("left_after_destroy_bytes") or [0]),
             "state_bytes": record["state_bytes"],
             "parameters": record["parameters"],
             "checkpoint_bytes": record["checkpoint_bytes"],

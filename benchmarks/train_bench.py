@@ -155,6 +155,17 @@ def _train(engine, args, rank: int, first: int, count: int, optimizer_times: lis
     return times
 
 
+def _fresh_peak() -> int:
+    """Collect garbage, empty CUDA's cache and restart its peak count; the bytes still allocated (0 on the CPU)."""
+    gc.collect()
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
 def measure(rank, world, args, workdir, result_path):
     """One launch: every variant, interleaved over ``args.rounds`` rounds."""
     import torch.distributed as dist
@@ -163,29 +174,53 @@ def measure(rank, world, args, workdir, result_path):
     results = {v: {"step_s": [], "optimizer_step_s": [], "memory_bytes": [], "state_bytes": None} for v in VARIANTS}
     if rank == 0 and torch.cuda.is_available():
         results["copy_bandwidth_bytes_per_s"] = _copy_bandwidth()
+    cuda = torch.cuda.is_available()
     for round_index in range(args.rounds):
         # Rotate the order every round, so that no variant always runs first or last.
         for variant in VARIANTS[round_index % 3:] + VARIANTS[: round_index % 3]:
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-            engine = _build(variant, args, world)
-            _train(engine, args, rank, 0, args.warmup, None)
             record = results[variant]
+            phases = record.setdefault("memory_bytes_by_phase", {})
+            baseline = _fresh_peak()
+            engine = _build(variant, args, world)
+            if cuda:
+                phases.setdefault("construction", []).append(torch.cuda.max_memory_allocated() - baseline)
+                _fresh_peak()
+            _train(engine, args, rank, 0, 1, None)
+            if cuda:
+                phases.setdefault("first_step", []).append(torch.cuda.max_memory_allocated() - baseline)
+                _fresh_peak()
+            _train(engine, args, rank, 1, max(args.warmup - 1, 0), None)
             record["step_s"] += _train(engine, args, rank, args.warmup, args.steps, record["optimizer_step_s"])
-            if torch.cuda.is_available():
-                record["memory_bytes"].append(torch.cuda.max_memory_allocated())
+            if cuda:
+                steady = torch.cuda.max_memory_allocated() - baseline
+                phases.setdefault("steady_steps", []).append(steady)
+                record["memory_bytes"].append(max(steady, *(phases[k][-1] for k in ("construction", "first_step"))))
             record["state_bytes"] = _state_bytes(engine)
             record["parameters"] = sum(p.numel() for p in engine.module.parameters())
             if round_index == 0:
                 folder = os.path.join(workdir, variant)
+                _fresh_peak()
                 record["save_s"], record["checkpoint_bytes"] = timed_save(engine, folder)
+                if cuda:
+                    phases.setdefault("save", []).append(torch.cuda.max_memory_allocated() - baseline)
+                    before_load = torch.cuda.memory_allocated()
+                    _fresh_peak()
                 start = time.perf_counter()
                 engine.load_checkpoint(folder, tag="bench")
                 dist.barrier()
                 record["load_s"] = time.perf_counter() - start
+                if cuda:
+                    phases.setdefault("load", []).append(torch.cuda.max_memory_allocated() - baseline)
+                    record["kept_after_load_bytes"] = torch.cuda.memory_allocated() - before_load
+                if not args.resume_dp:  # kept for the resume launch; else one variant's checkpoint on disk at a time
+                    shutil.rmtree(folder, ignore_errors=True)
+            # del does not free a DeepSpeed engine (ZeRO's per-parameter hooks hold the optimizer): every later
+            # reading would include it. destroy() does; what is still allocated afterwards is recorded.
+            engine.destroy()
             del engine
+            if cuda:
+                _fresh_peak()
+                record.setdefault("left_after_destroy_bytes", []).append(torch.cuda.memory_allocated() - baseline)
     if rank == 0:
         with open(result_path, "w") as handle:
             json.dump(results, handle)
@@ -214,6 +249,7 @@ def timed_load(engine, folder: str, args, rank: int) -> float:
     dist.barrier()
     seconds = time.perf_counter() - start
     _train(engine, args, rank, 10**6, 1, None)
+    engine.destroy()  # del alone does not free a DeepSpeed engine
     del engine
     gc.collect()
     return seconds
@@ -270,7 +306,8 @@ def run_model(args, model: str) -> dict:
     workdir = tempfile.mkdtemp(prefix="zero_bnb_bench_")
     try:
         result_path = os.path.join(workdir, "measure.json")
-        run_distributed(measure, args.dp, args, workdir, result_path)
+        # GPU mode: rank r on cuda:r with nccl; CPU mode: gloo ranks that see no GPU.
+        run_distributed(measure, args.dp, args, workdir, result_path, device="cuda" if args.mode == "gpu" else "cpu")
         with open(result_path) as handle:
             raw = json.load(handle)
         if not torch.cuda.is_available():  # RSS cannot be attributed to one engine of several in a process

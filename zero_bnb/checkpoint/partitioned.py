@@ -70,3 +70,6 @@ class PartitionedOptimizer(Protocol):
 
     def load_wrapper_scalars(self, plain: dict[str, Any]) -> None:
         """Restore what :meth:`wrapper_scalars` returned (rebuilding DeepSpeed's objects)."""
+
+    def relink_state_views(self) -> None:
+        """Point DeepSpeed's per-parameter views of the optimizer state at the state now in place (after a load)."""

@@ -429,3 +429,4 @@ def apply_restore(optimizer: PartitionedOptimizer, plan: RestorePlan) -> None:
                 group.index, param.numel(), plan.saved_dp, optimizer.dp_size, ", ".join(group.notes),
             )
     optimizer.load_wrapper_scalars(plan.wrapper)
+    optimizer.relink_state_views()  # else DeepSpeed's views keep the replaced state alive, and read it back

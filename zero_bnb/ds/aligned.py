@@ -176,6 +176,30 @@ class BlockAligned:
         for name, value in live_wrapper(plain).items():
             setattr(self, name, value)
 
+    def relink_state_views(self) -> None:
+        """Point DeepSpeed's per-parameter views of the optimizer state (``param._hp_mapping.optim_fragment``, which
+        ``safe_get_full_optimizer_state`` reads) at the state a load just put in place.
+
+        ZeRO-1/2 and BF16_Optimizer build those views once, at the first step, as narrows of the state tensors: a
+        load that replaces the state left them on the replaced tensors, which stayed alive (2 B/param of 8-bit
+        moments) and were read back as stale values. Where every partition has state the views are rebuilt on the
+        new tensors; otherwise they are dropped and DeepSpeed builds them at the next step. Stage 3 keeps no such
+        views. Local: no collectives.
+        """
+        if not getattr(self, "_hp_optimizer_states_linked", False):
+            return  # not linked yet: DeepSpeed links at the next step, to whatever state is there then
+        state = self.optimizer.state
+        if all(self.master_partition(index) in state for index in range(self.num_groups)):
+            self._hp_optimizer_states_linked = False
+            self._lazy_init_hp_params_optimizer_state()
+            return
+        for group in getattr(self, "bit16_groups", None) or getattr(self, "bf16_groups", None) or []:
+            for param in group:
+                mapping = getattr(param, "_hp_mapping", None)
+                if mapping is not None:
+                    mapping.optim_fragment = {}
+        self._hp_optimizer_states_linked = False
+
     def _check_partitions(self, flat_numels: list[int], partition_sizes: list[int]) -> None:
         for index in range(self.num_groups):
             geometry = self.geometry(index)
