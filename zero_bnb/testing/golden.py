@@ -30,12 +30,14 @@ import torch
 
 from zero_bnb.kernels.hyper import BLOCK, TWO_STATE, UpdateHyper
 
-__all__ = ["EXACT_TIES", "FORMAT", "GoldenCase", "agreement", "golden_cases", "read_fixtures", "write_fixture"]
+__all__ = ["EXACT_TIES", "FORMAT", "TIES_BLOCK", "GoldenCase", "agreement", "golden_cases", "read_fixtures", "write_fixture"]
 
 #: The fixture format's name and version (metadata ``format``).
 FORMAT = "zero_bnb-golden-8bit-update/1"
 #: Families whose first moment is exactly the gradient at step 1 with ``beta1 = 0`` (momentum without weight decay).
 EXACT_TIES = ("adam", "adamw", "ademamix", "momentum")
+#: The block of each case whose values sit on or next to the signed map's midpoints (see :func:`golden_cases`).
+TIES_BLOCK = 4
 #: Elements of each case: 12 whole blocks and a partial one of 77 (AdEMAMix: 12 whole blocks).
 NUMEL = 12 * BLOCK + 77
 
@@ -75,15 +77,15 @@ def _inputs(hyper: UpdateHyper, n: int, seed: int) -> dict[str, torch.Tensor]:
     absmax2[0] = 0.0
     # Block 1: one NaN gradient; block 2: one +Inf, block 3: one -Inf.
     g[BLOCK + 5], g[2 * BLOCK + 9], g[3 * BLOCK + 17] = float("nan"), float("inf"), float("-inf")
-    # Block 4: ties. State 1 starts at code 128 (0) with absmax 0 in every row, so with beta1 = 0 the new moment is
+    # Block 4 (TIES_BLOCK): ties. State 1 starts at code 128 (0) with absmax 0 in every row, so with beta1 = 0 the new moment is
     # the (decayed) gradient; the gradient holds 1.0 (the block's absmax) and every midpoint of the signed map.
-    start = 4 * BLOCK
+    start = TIES_BLOCK * BLOCK
     midpoints = (qmap1[1:] + qmap1[:-1]) / 2
     g[start:start + BLOCK] = 0.0
     g[start] = 1.0
     g[start + 1:start + 1 + min(BLOCK - 1, midpoints.numel())] = midpoints[: BLOCK - 1]
     state1.view(rows, n)[:, start:start + BLOCK] = 128
-    absmax1.view(rows, blocks)[:, 4] = 0.0
+    absmax1.view(rows, blocks)[:, TIES_BLOCK] = 0.0
     inputs = {"p": p, "g": g, "state1": state1, "absmax1": absmax1, "qmap1": qmap1}
     if hyper.name in TWO_STATE:
         inputs.update(state2=state2, absmax2=absmax2, qmap2=qmap2)
@@ -169,24 +171,43 @@ def _ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return torch.where(both_nan, torch.zeros_like(distance), distance)
 
 
-def agreement(case: GoldenCase, outputs: dict[str, torch.Tensor], update) -> dict[str, int]:
+def agreement(case: GoldenCase, outputs: dict[str, torch.Tensor], update) -> dict[str, float]:
     """Run ``update`` (:func:`~zero_bnb.kernels.fused.fused_update` or the reference) on a copy of ``case``'s
-    inputs and count how it differs from the GPU's ``outputs``: codes that differ, the largest code difference,
-    the largest ulp distance of absmax and of the parameter, and NaN mismatches (NaN on one side only)."""
+    inputs and measure how it differs from the GPU's ``outputs``.
+
+    Returns:
+        ``codes``: codes that differ (of ``codes_compared``), ``codes_outside_ties``: those outside the ties block
+        (:data:`TIES_BLOCK`, whose near-midpoint values are where CUDA's ``__fdividef`` may round to the other
+        code), ``code_distance``: the largest difference of two codes, ``absmax_ulps``: the largest ulp distance
+        of an absmax, ``p_ulps``: the largest parameter difference in ulps of the larger of the parameter before
+        and after the step (a step far below one ulp of the parameter rounds to either neighbour), and
+        ``nan_mismatches``: elements NaN on one side only.
+    """
     from zero_bnb.kernels.hyper import step_scalars
 
     tensors = {name: value.clone() for name, value in case.inputs.items()}
     update(case.hyper, step_scalars(case.hyper, case.step), **tensors)
-    report = {"codes": 0, "codes_compared": 0, "code_distance": 0, "absmax_ulps": 0, "p_ulps": 0, "nan_mismatches": 0}
+    n = case.inputs["p"].numel()
+    report = {"codes": 0, "codes_outside_ties": 0, "codes_compared": 0, "code_distance": 0, "absmax_ulps": 0,
+              "p_ulps": 0.0, "nan_mismatches": 0}
     for name, want in outputs.items():
         got = tensors[name]
         if want.dtype == torch.uint8:
             distance = (got.to(torch.int16) - want.to(torch.int16)).abs()
-            report["codes"] += int((distance != 0).sum())
+            differ = (distance != 0).nonzero().flatten() % n // BLOCK
+            report["codes"] += differ.numel()
+            report["codes_outside_ties"] += int((differ != TIES_BLOCK).sum())
             report["codes_compared"] += want.numel()
             report["code_distance"] = max(report["code_distance"], int(distance.max()))
-        else:
-            report["nan_mismatches"] += int((torch.isnan(got) != torch.isnan(want)).sum())
-            key = "p_ulps" if name == "p" else "absmax_ulps"
-            report[key] = max(report[key], int(_ulps(got, want).max()))
+            continue
+        report["nan_mismatches"] += int((torch.isnan(got) != torch.isnan(want)).sum())
+        if name != "p":
+            report["absmax_ulps"] = max(report["absmax_ulps"], int(_ulps(got, want).max()))
+            continue
+        start = case.inputs["p"]
+        finite = torch.isfinite(got) & torch.isfinite(want) & torch.isfinite(start)
+        magnitude = torch.maximum(start.abs(), want.abs())
+        ulp = torch.nextafter(magnitude, torch.tensor(float("inf"))) - magnitude
+        report["p_ulps"] = max(report["p_ulps"],
+                               float(torch.where(finite, (got - want).abs() / ulp, torch.zeros_like(ulp)).max()))
     return report
