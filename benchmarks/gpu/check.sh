@@ -61,11 +61,18 @@ if [ -n "${ZERO_BNB_WHEELS:-}" ]; then
         "$PYTHON" -m zipfile -e "$wheel" "$SCRATCH/site" || { say "set-up: cannot unpack $wheel"; exit 1; }
     done
     say "set-up: unpacked ${#wheels[@]} wheels from $ZERO_BNB_WHEELS: $(cd "$ZERO_BNB_WHEELS" && ls *.whl | tr '\n' ' ')"
-    export PYTHONPATH="$SCRATCH/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+    # zero_bnb is this checkout: a wheel of it keeps only its metadata (a wheel made before the last edit would
+    # otherwise shadow the code under test; the 2026-11-27 run's benchmark measured such a stale wheel).
+    rm -rf "$SCRATCH/site/zero_bnb"
+    export PYTHONPATH="$ROOT:$SCRATCH/site${PYTHONPATH:+:$PYTHONPATH}"
 else
     export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 fi
-if ! "$PYTHON" -c "import zero_bnb, deepspeed, bitsandbytes, pytest, hypothesis, safetensors" >> "$LOG" 2>&1; then
+if ! "$PYTHON" -c "import zero_bnb, deepspeed, bitsandbytes, pytest, hypothesis, safetensors, os, sys
+root = os.path.realpath(sys.argv[1])
+where = os.path.realpath(zero_bnb.__file__)
+assert where.startswith(root + os.sep), f'zero_bnb imported from {where}, not from the checkout {root}'
+print('set-up: zero_bnb from', where)" "$ROOT" >> "$LOG" 2>&1; then
     say "set-up: a package is missing (see above); set ZERO_BNB_WHEELS to a folder of wheels (benchmarks/gpu/wheels.sh)"
     exit 1
 fi
