@@ -99,6 +99,10 @@ def run_demo(out: str, before: int, after: int, save_dp: int = 2, resume_dp: int
     print(f"zero_bnb demo: {before} steps at DP={save_dp} (grad accum {RUN.grad_accum(save_dp)}), checkpoint, "
           f"then {after} steps resumed at DP={resume_dp} (grad accum {RUN.grad_accum(resume_dp)}); "
           f"global batch {RUN.global_batch_size} throughout")
+    if torch.cuda.is_available():
+        print(f"the ranks are CPU processes (gloo), whatever GPUs this machine has ({torch.cuda.device_count()} here): "
+              f"the demo needs {max(save_dp, resume_dp)} ranks and shows the same on any machine; "
+              f"benchmarks/gpu/check.sh runs the GPU checks")
     run_distributed(_uninterrupted, save_dp, out, before, after)
     run_distributed(_resumed, resume_dp, out, before, after)
     return report(out, before, save_dp, resume_dp, loss_bound)
