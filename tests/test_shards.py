@@ -69,8 +69,9 @@ def test_a_wrong_size_is_named_with_the_forms_that_work(size):
 
 def test_an_earlier_outputs_files_that_the_new_one_does_not_use_are_removed(tmp_path):
     """from_pretrained reads a single file before an index: a single pytorch_model.bin left by an earlier run beside a
-    new sharded output would be loaded instead of it. Each write removes the earlier output's single file, index and
-    shards of another split (only those names, never a folder), after its own files are written."""
+    new sharded output would be loaded instead of it. Each write removes the earlier zero_bnb output's single file,
+    index and shards of another split (those names only, never a folder, and only files it wrote, as its record
+    proves), after its own files are in place."""
     import os
 
     from zero_bnb.tools.shards import write_shards
@@ -80,17 +81,148 @@ def test_an_earlier_outputs_files_that_the_new_one_does_not_use_are_removed(tmp_
     others = ["model.safetensors", "pytorch_model-old.bin", "notes.txt"]
     for name in others:
         (tmp_path / name).write_text("kept")
-    unrelated = sorted(others + ["pytorch_model-00001-of-00009.bin"])
+    unrelated = sorted(others + ["pytorch_model-00001-of-00009.bin", ".zero_bnb-outputs.json"])
     out, plan = write_shards(state, str(tmp_path), "pytorch_model.bin", None)
     assert not plan.sharded and sorted(os.listdir(tmp_path)) == sorted(unrelated + ["pytorch_model.bin"])
+    write_shards({**state, "c": torch.ones(300)}, str(tmp_path), "pytorch_model.bin", 1500)  # 3 shards
     out, plan = write_shards(state, str(tmp_path), "pytorch_model.bin", 1500)  # 2 shards and the index
     shards = ["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin", "pytorch_model.bin.index.json"]
     assert plan.sharded and sorted(os.listdir(tmp_path)) == sorted(unrelated + shards)
     assert torch.equal(torch.load(tmp_path / shards[0])["a"], state["a"])
-    (tmp_path / "pytorch_model-00003-of-00003.bin").write_text("an earlier split's")
     write_shards(state, str(tmp_path), "pytorch_model.bin", "2TB")
     assert sorted(os.listdir(tmp_path)) == sorted(unrelated + ["pytorch_model.bin"])
     assert torch.equal(torch.load(tmp_path / "pytorch_model.bin")["b"], state["b"])
+    assert all((tmp_path / name).read_text() == "kept" for name in others)
+
+
+def _base_model_folder(folder) -> dict[str, bytes]:
+    """A Hugging Face base-model folder: .bin and safetensors shards with their indexes, config, and a link."""
+    import os
+
+    files = {"pytorch_model-00001-of-00002.bin": b"base 1", "pytorch_model-00002-of-00002.bin": b"base 2",
+             "pytorch_model.bin.index.json": b"{}", "model-00001-of-00002.safetensors": b"st 1",
+             "model-00002-of-00002.safetensors": b"st 2", "model.safetensors.index.json": b"{}",
+             "config.json": b"{}", "pytorch_model.bin": b"single"}
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    os.symlink("config.json", folder / "model.safetensors")
+    return files
+
+
+def _contents(folder) -> dict[str, bytes]:
+    import os
+
+    return {name: (os.readlink(folder / name).encode() if os.path.islink(folder / name) else (folder / name).read_bytes())
+            for name in sorted(os.listdir(folder))}
+
+
+@pytest.mark.parametrize(("weights_name", "limit"), [("pytorch_model.bin", None), ("pytorch_model.bin", 1500),
+                                                     ("model.safetensors", None), ("model.safetensors", 1500)])
+def test_another_models_weights_in_the_folder_are_refused_and_nothing_is_touched(tmp_path, weights_name, limit):
+    # A1: an export into a base-model folder deleted 7 files and a link it never wrote.
+    from zero_bnb.errors import CheckpointUsageError
+    from zero_bnb.tools.shards import write_shards
+
+    _base_model_folder(tmp_path)
+    before = _contents(tmp_path)
+    state = {"a": torch.arange(300, dtype=torch.float32), "b": torch.ones(300)}
+    with pytest.raises(CheckpointUsageError, match=r"which zero_bnb did not write there .* Nothing was written. Write "
+                                                   r"into another folder, or move those files away yourself"):
+        write_shards(state, str(tmp_path), weights_name, limit)
+    assert _contents(tmp_path) == before
+
+
+def test_a_file_replaced_since_zero_bnb_wrote_it_is_not_zero_bnbs_any_more(tmp_path):
+    from zero_bnb.errors import CheckpointUsageError
+    from zero_bnb.tools.shards import write_shards
+
+    state = {"a": torch.arange(300, dtype=torch.float32)}
+    write_shards(state, str(tmp_path), "pytorch_model.bin", None)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"a user's own weights")
+    with pytest.raises(CheckpointUsageError, match="pytorch_model.bin, which zero_bnb did not write there"):
+        write_shards(state, str(tmp_path), "pytorch_model.bin", None)
+    assert (tmp_path / "pytorch_model.bin").read_bytes() == b"a user's own weights"
+
+
+def _hold_lock(folder: str, held, release) -> None:
+    from zero_bnb.format.lock import SaveFolderLock
+
+    with SaveFolderLock(folder, "another export"):
+        held.set()
+        release.wait(60)
+
+
+def test_a_second_writer_of_one_folder_is_refused_while_the_first_holds_it(tmp_path):
+    # A7: two zero_to_fp32 jobs writing one folder at once each deleted the other's shards.
+    import multiprocessing
+
+    from zero_bnb.errors import CheckpointSaveError
+    from zero_bnb.tools.shards import write_shards
+
+    context = multiprocessing.get_context("fork")
+    held, release = context.Event(), context.Event()
+    holder = context.Process(target=_hold_lock, args=(str(tmp_path), held, release))
+    holder.start()
+    try:
+        assert held.wait(30)
+        with pytest.raises(CheckpointSaveError, match=f"another export.*pid {holder.pid}|pid {holder.pid}"):
+            write_shards({"a": torch.zeros(3)}, str(tmp_path), "pytorch_model.bin", None)
+        assert not (tmp_path / "pytorch_model.bin").exists()
+    finally:
+        release.set()
+        holder.join(30)
+    write_shards({"a": torch.zeros(3)}, str(tmp_path), "pytorch_model.bin", None)  # free again
+
+
+def test_a_failure_while_writing_leaves_the_previous_output_whole_and_says_so(tmp_path, monkeypatch):
+    # A5: a full disk while writing shard 2 of 3 over an earlier output of the same split left a mix that loaded
+    # through a valid index, while the message said the previous file was unchanged.
+    import errno
+    import os
+
+    from zero_bnb.errors import CheckpointSaveError
+    from zero_bnb.tools import shards, views
+
+    old = {name: torch.full((300,), 1.0) for name in "abc"}
+    shards.write_shards(old, str(tmp_path), "pytorch_model.bin", 1500)
+    before = _contents(tmp_path)
+    calls = []
+    real = views.write_state_dict
+
+    def full_disk_at_the_second(state, path, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:
+            raise CheckpointSaveError(f"could not write {path} (OSError: [Errno {errno.ENOSPC}] No space left on "
+                                      f"device); nothing was written")
+        return real(state, path, **kwargs)
+
+    monkeypatch.setattr(shards, "write_state_dict", full_disk_at_the_second)
+    new = {name: torch.full((300,), 2.0) for name in "abc"}
+    with pytest.raises(CheckpointSaveError, match="the previous output in .* is unchanged"):
+        shards.write_shards(new, str(tmp_path), "pytorch_model.bin", 1500)
+    assert _contents(tmp_path) == before  # no hidden file left, nothing replaced
+
+    monkeypatch.setattr(shards, "write_state_dict", real)
+    renames = []
+    real_replace = os.replace
+
+    def interrupted_after_the_first_rename(source, target):  # the first shard renamed into place, then Ctrl-C
+        if os.path.dirname(str(source)) == str(tmp_path) and os.path.basename(str(source)).startswith(".zero_bnb-new-"):
+            if renames:
+                raise KeyboardInterrupt
+            renames.append(target)
+        return real_replace(source, target)
+
+    monkeypatch.setattr(shards.os, "replace", interrupted_after_the_first_rename)
+    with pytest.raises(CheckpointSaveError, match="the output there is incomplete .*run the export again"):
+        shards.write_shards(new, str(tmp_path), "pytorch_model.bin", 1500)
+    monkeypatch.setattr(shards.os, "replace", real_replace)
+    # No index names a mix: the old index is gone, so from_pretrained finds no complete output instead of a mix.
+    assert not (tmp_path / "pytorch_model.bin.index.json").exists()
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".zero_bnb-new-")]
+    shards.write_shards(new, str(tmp_path), "pytorch_model.bin", 1500)  # the next run completes it
+    assert all(torch.equal(torch.load(tmp_path / f"pytorch_model-0000{i}-of-00003.bin")[name], new[name])
+               for i, name in zip((1, 2, 3), "abc"))
 
 
 def test_a_safetensors_file_that_from_pretrained_would_read_first_is_named(tmp_path, caplog):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -53,7 +54,9 @@ from zero_bnb.format.durable import (
     write_text,
 )
 from zero_bnb.format.lock import SaveFolderLock
-from zero_bnb.format.manifest import SUBDIR, Manifest, write_manifest
+from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR, Manifest, write_manifest
+from zero_bnb.format.ownership import checkpoint_strangers
+from zero_bnb.format.stock_files import MODEL_STATES, UNIVERSAL_STATE
 from zero_bnb.format.tags import LATEST_NAME, UNIVERSAL_LATEST, aside_tag, check_new_tag
 
 __all__ = ["PublishedError", "SaveTransaction", "local_commit"]
@@ -61,6 +64,9 @@ __all__ = ["PublishedError", "SaveTransaction", "local_commit"]
 logger = logging.getLogger(__name__)
 
 _STAGING_SUFFIX = ".zero_bnb-staging"
+#: What marks a folder as a checkpoint (zero_bnb's manifest, stock DeepSpeed's model file, a universal one's state;
+#: stage-3 model files end in MODEL_STATES).
+_CHECKPOINT_MARKERS = (os.path.join(SUBDIR, MANIFEST_NAME), MODEL_STATES, UNIVERSAL_STATE)
 
 
 _PUBLISHED_MARK = "published:"
@@ -70,8 +76,16 @@ class PublishedError(CheckpointSaveError):
     """The new checkpoint was published, but a step after (``latest``, syncing, tidying) failed; the message says which."""
 
 
-def _check_targets(save_dir: str, tag: str, latest_name: str | None) -> None:
-    """Refuse, before anything is written, targets that publishing could not replace cleanly."""
+def _check_targets(save_dir: str, tag: str, latest_name: str | None, owned_only: bool = True) -> str | None:
+    """Refuse, before anything is written, targets that publishing could not replace cleanly.
+
+    With ``owned_only`` (engine saves), an existing tag folder is replaced only when it is a zero_bnb checkpoint
+    holding nothing but its own files (or empty). Another checkpoint there (stock DeepSpeed's, or a zero_bnb one
+    with a user's files added) is kept whole under a new name beside it: the returned path, which the caller
+    renames it to (nothing zero_bnb did not write is deleted). Anything else is refused. Offline tools replace an
+    existing output only when asked (``--force``), after their own checks
+    (:func:`zero_bnb.tools.outputs.check_output_folder`): they get ``None``.
+    """
     final = os.path.join(save_dir, tag)
     if os.path.islink(final) or (os.path.lexists(final) and not os.path.isdir(final)):
         raise CheckpointSaveError(
@@ -86,15 +100,33 @@ def _check_targets(save_dir: str, tag: str, latest_name: str | None) -> None:
                 f"{latest} is not a regular file, so it cannot point at the new checkpoint. Nothing was written. "
                 f"Remove or rename {latest}"
             )
+    strangers = checkpoint_strangers(final) if owned_only and os.path.isdir(final) else []
+    if not strangers:
+        return None
+    shown = ", ".join(strangers[:5]) + (f" and {len(strangers) - 5} more" if len(strangers) > 5 else "")
+    if not (any(os.path.isfile(os.path.join(final, marker)) for marker in _CHECKPOINT_MARKERS)
+            or any(name.endswith(MODEL_STATES) for name in os.listdir(final))):  # stage 3: zero_pp_rank_r_mp_rank_...
+        raise CheckpointSaveError(
+            f"{final} exists and is not a checkpoint folder (it holds {shown}); zero_bnb replaces only checkpoint "
+            f"folders it wrote. Nothing was written. Save under another tag, or move {final} away yourself"
+        )
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    keep = next(path for path in (os.path.join(save_dir, f"{tag}.replaced-{stamp}{suffix}")
+                                  for suffix in ("", *(f"-{n}" for n in range(1, 1000))))
+                if not os.path.lexists(path))
+    logger.warning("zero_bnb: %s holds files zero_bnb did not write (%s); the new checkpoint takes its place and the "
+                   "folder is kept whole as %s (remove it when you no longer need it)", final, shown, keep)
+    return keep
 
 
-def _prepare(save_dir: str, tag: str, latest_name: str | None, token: str) -> tuple[SaveFolderLock, str]:
+def _prepare(save_dir: str, tag: str, latest_name: str | None, token: str,
+             owned_only: bool = True) -> tuple[SaveFolderLock, str]:
     """Create ``save_dir``, take its lock, clear stale staging folders; returns the lock and staging folder."""
     makedirs(save_dir)
     lock = SaveFolderLock(save_dir, f"saving tag {tag!r}")
     lock.acquire()
     try:
-        _check_targets(save_dir, tag, latest_name)
+        _check_targets(save_dir, tag, latest_name, owned_only)
         for name in os.listdir(save_dir):  # only the lock holder stages or replaces these, so they are crashed saves'
             if name.startswith(".") and (_STAGING_SUFFIX in name or name.endswith(TEMP_SUFFIX) and name.startswith(
                     tuple(f".{single}." for single in (LATEST_NAME, UNIVERSAL_LATEST, SCRIPT_NAME)))):
@@ -108,7 +140,7 @@ def _prepare(save_dir: str, tag: str, latest_name: str | None, token: str) -> tu
     return lock, staging
 
 
-def _publish(save_dir: str, tag: str, staging: str, latest_name: str | None) -> str:
+def _publish(save_dir: str, tag: str, staging: str, latest_name: str | None, owned_only: bool = True) -> str:
     """Make the finished ``staging`` folder visible as ``save_dir/tag``, then point ``latest_name`` at it.
 
     Raises:
@@ -120,13 +152,18 @@ def _publish(save_dir: str, tag: str, staging: str, latest_name: str | None) -> 
     final = os.path.join(save_dir, tag)
     aside = os.path.join(save_dir, aside_tag(tag))
     trash = f"{staging}-replaced"  # a staging name: the next save removes it if a crash leaves it
+    # Checked again here: something may have arrived while the ranks wrote. A folder to keep is moved, never removed.
+    keep = _check_targets(save_dir, tag, latest_name, owned_only)
     pointer = None if latest_name is None else StagedFile(os.path.join(save_dir, latest_name))
     try:
         if pointer is not None:
             write_text(tag, pointer.path, root=pointer.folder)  # before anything is visible: a full disk fails here
-        publish_folder(staging, final, aside, trash)
+        publish_folder(staging, final, keep or aside, trash)
         try:
-            finish_publish(final, aside, trash)
+            if keep is None:
+                finish_publish(final, aside, trash)
+            else:
+                fsync_dir(save_dir)
             if pointer is not None:
                 pointer.publish()
         except OSError as error:
@@ -161,7 +198,7 @@ def local_commit(save_dir: str, tag: str, *, latest_name: str | None = LATEST_NA
             the lock, so two tools writing the same output cannot both succeed).
     """
     tag = check_new_tag(tag)
-    lock, staging = _prepare(save_dir, tag, latest_name, uuid.uuid4().hex[:12])
+    lock, staging = _prepare(save_dir, tag, latest_name, uuid.uuid4().hex[:12], owned_only=False)
     try:
         if not replace and os.path.lexists(os.path.join(save_dir, tag)):
             raise CheckpointUsageError(
@@ -169,7 +206,7 @@ def local_commit(save_dir: str, tag: str, *, latest_name: str | None = LATEST_NA
                 f"pass --force (force=True) to replace it, or choose another output"
             )
         yield staging
-        _publish(save_dir, tag, staging, latest_name)
+        _publish(save_dir, tag, staging, latest_name, owned_only=False)
         if after_publish is not None:
             after_publish()  # still under the lock, as SaveTransaction.commit's
     finally:

@@ -13,16 +13,20 @@ Local, no collectives.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
+import uuid
 from dataclasses import dataclass
 
 import torch
 
 from zero_bnb.errors import CheckpointSaveError, CheckpointUsageError
-from zero_bnb.format.durable import fsync_dir, remove_tree
+from zero_bnb.format.durable import fsync_dir, makedirs
+from zero_bnb.format.lock import SaveFolderLock
+from zero_bnb.format.ownership import OutputRecord
 from zero_bnb.tools.outputs import replacing_file
 from zero_bnb.tools.views import write_state_dict
 
@@ -32,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 #: Files ``from_pretrained`` reads before a weights name's own file and index (safetensors first).
 _READ_FIRST = {"pytorch_model.bin": ("model.safetensors", "model.safetensors.index.json")}
+
+#: The prefix of a new output's files before they are put in place (hidden).
+_HIDDEN = ".zero_bnb-new-"
 
 #: The units huggingface_hub's ``parse_size_to_int`` reads (powers of 1000).
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -114,61 +121,140 @@ def plan_shards(state: dict[str, torch.Tensor], weights_name: str, max_shard_siz
 
 def write_shards(state: dict[str, torch.Tensor], output_dir: str, weights_name: str,
                  max_shard_size: int | str | None, *, metadata: dict[str, str] | None = None) -> tuple[str, ShardPlan]:
-    """Write ``state`` into ``output_dir`` as :func:`plan_shards` splits it; each file replaces its name only once
-    complete, the index (if sharded) last; then files an earlier output of ``weights_name`` left there that this one
-    does not use are removed (:func:`_remove_stale`). Returns the index's path (the file's when not sharded) and the
-    plan.
+    """Write ``state`` into ``output_dir`` as :func:`plan_shards` splits it, replacing only what zero_bnb wrote there.
+
+    One writer at a time holds the folder's lock (a second job is refused, naming the holder). Every name this
+    output writes or leaves behind (its single file, index and shards of any split) must be absent or an earlier
+    zero_bnb output's, by the folder's record (:class:`~zero_bnb.format.ownership.OutputRecord`); another
+    model's weights there are refused before anything is written. The new files are written under hidden names
+    first; only when all are complete is the old index removed, each file renamed into place, the new index last
+    (so no index ever names a mix of two outputs), then the earlier output's files this one does not use are
+    removed. Returns the index's path (the file's when not sharded) and the plan.
 
     Raises:
-        CheckpointUsageError: ``max_shard_size`` is not a size.
-        CheckpointSaveError: a write failed; the files written before it stay (the index is not written, nothing is
-            removed); or a stale file could not be removed (named).
+        CheckpointUsageError: ``max_shard_size`` is not a size, or the folder holds files at these names that
+            zero_bnb did not write (named, with the fix); nothing was written.
+        CheckpointSaveError: another job holds the folder's lock; or a write failed or was interrupted: before the
+            renames the previous output is unchanged and nothing new is left, during them the message says the
+            output is incomplete; or an earlier file could not be removed (named).
     """
     plan = plan_shards(state, weights_name, max_shard_size)
-    for file, names in plan.files.items():
-        # A tensor that is a view of a larger one would take the whole storage into its torch.save file.
-        part = {name: state[name] for name in names}
-        if plan.sharded:
-            copies: dict[tuple, torch.Tensor] = {}
-            part = {name: copies.setdefault(_tensor_key(value), value.clone()) for name, value in part.items()}
-        write_state_dict(part, os.path.join(output_dir, file), metadata=metadata)
-    index = os.path.join(output_dir, f"{weights_name}.index.json")
-    if plan.sharded:
-        with replacing_file(index) as temporary, open(temporary, "w", encoding="utf-8") as handle:
-            json.dump(plan.index(), handle, indent=2, sort_keys=True)
-            handle.write("\n")
-    _remove_stale(output_dir, weights_name, plan)
+    makedirs(output_dir)
+    with SaveFolderLock(output_dir, f"writing {weights_name}"):
+        record = OutputRecord(output_dir)
+        index_name = f"{weights_name}.index.json"
+        targets = list(plan.files) + ([index_name] if plan.sharded else [])
+        stale = _earlier_outputs(output_dir, weights_name, set(targets))
+        strangers = [name for name in targets + stale
+                     if os.path.lexists(os.path.join(output_dir, name)) and not record.owns(name)]
+        if strangers:
+            raise CheckpointUsageError(
+                f"{output_dir} holds {', '.join(strangers)}, which zero_bnb did not write there (another model's "
+                f"weights?): writing {weights_name} would replace or remove them. Nothing was written. Write into "
+                f"another folder, or move those files away yourself"
+            )
+        fresh = _write_hidden(state, output_dir, plan, index_name, metadata)
+        try:
+            stamps = {name: record.note(name, temporary) for name, temporary in fresh.items()}
+            record.save()  # before anything is in place: a crash after it still leaves only files it proves
+            _put_in_place(output_dir, fresh, index_name if plan.sharded else None)
+        except BaseException as error:
+            for temporary in fresh.values():
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary)
+            raise CheckpointSaveError(
+                f"writing {weights_name} into {output_dir} was interrupted while its files were put in place "
+                f"({type(error).__name__}: {error}); the output there is incomplete (no index names a mix of two "
+                f"outputs): run the export again"
+            ) from error
+        _remove_earlier(output_dir, weights_name, stale, record, stamps)
     shadowing = [name for name in _READ_FIRST.get(weights_name, ()) if os.path.lexists(os.path.join(output_dir, name))]
     if shadowing:
         logger.warning("zero_bnb: %s also holds %s, which from_pretrained reads before %s: remove it if an earlier "
                        "run left it (rm %s)", output_dir, " and ".join(shadowing), weights_name,
                        " ".join(repr(os.path.join(output_dir, name)) for name in shadowing))
+    index = os.path.join(output_dir, index_name)
     return (index if plan.sharded else os.path.join(output_dir, weights_name)), plan
 
 
-def _remove_stale(output_dir: str, weights_name: str, plan: ShardPlan) -> None:
-    """Remove what an earlier output of ``weights_name`` in ``output_dir`` left that this one does not use: its single
-    file beside a new index (``from_pretrained`` reads a single file before an index: it would load the old
-    weights), its index beside a new single file, and shards of another split. Only those names; after the new files.
-
-    Raises:
-        CheckpointSaveError: one could not be removed (named, with the command); the new files are written.
-    """
+def _earlier_outputs(output_dir: str, weights_name: str, targets: set[str]) -> list[str]:
+    """Names an earlier output of ``weights_name`` may have left that this one does not write: its single file
+    (``from_pretrained`` reads it before an index: it would load the old weights), its index, shards of any split.
+    Files and links only: a folder is nobody's output."""
     stem, suffix = os.path.splitext(weights_name)
     shard = re.compile(rf"{re.escape(stem)}-\d{{5}}-of-\d{{5}}{re.escape(suffix)}")
-    kept = set(plan.files) | ({f"{weights_name}.index.json"} if plan.sharded else set())
-    stale = sorted(name for name in os.listdir(output_dir) if name not in kept and (
+    return sorted(name for name in os.listdir(output_dir) if name not in targets and (
         name in (weights_name, f"{weights_name}.index.json") or shard.fullmatch(name))
-        and not os.path.isdir(os.path.join(output_dir, name)))  # files and links; a folder is nobody's output
+        and not os.path.isdir(os.path.join(output_dir, name)))
+
+
+def _write_hidden(state: dict[str, torch.Tensor], output_dir: str, plan: ShardPlan, index_name: str,
+                  metadata: dict[str, str] | None) -> dict[str, str]:
+    """Every file of ``plan`` (and its index) written complete under a hidden name in ``output_dir``: ``{name: path}``.
+
+    Raises:
+        CheckpointSaveError: a write failed or was interrupted; what was written is removed, the previous output
+            is unchanged.
+    """
+    token = uuid.uuid4().hex[:12]
+    fresh: dict[str, str] = {}
+    try:
+        for file, names in plan.files.items():
+            # A tensor that is a view of a larger one would take the whole storage into its torch.save file.
+            part = {name: state[name] for name in names}
+            if plan.sharded:
+                copies: dict[tuple, torch.Tensor] = {}
+                part = {name: copies.setdefault(_tensor_key(value), value.clone()) for name, value in part.items()}
+            fresh[file] = os.path.join(output_dir, f"{_HIDDEN}{token}-{file}")
+            write_state_dict(part, fresh[file], metadata=metadata)
+        if plan.sharded:
+            fresh[index_name] = os.path.join(output_dir, f"{_HIDDEN}{token}-{index_name}")
+            with replacing_file(fresh[index_name]) as temporary, open(temporary, "w", encoding="utf-8") as handle:
+                json.dump(plan.index(), handle, indent=2, sort_keys=True)
+                handle.write("\n")
+    except BaseException as error:
+        for temporary in fresh.values():
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+        if isinstance(error, CheckpointSaveError):
+            raise CheckpointSaveError(f"{error} (no file of the new output was put in place: the previous output in "
+                                      f"{output_dir} is unchanged)") from error.__cause__
+        raise
+    return fresh
+
+
+def _put_in_place(output_dir: str, fresh: dict[str, str], index_name: str | None) -> None:
+    """Rename the hidden files to their names: the old index goes first and the new one comes last, so that no index
+    names files of two outputs."""
+    if index_name is not None and os.path.lexists(os.path.join(output_dir, index_name)):
+        os.unlink(os.path.join(output_dir, index_name))
+    for name, temporary in fresh.items():
+        if name != index_name:
+            os.replace(temporary, os.path.join(output_dir, name))
+    if index_name is not None:
+        os.replace(fresh[index_name], os.path.join(output_dir, index_name))
+    fsync_dir(output_dir)
+
+
+def _remove_earlier(output_dir: str, weights_name: str, stale: list[str], record: OutputRecord,
+                    in_place: dict) -> None:
+    """Remove the earlier output's files this one does not use (each proven zero_bnb's just before), then record
+    the output as it now is.
+
+    Raises:
+        CheckpointSaveError: one could not be removed (named, with the command); the new files are in place.
+    """
     for name in stale:
         path = os.path.join(output_dir, name)
+        if not record.owns(name):  # changed since the check: keep it
+            continue
         try:
-            remove_tree(path)
+            os.unlink(path)
         except OSError as error:
             raise CheckpointSaveError(
                 f"wrote the new {weights_name} output in {output_dir}, but could not remove {path}, which an earlier "
                 f"output left ({type(error).__name__}: {error}); from_pretrained could read it instead of the new "
                 f"files: remove it (rm -f {path!r})"
             ) from error
-    if stale:
-        fsync_dir(output_dir)
+    record.settle(in_place)
+    record.save()

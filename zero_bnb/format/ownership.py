@@ -1,0 +1,135 @@
+"""What zero_bnb may replace or remove: only what it can show it wrote.
+
+Two kinds of proof:
+
+* A **checkpoint tag folder** is zero_bnb's when it holds a zero_bnb manifest and nothing but the files that
+  manifest lists (by path and size) and the manifest itself (:func:`checkpoint_strangers`). A save of the same
+  tag replaces such a folder; anything else there (a stock DeepSpeed checkpoint, a user's folder, a user's file
+  added to a zero_bnb checkpoint) makes the save refuse, naming what it found.
+* An **output folder** of the weight writers (``zero_to_fp32``, ``write_shards``) keeps a record of the files
+  zero_bnb wrote there, :data:`RECORD_NAME` (path, size and SHA-256 of each), written before a file is put in
+  place and after the old ones are gone (:class:`OutputRecord`). A file is zero_bnb's to replace or remove only
+  while its bytes are the recorded ones.
+
+Local, no collectives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from dataclasses import dataclass
+
+from zero_bnb.errors import CheckpointFormatError
+from zero_bnb.format.durable import fsync_dir, replacing
+from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR, read_manifest
+
+__all__ = ["RECORD_FORMAT", "RECORD_NAME", "OutputRecord", "checkpoint_strangers", "file_sha256"]
+
+#: The record of what zero_bnb wrote into an output folder (hidden, beside the weights).
+RECORD_NAME = ".zero_bnb-outputs.json"
+RECORD_FORMAT = "zero_bnb-outputs/1"
+_CHUNK = 1 << 20
+
+
+def checkpoint_strangers(tag_folder: str) -> list[str]:
+    """Entries of ``tag_folder`` (paths relative to it) that are not files of the zero_bnb checkpoint its manifest
+    describes: ``[]`` when it is such a checkpoint and holds nothing else, or is empty. Without a readable zero_bnb
+    manifest every entry is a stranger. Links are strangers; a file the manifest lists at another size too."""
+    entries = []
+    for root, folders, files in os.walk(tag_folder, followlinks=False):
+        for name in files + [folder for folder in folders if os.path.islink(os.path.join(root, folder))]:
+            entries.append(os.path.relpath(os.path.join(root, name), tag_folder))
+    if not entries:
+        return []
+    try:
+        manifest = read_manifest(os.path.join(tag_folder, SUBDIR))
+    except (CheckpointFormatError, OSError, ValueError):
+        return sorted(entries)
+    sizes = {record.path: record.size for record in manifest.files}
+    sizes[os.path.join(SUBDIR, MANIFEST_NAME)] = None
+    strangers = []
+    for path in entries:
+        full = os.path.join(tag_folder, path)
+        if path not in sizes or os.path.islink(full) or (sizes[path] is not None and os.path.getsize(full) != sizes[path]):
+            strangers.append(path)
+    return sorted(strangers)
+
+
+def file_sha256(path: str) -> str:
+    """SHA-256 of the regular file ``path`` (opened without following a link)."""
+    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    digest = hashlib.sha256()
+    with os.fdopen(descriptor, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class _Stamp:
+    size: int
+    sha256: str
+
+
+class OutputRecord:
+    """The files zero_bnb wrote into ``folder``, by name (see the module docstring).
+
+    While an output replaces another, a name may have two recorded versions (the file in place and the one about to
+    replace it): both are zero_bnb's, so an interrupted replacement can be resumed. :meth:`settle` keeps the one in
+    place. A record that cannot be read (damaged, another program's) proves nothing: every file is then a stranger.
+    """
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.path = os.path.join(folder, RECORD_NAME)
+        self.files: dict[str, list[_Stamp]] = {}
+        try:
+            with open(self.path, encoding="utf-8") as handle:
+                data = json.load(handle)
+            if isinstance(data, dict) and data.get("format") == RECORD_FORMAT and isinstance(data.get("files"), dict):
+                self.files = {name: [_Stamp(int(entry["size"]), str(entry["sha256"])) for entry in entries]
+                              for name, entries in data["files"].items()
+                              if os.path.basename(name) == name and isinstance(entries, list)}
+        except (OSError, ValueError, KeyError, TypeError):
+            self.files = {}
+
+    def _stamp_in_place(self, name: str) -> _Stamp | None:
+        path = os.path.join(self.folder, name)
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        stamps = self.files.get(name, [])
+        if not stamps or not stat.S_ISREG(info.st_mode) or all(info.st_size != stamp.size for stamp in stamps):
+            return None
+        digest = file_sha256(path)
+        return next((stamp for stamp in stamps if stamp.size == info.st_size and stamp.sha256 == digest), None)
+
+    def owns(self, name: str) -> bool:
+        """Whether ``folder/name`` is a regular file whose bytes are ones zero_bnb recorded writing."""
+        return self._stamp_in_place(name) is not None
+
+    def note(self, name: str, path: str) -> _Stamp:
+        """Record ``path``'s bytes as a version of zero_bnb's output ``name`` (saved by :meth:`save`); its stamp."""
+        stamp = _Stamp(os.path.getsize(path), file_sha256(path))
+        self.files[name] = [s for s in self.files.get(name, []) if s != stamp] + [stamp]
+        return stamp
+
+    def settle(self, in_place: dict[str, _Stamp]) -> None:
+        """After a replacement: ``in_place`` (name: the stamp :meth:`note` gave) are the versions now in place;
+        other recorded names are forgotten once their file is gone."""
+        self.files = {name: ([in_place[name]] if name in in_place else stamps) for name, stamps in self.files.items()
+                      if name in in_place or os.path.lexists(os.path.join(self.folder, name))}
+
+    def save(self) -> None:
+        """Write the record durably (atomically replaced)."""
+        data = {"format": RECORD_FORMAT, "files": {
+            name: [{"size": stamp.size, "sha256": stamp.sha256} for stamp in stamps]
+            for name, stamps in sorted(self.files.items())}}
+        with replacing(self.path) as temporary, open(temporary, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=1)
+            handle.write("\n")
+        fsync_dir(self.folder)
