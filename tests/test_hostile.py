@@ -46,6 +46,7 @@ from zero_bnb.format.stock_files import MODEL_STATES
 from zero_bnb.testing.launch import run_distributed
 from zero_bnb.testing.toy import DEFAULT_RUN as RUN
 from zero_bnb.testing.toy import build_model, train_steps
+from zero_bnb.tools.views import export_fp32
 
 SECRET_SIZE = 12345  # a size that must never appear in any output
 SCRIPT = "zero_to_fp32.py"  # every save folder gets one, as with stock DeepSpeed
@@ -732,12 +733,13 @@ def test_verify_refuses_values_a_re_signed_checkpoint_carries_naming_the_field(s
     assert code == 1 and last.startswith("zero-bnb verify: CheckpointFormatError: ") and expected in last, err
 
 
-def test_a_verified_read_hashes_each_byte_once_and_still_names_a_model_file_replaced_and_re_signed(sources, tmp_path,
-                                                                                                monkeypatch):
-    """Masters derived from the module weights (fp32 here): where the whole model file was verified against the
-    SHA-256 the save took of it (the manifest's module_sha256), its pieces are not hashed again, so every byte of
-    the checkpoint is hashed once; without verification the per-weight SHA-256s are the check. A model file
-    replaced after the save and re-signed is named either way; one re-signed with its weights intact still reads."""
+def test_verifying_is_never_weaker_than_not_a_model_file_replaced_and_re_signed_with_its_digest_is_refused(
+        sources, tmp_path, monkeypatch):
+    """Masters derived from the module weights (fp32 here): verified or not, a read hashes the module-weight pieces
+    the masters derive from and compares them with the shard's per-piece SHA-256s. A model file edited after the save
+    with the manifest re-signed, its module_sha256 included (C1: verify, export and verified loads accepted it
+    while an unverified load refused it), is refused by every reader, naming the weight; one re-signed with its
+    weights intact still reads."""
     zb = _fresh(sources, tmp_path)
     hashed = []
     real = hashlib.sha256
@@ -759,31 +761,34 @@ def test_a_verified_read_hashes_each_byte_once_and_still_names_a_model_file_repl
     manifest_bytes = (zb / "A" / SUBDIR / MANIFEST_NAME).stat().st_size
     module_bytes = 4 * sum(p.numel for group in manifest.groups for p in group.params)
     assert manifest.module_sha256 and all(group.masters == "module" for group in manifest.groups)
-    assert sum(hashed) == sum(r.size for r in manifest.files) + 2 * manifest_bytes  # the manifest: identity, self-check
+    # Every file once (the manifest: identity and self-check), and the module pieces the masters derive from.
+    assert sum(hashed) == sum(r.size for r in manifest.files) + 2 * manifest_bytes + module_bytes
 
     def unverified():
         reader = CheckpointReader(str(zb / "A"))
         reader.preload()
         reader.check_values()
 
-    def edit_model_file(states):
-        states["note"] = "edited after the save, weights intact"
-        replace_listed_file(str(zb / "A"), MODEL_STATES, states)
+    def resign_module_digest():
+        folder = zb / "A" / SUBDIR
+        data = json.loads((folder / MANIFEST_NAME).read_text())
+        data["module_sha256"] = next(r["sha256"] for r in data["files"] if r["path"] == MODEL_STATES)
+        resign(str(folder), data)
 
-    for edit in (None, edit_model_file):
-        if edit is not None:
-            edit(torch.load(zb / "A" / MODEL_STATES, weights_only=False))
-        hashed.clear()
-        unverified()
-        assert sum(hashed) == module_bytes + 2 * (zb / "A" / SUBDIR / MANIFEST_NAME).stat().st_size
-    hashed.clear()
-    zero_bnb.verify_checkpoint(str(zb))  # the model file re-signed since the save: verified, and its pieces hashed
-    assert sum(hashed) > sum(r.size for r in manifest.files) + module_bytes
+    states = torch.load(zb / "A" / MODEL_STATES, weights_only=False)
+    states["note"] = "edited after the save, weights intact"
+    replace_listed_file(str(zb / "A"), MODEL_STATES, states)
+    resign_module_digest()
+    zero_bnb.verify_checkpoint(str(zb))
+    unverified()
     _replace_module_weight(str(zb / "A"))
-    for read in (lambda: zero_bnb.verify_checkpoint(str(zb)), unverified):
-        with pytest.raises(CheckpointFormatError, match=r"mp_rank_00_model_states\.pt: the module weights of "
-                                                        r"\['0\.weight'\] are not the ones"):
+    resign_module_digest()
+    refused = r"mp_rank_00_model_states\.pt: the module weights of \['0\.weight'\] are not the ones"
+    for read in (lambda: zero_bnb.verify_checkpoint(str(zb)), unverified,
+                 lambda: export_fp32(str(zb), str(tmp_path / "w.safetensors"))):
+        with pytest.raises(CheckpointFormatError, match=refused):
             read()
+    assert not (tmp_path / "w.safetensors").exists()
 
 
 def test_verify_accepts_non_finite_values_the_manifest_declares(sources, tmp_path):
@@ -910,10 +915,15 @@ def test_no_write_follows_a_link_planted_at_a_temporary_or_output_name(sources, 
     (out / "pytorch_model.bin").symlink_to(victim)
     zb = _fresh(sources, tmp_path)
     done = _script(zb, SCRIPT, ".", str(out))
-    assert done.returncode == 0, done.stderr
-    assert victim.read_text() == "precious" and not (out / "pytorch_model.bin").is_symlink()
-    assert set(torch.load(out / "pytorch_model.bin", weights_only=True)) >= {"0.weight", "0.bias"}
+    # A link at the output's name is not zero_bnb's: refused (never followed, never replaced).
+    assert done.returncode == 1 and "holds pytorch_model.bin, which zero_bnb did not write there" in done.stderr
+    assert victim.read_text() == "precious" and (out / "pytorch_model.bin").is_symlink()
     assert os.listdir(out) == ["pytorch_model.bin"]  # nothing temporary left
+    (out / "pytorch_model.bin").unlink()
+    done = _script(zb, SCRIPT, ".", str(out))
+    assert done.returncode == 0, done.stderr
+    assert set(torch.load(out / "pytorch_model.bin", weights_only=True)) >= {"0.weight", "0.bias"}
+    assert sorted(os.listdir(out)) == [".zero_bnb-outputs.json", "pytorch_model.bin"]
 
 
 def test_zero_to_fp32_never_imports_a_package_planted_beside_it(sources, tmp_path):
@@ -947,8 +957,9 @@ def test_convert_beside_a_stock_checkpoint_replaces_its_zero_to_fp32_script_with
 def test_a_full_disk_gives_one_line_and_leaves_no_partial_or_temporary_output(sources, tmp_path):
     zb = _fresh(sources, tmp_path)
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "pytorch_model.bin").write_bytes(b"previous")
+    assert _script(zb, SCRIPT, ".", str(out)).returncode == 0  # the previous output, zero_bnb's (its record says so)
+    previous = sorted(os.listdir(out)), (out / "pytorch_model.bin").read_bytes()
+    assert previous[0] == [".zero_bnb-outputs.json", "pytorch_model.bin"]
     cases = [((SCRIPT, ".", str(out)), "pytorch_model.bin"),
              ((SCRIPT, ".", str(out), "--safe_serialization"), "model.safetensors"),
              (("-m", "zero_bnb", "export", ".", "--to", "fp32", str(out / "w.safetensors")), "w.safetensors")]
@@ -957,7 +968,7 @@ def test_a_full_disk_gives_one_line_and_leaves_no_partial_or_temporary_output(so
         assert done.returncode == 1 and "Traceback" not in done.stderr, (args, done.stderr[-3000:])
         last = done.stderr.strip().splitlines()[-1]  # after the progress bars, one line
         assert f"could not write {out / name}" in last and "nothing was written" in last, done.stderr
-        assert os.listdir(out) == ["pytorch_model.bin"] and (out / "pytorch_model.bin").read_bytes() == b"previous"
+        assert (sorted(os.listdir(out)), (out / "pytorch_model.bin").read_bytes()) == previous
     _still_good(zb)
 
 
@@ -1089,3 +1100,25 @@ def test_frozen_parameters_are_in_zero_to_fp32_and_export_as_in_stock_deepspeeds
     assert cli("export", sources / "zb_frozen", "--to", "fp32", tmp_path / "w.safetensors")[0] == 0
     exported = load_file(tmp_path / "w.safetensors")
     assert set(exported) == set(trained) and all(torch.equal(exported[n], v) for n, v in trained.items())
+
+
+def test_stock_rank_files_from_different_saves_are_refused_naming_them(sources, tmp_path):
+    # S1: rank 1's optimizer file from the previous save (step one lower) beside rank 0's was imported without a word.
+    stock = _fresh(sources, tmp_path, "stock")
+    rank1 = stock / "A" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data = torch.load(rank1, weights_only=False)
+    for state in data["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
+        state["step"] -= 1
+    torch.save(data, rank1)
+    code, _, err = cli("convert", stock, "--to", "zero_bnb", tmp_path / "out")
+    assert code != 0
+    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt and" in err and "zero_pp_rank_1_mp_rank_00_optim_states.pt are " \
+        "not from the same save: group 0's step counter is" in err and "copy the complete tag folder" in err, err
+    assert not (tmp_path / "out").exists()
+    data = torch.load(rank1, weights_only=False)
+    for state in data["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
+        state["step"] += 1
+    data["optimizer_state_dict"]["base_optimizer_state"]["param_groups"][0]["lr"] *= 2
+    torch.save(data, rank1)
+    code, _, err = cli("convert", stock, "--to", "zero_bnb", tmp_path / "out")
+    assert code != 0 and "their hyper-parameters differ" in err, err

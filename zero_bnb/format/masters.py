@@ -135,11 +135,12 @@ def derive(storage: str, master: torch.Tensor, weight: torch.Tensor, params, sta
 
 
 def check_module(storage: str, derived: DerivedMasters, params, module: Mapping[str, Any], start: int, end: int, *,
-                 model_file: str, shard_file: str, file_verified: bool = False) -> list:
+                 model_file: str, shard_file: str) -> list:
     """Check that the model file's ``module`` dict holds, for the range ``[start, end)``, the module weights a shard
     group stored as ``storage`` was saved against (dtype, shape, SHA-256 of each piece); returns the parameters
-    (``ParamEntry``) overlapping the range. ``file_verified``: the model file's bytes were checked against the
-    SHA-256 the save took of the whole file, so its pieces are not hashed a second time.
+    (``ParamEntry``) overlapping the range. The pieces are hashed even where the whole model file was verified: the
+    manifest records what the save wrote, but a manifest can be re-signed with the edited file's SHA-256 (its
+    ``module_sha256`` too); the per-piece SHA-256s in the shard are what binds the masters to the weights.
 
     Raises:
         CheckpointFormatError: a module weight is missing or has another shape or dtype.
@@ -157,8 +158,8 @@ def check_module(storage: str, derived: DerivedMasters, params, module: Mapping[
             f"{str(dtype).removeprefix('torch.')} tensors of the saved shapes, but {wrong[:5]}; the model file was "
             f"edited or replaced after the save. Restore it, or load an earlier tag"
         )
-    changed = [] if file_verified else [name for name, piece in _pieces(overlapping, module, start, end)
-                                        if derived.digests.get(name) != piece_digest(piece)]
+    changed = [name for name, piece in _pieces(overlapping, module, start, end)
+               if derived.digests.get(name) != piece_digest(piece)]
     if changed or set(derived.digests) != {p.name for p in overlapping}:
         raise CheckpointFormatError(
             f"{model_file}: the module weights of {(changed or sorted(derived.digests))[:5]} are not the ones the "
@@ -170,12 +171,12 @@ def check_module(storage: str, derived: DerivedMasters, params, module: Mapping[
 
 
 def rebuild(storage: str, derived: DerivedMasters, params, module: Mapping[str, Any], start: int, end: int, *,
-            model_file: str, shard_file: str, file_verified: bool = False) -> torch.Tensor:
+            model_file: str, shard_file: str) -> torch.Tensor:
     """The fp32 masters of the range ``[start, end)`` from the model file's ``module`` dict and ``derived``,
     after :func:`check_module` (which raises what this raises); fp32 ones are the module weights themselves (a view
     where they lie back to back: :func:`module_slice`)."""
     overlapping = check_module(storage, derived, params, module, start, end, model_file=model_file,
-                               shard_file=shard_file, file_verified=file_verified)
+                               shard_file=shard_file)
     weight = module_slice(overlapping, module, start, end)
     return weight if storage == MODULE else join_bf16(weight, derived.residual)
 

@@ -79,14 +79,6 @@ class CheckpointReader:
         self.verified = self.verified or world_size == 1
         return read
 
-    def _module_file_verified(self) -> bool:
-        """Whether the model file's bytes are known to be those the derived masters were split against: verified,
-        and the manifest's record of the file is still the SHA-256 the save took of it (``module_sha256``). A model
-        file replaced after the save and re-signed in the manifest is not: its pieces are hashed then."""
-        manifest = self.manifest
-        return self.verified and bool(manifest.module_sha256) and any(
-            record.path == manifest.module_file and record.sha256 == manifest.module_sha256 for record in manifest.files)
-
     @property
     def replicated(self) -> ReplicatedPayload:
         """The replicated-state file (hyper-parameters, counters, qmaps, loss scaler), read once."""
@@ -163,14 +155,12 @@ class CheckpointReader:
         start, end = entry.element_ranges[rank]
         return how(entry.masters, self._shard(rank).groups[group_index].derived, entry.params, self._module_weights(),
                    start, end, model_file=os.path.join(self.tag_folder, self.manifest.module_file),
-                   shard_file=os.path.join(self.tag_folder, SUBDIR, self.manifest.shards[rank]),
-                   file_verified=self._module_file_verified())
+                   shard_file=os.path.join(self.tag_folder, SUBDIR, self.manifest.shards[rank]))
 
     def check_module_weights(self, rank: int = 0, world_size: int = 1) -> None:
         """Check this process's share (shards ``rank``, ``rank + world_size``, ...) of the module weights that
-        derived masters are rebuilt from (dtype, shape and SHA-256 of every piece, as a rebuild checks them; no
-        piece is hashed where the whole model file was verified against the SHA-256 the save took of it),
-        without rebuilding; shards whose masters were rebuilt here already were checked then. Call after
+        derived masters are rebuilt from (dtype, shape and SHA-256 of every piece, as a rebuild checks them, verified
+        or not: a re-signed manifest cannot vouch for an edited model file), without rebuilding; shards whose masters were rebuilt here already were checked then. Call after
         :meth:`preload`. Once every process of a load has called it with its rank, every piece was checked by one
         of them, and :meth:`module_weights_as_cast` may hand out the model file's weights.
 

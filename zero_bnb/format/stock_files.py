@@ -12,14 +12,17 @@ import glob
 import os
 from typing import Any
 
+import torch
+
 from zero_bnb.errors import CheckpointFormatError, malformed
 from zero_bnb.format.manifest import ParamEntry
 from zero_bnb.format.paths import check_name
 from zero_bnb.format.unpickle import check_checkpoint_file, safe_load
 
-__all__ = ["MODEL_STATES", "UNIVERSAL_STATE", "WRITTEN_BY_ZERO_BNB", "fp32_partitions", "group_hyperparameters",
-           "group_states", "is_stage3", "is_stage3_model_file", "model_file_of", "model_states_files", "param_entries",
-           "read_rank_files", "stage3_model_states", "stock_dp_world_size", "zero_file_names"]
+__all__ = ["MODEL_STATES", "UNIVERSAL_STATE", "WRITTEN_BY_ZERO_BNB", "check_same_save", "fp32_partitions",
+           "group_hyperparameters", "group_states", "is_stage3", "is_stage3_model_file", "model_file_of",
+           "model_states_files", "param_entries", "read_rank_files", "stage3_model_states", "stock_dp_world_size",
+           "zero_file_names"]
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 #: The file that marks a DeepSpeed universal checkpoint's tag folder (relative to it).
@@ -120,7 +123,64 @@ def read_rank_files(names: list[str]) -> list[dict[str, Any]]:
             raise CheckpointFormatError(f"stock DeepSpeed optimizer file {name} holds no optimizer_state_dict; it is "
                                         f"not a DeepSpeed ZeRO checkpoint file")
         rank_sds.append(loaded["optimizer_state_dict"])
+    check_same_save(names, rank_sds)
     return rank_sds
+
+
+def _plain(value: Any) -> Any:
+    """A comparable form of a counter or scalar (a tensor's items, an enum's value, an object's fields)."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if hasattr(value, "value") and not isinstance(value, (int, float, str)):
+        return _plain(value.value)
+    if hasattr(value, "__dict__") and not isinstance(value, type):
+        return {key: _plain(item) for key, item in sorted(vars(value).items()) if not key.startswith("_")}
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
+
+
+def _shared_record(optimizer_sd: dict[str, Any]) -> dict[str, Any]:
+    """What every rank file of one save holds alike: each flat group's step counter(s) (a rank whose partition of
+    a group is empty has none), its hyper-parameters, and the ZeRO wrapper's scalars and version."""
+    steps = [_plain(state.get("step")) for state in group_states(optimizer_sd)]
+    hyper = group_hyperparameters(optimizer_sd)
+    scalars = {key: _plain(optimizer_sd.get(key)) for key in ("loss_scaler", "dynamic_loss_scale", "overflow",
+                                                              "zero_stage", "partition_count", "ds_version")}
+    return {"steps": steps, "hyper": _plain(hyper), "scalars": scalars}
+
+
+def check_same_save(names: list[str], rank_sds: list[dict[str, Any]]) -> None:
+    """Refuse rank files of one tag that are not from one save: every step counter and everything else the files
+    share (hyper-parameters, loss scaler, ZeRO stage and version) must agree. Stock DeepSpeed files carry no rank
+    id and no save id, so two ranks' files of the same step swapped, or a file copied from another run at the same
+    step with the same settings, cannot be told apart here.
+
+    Raises:
+        CheckpointFormatError: names the files that disagree, what differs, and the fix.
+    """
+    records = [_shared_record(sd) for sd in rank_sds]
+    for index, record in enumerate(records[1:], start=1):
+        first = records[0]
+        for group, (a, b) in enumerate(zip(first["steps"], record["steps"])):
+            if a is not None and b is not None and a != b:
+                raise CheckpointFormatError(
+                    f"stock DeepSpeed rank files {names[0]} and {names[index]} are not from the same save: group "
+                    f"{group}'s step counter is {a} in the first and {b} in the second (a rank's file was left from "
+                    f"another save, or copied from one). Stock files carry no rank or save id; copy the complete tag "
+                    f"folder as DeepSpeed wrote it, or load an earlier tag"
+                )
+        for key in ("hyper", "scalars"):
+            if first[key] != record[key]:
+                differs = sorted(k for k in (first[key] if isinstance(first[key], dict) else {})
+                                 if first[key].get(k) != record[key].get(k)) if key == "scalars" else ["hyper-parameters"]
+                raise CheckpointFormatError(
+                    f"stock DeepSpeed rank files {names[0]} and {names[index]} are not from the same save: their "
+                    f"{', '.join(differs)} differ. Copy the complete tag folder as DeepSpeed wrote it, or load an "
+                    f"earlier tag"
+                )
 
 
 def stage3_model_states(rank: int) -> str:

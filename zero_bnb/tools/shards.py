@@ -217,10 +217,17 @@ def _write_hidden(state: dict[str, torch.Tensor], output_dir: str, plan: ShardPl
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
         if isinstance(error, CheckpointSaveError):
-            raise CheckpointSaveError(f"{error} (no file of the new output was put in place: the previous output in "
-                                      f"{output_dir} is unchanged)") from error.__cause__
+            failed = next(reversed(fresh))  # named before its write began
+            cause = error.__cause__ if error.__cause__ is not None else error
+            text = " ".join(str(cause).split())
+            raise CheckpointSaveError(
+                f"could not write {os.path.join(output_dir, failed)} ({type(cause).__name__}: {text:.300}); nothing "
+                f"was written: the previous output in {output_dir} is unchanged. Free space (or fix permissions) and "
+                f"run it again"
+            ) from cause
         raise
     return fresh
+
 
 
 def _put_in_place(output_dir: str, fresh: dict[str, str], index_name: str | None) -> None:
