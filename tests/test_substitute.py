@@ -204,3 +204,56 @@ def test_import_zero_bnb_stays_light():
     assert done.returncode == 0, done.stderr
     results = [line for line in done.stdout.splitlines() if line.startswith("result ")]  # DeepSpeed prints too
     assert results == ["result []", "result []", "result [True, False, True]"], done.stdout
+
+
+STUB_ACCELERATOR = '''import os, time
+while not os.path.exists(os.environ["RELEASE"]):  # the import waits here until the test releases it
+    if not os.path.exists(os.environ["STARTED"]):
+        open(os.environ["STARTED"], "w").close()
+    time.sleep(0.005)
+
+
+def map_pytorch_optim_to_deepspeed(optimizer):
+    return "DeepSpeedCPUAdam"
+'''
+
+
+@pytest.mark.parametrize("watched", [True, False])
+def test_enable_and_disable_while_another_thread_imports_accelerate_leave_it_patched(tmp_path, watched):
+    """D5: disable() and enable() while another thread imports accelerate.accelerator left the process enabled with
+    Accelerate unpatched and no watcher. A stub accelerate package holds its import open until released; the import
+    starts with zero_bnb's watcher in place (enabled before) or without it (enabled only during the import)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "accelerate").mkdir()
+    (tmp_path / "accelerate" / "__init__.py").write_text("")
+    (tmp_path / "accelerate" / "accelerator.py").write_text(STUB_ACCELERATOR)
+    code = f"""if True:
+        import os, sys, threading, time, zero_bnb
+        if {watched}:
+            zero_bnb.enable()
+        importer = threading.Thread(target=lambda: __import__("accelerate.accelerator"))
+        importer.start()
+        while not os.path.exists(os.environ["STARTED"]):
+            time.sleep(0.005)
+        zero_bnb.disable()
+        zero_bnb.enable()
+        open(os.environ["RELEASE"], "w").close()
+        importer.join()
+        for _ in range(200):  # the waiter thread patches within milliseconds of the import's end
+            if getattr(sys.modules["accelerate.accelerator"].map_pytorch_optim_to_deepspeed, "_zero_bnb_patch", False):
+                break
+            time.sleep(0.01)
+        import accelerate.accelerator as accelerator
+        print("result", accelerator.map_pytorch_optim_to_deepspeed("mine"))
+        zero_bnb.disable()
+        print("result", accelerator.map_pytorch_optim_to_deepspeed("mine"))
+    """
+    env = {**os.environ, "STARTED": str(tmp_path / "started"), "RELEASE": str(tmp_path / "release"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    results = [line for line in done.stdout.splitlines() if line.startswith("result ")]
+    assert results == ["result mine", "result DeepSpeedCPUAdam"], done.stdout + done.stderr

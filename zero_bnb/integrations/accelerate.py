@@ -39,6 +39,12 @@ _LOCK = threading.RLock()
 _MODULE = "accelerate.accelerator"
 _TARGET = "map_pytorch_optim_to_deepspeed"
 _ORIGINAL: dict[str, Any] = {}
+#: Whether the patch is wanted now (between install and remove): what a module finishing its import decides by, not
+#: whether the watcher is still on ``sys.meta_path`` (a disable and enable while another thread imports Accelerate
+#: removed and did not re-add it, and the module ran unpatched).
+_WANTED = False
+#: Seconds a waiter gives a module another thread is importing to finish (then it warns).
+_IMPORT_WAIT_S = 120.0
 
 
 def _installed() -> bool:
@@ -77,8 +83,8 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         def exec_module(module: ModuleType) -> None:
             run(module)
             with _LOCK:
-                if _WATCHER in sys.meta_path:
-                    _stop_watching()
+                _stop_watching()
+                if _WANTED:
                     _patch(module)
 
         loader.exec_module = exec_module
@@ -93,13 +99,44 @@ def _stop_watching() -> None:
         sys.meta_path.remove(_WATCHER)
 
 
+def _importing(module: ModuleType) -> bool:
+    """Whether ``module`` is still being executed by an import on some thread."""
+    spec = getattr(module, "__spec__", None)
+    return bool(getattr(spec, "_initializing", False)) and not hasattr(module, _TARGET)
+
+
+def _patch_when_imported(module: ModuleType) -> None:
+    """Wait (on a daemon thread) for an import that another thread began without the watcher, then patch if still
+    wanted."""
+    import time
+
+    deadline = time.monotonic() + _IMPORT_WAIT_S
+    while _importing(module) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    with _LOCK:
+        if not _WANTED:
+            return
+        if hasattr(module, _TARGET):
+            _patch(module)
+        else:
+            logger.warning("zero_bnb: %s did not finish importing within %.0f s; Accelerate may replace the "
+                           "optimizer by DeepSpeedCPUAdam under offload: call zero_bnb.enable() again once it is "
+                           "imported", _MODULE, _IMPORT_WAIT_S)
+
+
 def install_accelerate_patch() -> None:
     """Make Accelerate's offload swap keep the user's optimizer while zero_bnb routes the call: now if
-    ``accelerate.accelerator`` is imported, else once it is (idempotent)."""
+    ``accelerate.accelerator`` is imported, once it is if another thread is importing it, else once it is imported
+    (idempotent, thread-safe)."""
+    global _WANTED
     with _LOCK:
+        _WANTED = True
         module = sys.modules.get(_MODULE)
-        if module is not None:
+        if module is not None and hasattr(module, _TARGET):
             _patch(module)
+        elif module is not None:  # being imported on another thread: patch once it has run
+            threading.Thread(target=_patch_when_imported, args=(module,), name="zero_bnb-accelerate-patch",
+                             daemon=True).start()
         elif _WATCHER not in sys.meta_path and _installed():
             sys.meta_path.insert(0, _WATCHER)
 
@@ -129,7 +166,9 @@ def _patch(module: ModuleType) -> None:
 
 def remove_accelerate_patch() -> None:
     """Undo :func:`install_accelerate_patch` (a no-op when it is not installed)."""
+    global _WANTED
     with _LOCK:
+        _WANTED = False
         _stop_watching()
         original = _ORIGINAL.pop(_TARGET, None)
         module = sys.modules.get(_MODULE)
