@@ -874,6 +874,34 @@ def test_ctrl_c_during_convert_exits_130_and_leaves_no_staging_folder_or_lock(so
     assert os.listdir(tmp_path / "out") == []
 
 
+def test_ctrl_c_after_the_output_is_published_says_so_and_leaves_no_hidden_copy(sources, tmp_path):
+    """G2: Ctrl-C in the last moment of convert --force (removing the replaced output) said "nothing was published"
+    although the new output was in place, and left the old output in a hidden folder."""
+    import os
+
+    from zero_bnb.format import durable
+
+    out = tmp_path / "out" / "U"
+    code, _, err = cli("convert", sources / "zb", "--to", "universal", out)
+    assert code == 0, err
+    interrupted = []
+
+    def interrupt(event, path):
+        if event == "remove" and ".zero_bnb-replaced" in path and not interrupted:  # the replaced output goes
+            interrupted.append(path)
+            raise KeyboardInterrupt
+
+    durable.set_io_hook(interrupt)
+    try:
+        code, out_text, err = cli("convert", sources / "zb", "--to", "universal", out, "--force")
+    finally:
+        durable.set_io_hook(None)
+    assert interrupted and code == 130, (code, out_text, err)
+    assert err.splitlines()[-1] == (f"zero-bnb convert: interrupted after {out} was published complete; only tidying "
+                                    f"after it was cut short"), err
+    assert sorted(os.listdir(tmp_path / "out")) == ["U", "latest_universal"]  # no hidden copy of the old one
+
+
 def test_saving_to_an_empty_path_is_a_usage_error():
     from zero_bnb.ds.engine import ZeroBnbEngine
 

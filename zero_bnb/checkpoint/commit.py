@@ -161,7 +161,7 @@ def _publish(save_dir: str, tag: str, staging: str, latest_name: str | None, own
         publish_folder(staging, final, keep or aside, trash)
         try:
             if keep is None:
-                finish_publish(final, aside, trash)
+                _finish_even_if_interrupted(final, aside, trash)
             else:
                 fsync_dir(save_dir)
             if pointer is not None:
@@ -181,6 +181,19 @@ def _publish(save_dir: str, tag: str, staging: str, latest_name: str | None, own
         if pointer is not None:
             pointer.discard()
     return final
+
+
+def _finish_even_if_interrupted(final: str, aside: str, trash: str) -> None:
+    """:func:`finish_publish`; an interrupt (Ctrl-C) in it lets the removal of the previous folder finish first (it
+    would be left in a hidden folder nobody else removes), then propagates."""
+    try:
+        finish_publish(final, aside, trash)
+    except KeyboardInterrupt:
+        try:
+            remove_tree(aside, via=trash)
+        except OSError as error:
+            logger.error("zero_bnb: could not remove the replaced %s: %r; remove it yourself", aside, error)
+        raise
 
 
 @contextmanager

@@ -16,6 +16,7 @@ from typing import Any
 
 from zero_bnb.core.state_spec import UNIVERSAL_TARGETS, UnsupportedOptimizerError
 from zero_bnb.errors import CheckpointError, CheckpointUsageError
+from zero_bnb.format.durable import noting_publications
 from zero_bnb.format.reader import verify_checkpoint
 from zero_bnb.tools import checkpoint_paths
 
@@ -125,13 +126,18 @@ def _print_report(report: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run one checkpoint command; returns the exit code."""
-    try:
-        return _run(args)
-    except KeyboardInterrupt as interrupt:
-        what = "terminated" if isinstance(interrupt, Terminated) else "interrupted"
-        print(f"zero-bnb {args.command}: {what}; nothing was published and temporary files were removed",
-              file=sys.stderr)
-        return EXIT_INTERRUPTED
+    with noting_publications() as published:
+        try:
+            return _run(args)
+        except KeyboardInterrupt as interrupt:
+            what = "terminated" if isinstance(interrupt, Terminated) else "interrupted"
+            if published:  # the last moment: the output was already in place
+                print(f"zero-bnb {args.command}: {what} after {', '.join(published)} was published complete; "
+                      f"only tidying after it was cut short", file=sys.stderr)
+            else:
+                print(f"zero-bnb {args.command}: {what}; nothing was published and temporary files were removed",
+                      file=sys.stderr)
+            return EXIT_INTERRUPTED
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -45,6 +45,8 @@ __all__ = [
     "finish_publish",
     "fsync_dir",
     "makedirs",
+    "note_published",
+    "noting_publications",
     "publish_folder",
     "remove_tree",
     "replace_text",
@@ -69,6 +71,28 @@ _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW",
 #: Opens a folder itself (a link there is refused), for its flock.
 _FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _CLAIM_ATTEMPTS = 5
+
+
+_published: list[str] | None = None
+
+
+@contextmanager
+def noting_publications() -> Iterator[list[str]]:
+    """Collect, in the yielded list, the outputs published (renamed into place, complete) inside the block by
+    :func:`note_published`: what a command interrupted afterwards must not call unpublished. Local; not nested
+    across threads."""
+    global _published
+    previous, _published = _published, []
+    try:
+        yield _published
+    finally:
+        _published = previous
+
+
+def note_published(path: str) -> None:
+    """Record that the output ``path`` is now in place and complete (see :func:`noting_publications`)."""
+    if _published is not None:
+        _published.append(path)
 
 
 def set_io_hook(hook: IoHook | None) -> IoHook | None:
@@ -390,6 +414,7 @@ def publish_folder(staging: str, final: str, aside: str, trash: str) -> None:
         if moved_aside:
             os.rename(aside, final)
         raise
+    note_published(final)
 
 
 def finish_publish(final: str, aside: str, trash: str) -> None:

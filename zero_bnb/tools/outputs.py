@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from zero_bnb.errors import CheckpointSaveError, CheckpointUsageError
-from zero_bnb.format.durable import replacing
+from zero_bnb.format.durable import note_published, replacing
 from zero_bnb.format.lock import LOCK_NAME
 from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR
 from zero_bnb.format.paths import RESERVED_TAGS, inside, overlaps, resolved
@@ -101,6 +101,8 @@ def replacing_file(path: str) -> Iterator[str]:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with replacing(path) as temporary:
             yield temporary
+        if not os.path.basename(path).startswith("."):  # a hidden file is a step of a larger output, not one
+            note_published(path)
     except (OSError, SafetensorError, RuntimeError) as error:
         cause = " ".join(str(error).split())
         raise CheckpointSaveError(

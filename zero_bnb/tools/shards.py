@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from zero_bnb.errors import CheckpointSaveError, CheckpointUsageError
-from zero_bnb.format.durable import fsync_dir, makedirs
+from zero_bnb.format.durable import fsync_dir, makedirs, note_published
 from zero_bnb.format.lock import SaveFolderLock
 from zero_bnb.format.ownership import OutputRecord
 from zero_bnb.tools.outputs import replacing_file
@@ -241,6 +241,7 @@ def _put_in_place(output_dir: str, fresh: dict[str, str], index_name: str | None
     if index_name is not None:
         os.replace(fresh[index_name], os.path.join(output_dir, index_name))
     fsync_dir(output_dir)
+    note_published(os.path.join(output_dir, index_name or next(iter(fresh))))
 
 
 def _remove_earlier(output_dir: str, weights_name: str, stale: list[str], record: OutputRecord,
