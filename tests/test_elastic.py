@@ -57,14 +57,14 @@ def _assert_state_equal(saved, loaded, *, exact_codes: bool):
                     assert torch.equal(saved_raw[key], loaded_raw[key]), key
 
 
-def _assert_training_continues(reference, resumed, *, atol):
+def _assert_training_continues(reference, resumed, *, atol, label):
     ref_after = reference["losses"][STEPS_BEFORE:]
     # Same weights and state: the first resumed loss differs only by reduction order.
-    within("elastic first resumed loss (rel.)", worst_relative(ref_after[:1], resumed["losses"][:1]), FIRST_LOSS_BOUND)
-    within("elastic resumed losses (rel.)", worst_relative(ref_after, resumed["losses"]), LOSS_BOUND)
+    within(f"elastic {label}: first resumed loss (rel.)", worst_relative(ref_after[:1], resumed["losses"][:1]), FIRST_LOSS_BOUND)
+    within(f"elastic {label}: resumed losses (rel.)", worst_relative(ref_after, resumed["losses"]), LOSS_BOUND)
     for name, tensors in reference["final"]["params"].items():
         diff = (tensors["fp32"] - resumed["final"]["params"][name]["fp32"]).abs().max().item()
-        within(f"elastic weight drift of {name}", diff, atol[name])
+        within(f"elastic {label}: weight drift of {name}", diff, atol[name])
 
 
 def test_reload_into_the_same_engine_returns_to_the_saved_state(adam8bit_dp2):
@@ -94,7 +94,7 @@ def test_resume_at_another_dp_size_is_exact(adam8bit_dp2, dp):
     switched = "4.weight"
     coupled = COUPLED_DRIFT if dp > 2 else DRIFT
     atol = {name: (SWITCHED_DRIFT if name == switched and dp > 2 else coupled) for name in reference["saved"]["params"]}
-    _assert_training_continues(reference, resumed, atol=atol)
+    _assert_training_continues(reference, resumed, atol=atol, label=f"Adam8bit DP=2 -> {dp}")
 
 
 def test_adamw8bit_fp32_state_is_quantized_when_partitions_grow(tmp_path):
@@ -115,7 +115,8 @@ def test_adamw8bit_fp32_state_is_quantized_when_partitions_grow(tmp_path):
             else:
                 assert torch.equal(got, value), f"{name}.{key}"
     assert saved["counters"] == loaded["counters"]
-    _assert_training_continues(reference, resumed, atol={n: QUANTIZED_DRIFT for n in saved["params"]})
+    _assert_training_continues(reference, resumed, atol={n: QUANTIZED_DRIFT for n in saved["params"]},
+                               label="AdamW8bit DP=3 -> 2")
 
 
 @pytest.fixture(scope="module")

@@ -145,7 +145,8 @@ def test_resume_at_another_dp_size_is_exact_and_training_continues(runs, case, d
     assert resumed["global_steps"] == STEPS_BEFORE
     expected = reference["losses"][STEPS_BEFORE:]
     # Same weights and state: the first resumed loss differs only by the order of the reduction (measured <= 1e-7).
-    assert resumed["losses"][0] == pytest.approx(expected[0], rel=1e-6)
+    within(f"stage-3 {case} at DP={dp}: first resumed loss (rel.)", worst_relative(expected[:1], resumed["losses"][:1]),
+           1e-6)
     # Later steps: fp32 measured 1.1e-7 relative, master drift 5.0e-8 (torch AdamW); bf16 (gradients reduced in bf16
     # in another order) 4.3e-4 relative and 2.0e-3 (offload_all at DP=1).
     bf16 = "bf16" in stage3_scenarios.CASES[case][1]
@@ -198,7 +199,8 @@ def test_a_checkpoint_saved_without_offload_resumes_offloaded_at_another_dp_size
     _assert_same_state(reference["saved"], resumed["loaded"])
     # bit for bit as the non-offloaded resume at the same DP size (offload changes no arithmetic in fp32)
     assert resumed["losses"] == _case(runs, 3, "adam8bit")["losses"]
-    assert resumed["losses"] == pytest.approx(reference["losses"][STEPS_BEFORE:], rel=1e-6)
+    within("stage-3 adam8bit offloaded at DP=3: resumed losses (rel.)",
+           worst_relative(reference["losses"][STEPS_BEFORE:], resumed["losses"]), 1e-6)
 
 
 def test_frozen_parameters_are_restored_at_any_dp_size_and_stage(runs):
@@ -296,13 +298,15 @@ def _dequantized_close(saved: dict, loaded: dict) -> None:
 def test_a_stage2_checkpoint_resumes_at_stage3_at_another_dp_size(runs):
     saved, resumed = _case(runs, 2, "stage2"), _case(runs, 3, "stage2_into_3")
     _dequantized_close(saved["saved"], resumed["loaded"])
-    assert resumed["losses"][0] == pytest.approx(saved["losses"][STEPS_BEFORE], rel=1e-6)
+    within("stage-2 checkpoint into stage 3 at DP=3: first resumed loss (rel.)",
+           worst_relative(saved["losses"][STEPS_BEFORE:STEPS_BEFORE + 1], resumed["losses"][:1]), 1e-6)
 
 
 def test_a_stage3_checkpoint_resumes_at_stage2_at_another_dp_size(runs):
     saved, resumed = _case(runs, 2, "adam8bit"), _case(runs, 3, "stage3_into_2")
     _dequantized_close(saved["saved"], resumed["loaded"])
-    assert resumed["losses"][0] == pytest.approx(saved["losses"][STEPS_BEFORE], rel=1e-6)
+    within("stage-3 checkpoint into stage 2 at DP=3: first resumed loss (rel.)",
+           worst_relative(saved["losses"][STEPS_BEFORE:STEPS_BEFORE + 1], resumed["losses"][:1]), 1e-6)
 
 
 @pytest.mark.parametrize("load", ["module_only", "no_optimizer"])
@@ -313,7 +317,8 @@ def test_weights_only_loads_restore_exact_masters_and_module_weights(runs, load)
     for name, master in masters.items():
         assert torch.equal(loaded["masters"][name], master), name
         assert torch.equal(loaded["weights"][name], master), name  # fp32 module: its weights are the masters
-    assert loaded["loss"] == pytest.approx(saved["losses"][STEPS_BEFORE], rel=1e-6)  # forward before the step
+    within(f"stage-3 {load} load at DP=3: first loss (rel.)",  # the forward pass before the step
+           worst_relative(saved["losses"][STEPS_BEFORE:STEPS_BEFORE + 1], [loaded["loss"]]), 1e-6)
 
 
 def test_a_weights_only_load_into_a_model_with_a_new_layer_loads_by_name(runs):
