@@ -16,7 +16,7 @@ import os
 import deepspeed
 import torch
 import torch.distributed as dist
-from optimizer_scenarios import OPTIMIZERS
+from optimizer_scenarios import OPTIMIZERS, learning_rate
 from scenarios import _error, _save_result, make_engine, run_phases
 
 import zero_bnb
@@ -83,7 +83,7 @@ def stage3_engine(dp: int, case: str, offload: bool | str = True):
             model = build_model()
     else:
         model = build_model()
-    optimizer = OPTIMIZERS[optimizer_name](param_groups(model), lr=LR)
+    optimizer = OPTIMIZERS[optimizer_name](param_groups(model), lr=learning_rate(optimizer_name))
     engine, *_ = zero_bnb.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 

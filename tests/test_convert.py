@@ -22,12 +22,23 @@ from scenarios import Recorded, cli, within, worst_relative
 
 from zero_bnb.cli import main
 
-#: Requantized once (stock partitions off the block grid): measured <= 6.2e-5 (test_elastic) and 3.1e-5 (Lion8bit
-#: here) relative loss over the following steps; the same path, one bound with about 3x margin.
-REQUANTIZED_LOSS_BOUND = 2e-4
-#: The same in bf16 (gradients reduced in bf16 in another order at another DP size, as tests/test_stage3.py's 1e-3):
-#: measured 0 at DP=1 and DP=3 (2026-11-24: the bf16 losses equal the stock run's), bound a quarter of a bf16 ulp.
-BF16_REQUANTIZED_LOSS_BOUND = 1e-3
+#: Bounds: each at least 5x the worst figure measured under seven instruction-set variants (docs/bounds.md,
+#: 2026-11-27). Requantized once (stock partitions off the block grid), relative loss over the following steps: worst
+#: 9.38e-5 (the stage-3 rescue resumed at stage 2, its moments requantized once more) and 6.22e-5 (test_elastic);
+#: the same path, one bound.
+REQUANTIZED_LOSS_BOUND = 5e-4
+#: The same in bf16 (gradients reduced in bf16 in another order at another DP size): 0 natively (the bf16 losses equal
+#: the stock run's), worst 4.32e-4 (DP=3, ATen's default kernels).
+BF16_REQUANTIZED_LOSS_BOUND = 2.5e-3
+#: Moments requantized once onto another 8-bit block grid, against the originals (relative RMS error): the 8-bit
+#: quantization error itself, worst 9.33e-3 (bf16 stage-3 rescue, ATen's default kernels; 4.7e-3 to 9.2e-3 natively),
+#: not noise; a wrong grid or absmax gives errors of order 1.
+REQUANTIZED_RMS_BOUND = 5e-2
+#: fp32 AdamW on the exactly dequantized moments (universal checkpoint, stock DeepSpeed) against 8-bit Adam for the
+#: next steps, relative loss: worst 2.95e-5 (stage 1 and stage 3 alike).
+UNIVERSAL_LOSS_BOUND = 1.5e-4
+#: Universal back to zero_bnb (moments requantized once on the global grid, then 3 steps): worst 8.18e-5.
+UNIVERSAL_BACK_LOSS_BOUND = 5e-4
 from zero_bnb.testing.launch import run_distributed
 from zero_bnb.versions import installed, release
 
@@ -208,12 +219,10 @@ def test_stock_deepspeed_loads_the_universal_output_into_adamw_and_trains(work, 
         assert torch.equal(loaded["universal"][name]["exp_avg"], saved["state1"]), name  # dequantized 8-bit
         assert torch.equal(loaded["universal"][name]["exp_avg_sq"], saved["state2"]), name
     assert loaded["universal_steps"] == [float(3)]
-    # fp32 AdamW from the same moments: the same trajectory up to 8-bit quantization noise.
-    # Measured 2.94e-5 at DP=1 and 3 (2026-11-23, main at e2699fc; 1.06e-7 before the pinned-load commits
-    # 0cd966f..e2699fc, not yet explained): fp32 AdamW on the exactly dequantized moments vs 8-bit Adam for the next
-    # steps. Bound: main's 1e-4 (3.4x).
-    within("universal into fp32 AdamW vs zero_bnb (rel.)",
-           worst_relative(sources["zero_bnb_after"], loaded["universal_after"]), 1e-4)
+    # fp32 AdamW from the same moments: the same trajectory up to 8-bit quantization noise (worst 2.95e-5; 1.06e-7
+    # before the pinned-load commits 0cd966f..e2699fc, not yet explained).
+    within(f"universal into fp32 AdamW at DP={dp} vs zero_bnb (rel.)",
+           worst_relative(sources["zero_bnb_after"], loaded["universal_after"]), UNIVERSAL_LOSS_BOUND)
 
 
 @pytest.mark.parametrize("dp", [1, 3])
@@ -233,16 +242,19 @@ def test_universal_back_to_zero_bnb_round_trips(work, dp):
             worst_rms = max(worst_rms, float(difference.norm()) / float(original.norm()))
         assert report["max_abs_error"][moment] == pytest.approx(worst_abs, rel=1e-6), (key, report, worst_abs)
         assert report["relative_rms_error"][moment] == pytest.approx(worst_rms, rel=1e-5), (key, report, worst_rms)
+    worst_error = 0.0
     for name, saved in sources["zero_bnb_saved"]["params"].items():
         assert torch.equal(back["params"][name]["fp32"], saved["fp32"]), name  # weights: exact
         for key in ("state1", "state2"):  # moments: requantized once, within 8-bit precision
             if name.endswith("bias"):  # the group kept in fp32: nothing was requantized, so exact
                 assert torch.equal(back["params"][name][key], saved[key]), (name, key)
             error = (back["params"][name][key] - saved[key]).norm() / saved[key].norm().clamp_min(1e-30)
-            assert error < 1e-2, (name, key, float(error))
+            worst_error = max(worst_error, float(error))
+    within(f"universal back to zero_bnb at DP={dp}: moments vs saved (relative RMS)", worst_error,
+           REQUANTIZED_RMS_BOUND)
     assert [c["step"] for c in back["counters"]] == [3, 3, 3]
-    # Measured 8.2e-5 (moments requantized once on the global grid, then 3 steps); bound 1e-4.
-    within("universal back to zero_bnb vs zero_bnb (rel.)", worst_relative(sources["zero_bnb_after"], resumed[dp]["back_after"]), 1e-4)
+    within(f"universal back to zero_bnb at DP={dp} vs zero_bnb (rel.)",
+           worst_relative(sources["zero_bnb_after"], resumed[dp]["back_after"]), UNIVERSAL_BACK_LOSS_BOUND)
 
 
 @pytest.mark.parametrize("dp", [1, 3])
@@ -253,12 +265,14 @@ def test_rescued_stock_checkpoint_resumes_at_another_dp_size(work, dp):
     # The stock partitions (12480 and 4320 elements of the two 8-bit groups) are not block-aligned: the moments were
     # requantized once, an error within 8-bit precision, and not zero.
     assert report["requantized_elements"] == 2 * (24960 + 8640)  # both moments of the two 8-bit groups
-    assert all(0 < report["relative_rms_error"][moment] < 1e-2 for moment in ("exp_avg", "exp_avg_sq")), report
+    assert all(report["relative_rms_error"][moment] > 0 for moment in ("exp_avg", "exp_avg_sq")), report
+    within("rescued stock: moments vs the stock run's (relative RMS, report)",
+           max(report["relative_rms_error"][moment] for moment in ("exp_avg", "exp_avg_sq")), REQUANTIZED_RMS_BOUND)
     rescued = resumed[dp]["rescued"]
     for name, weight in sources["stock_weights"].items():
         assert torch.equal(rescued["params"][name]["fp32"], weight), name
     assert [c["step"] for c in rescued["counters"]] == [3, 3, 3]
-    within("rescued stock (requantized once) vs stock (rel.)",
+    within(f"rescued stock (requantized once) at DP={dp} vs stock (rel.)",
            worst_relative(sources["stock_after"], resumed[dp]["rescued_after"]), REQUANTIZED_LOSS_BOUND)
 
 
@@ -271,7 +285,7 @@ def test_stock_checkpoints_of_every_declared_family_are_rescued_from_the_declara
     for name, weight in sources[f"stock_{family}_weights"].items():
         assert torch.equal(rescued["params"][name]["fp32"], weight), name
     assert [c["step"] for c in rescued["counters"]] == [STEPS] * len(rescued["counters"])
-    within(f"rescued stock {family} vs stock (rel.)",
+    within(f"rescued stock {family} at DP={dp} vs stock (rel.)",
            worst_relative(sources[f"stock_{family}_after"], resumed[dp][f"rescued_{family}_after"]), REQUANTIZED_LOSS_BOUND)
 
 
@@ -357,7 +371,7 @@ def test_rescued_stock_stage3_checkpoint_resumes_at_any_dp_size(work, dp):
         assert report["max_abs_error"][moment] == pytest.approx(worst_abs, rel=1e-6), (key, report, worst_abs)
         assert report["relative_rms_error"][moment] == pytest.approx(worst_rms, rel=1e-5), (key, report, worst_rms)
         assert worst_rms > 0
-        within(f"rescued stock ZeRO-3 {moment} vs the stock run's (relative RMS)", worst_rms, 1e-2)
+        within(f"rescued stock ZeRO-3 {moment} vs the stock run's (relative RMS)", worst_rms, REQUANTIZED_RMS_BOUND)
         for name in ("0.bias", "2.bias", "4.bias"):  # fp32 in the stock run too: copied exactly
             assert not difference[name].any(), (name, key)
     within(f"rescued stock ZeRO-3 at DP={dp} vs stock (rel.)",
@@ -399,7 +413,7 @@ def test_rescued_stock_stage3_bf16_checkpoint_resumes_at_any_dp_size(work, dp):
             assert torch.equal(rescued["params"][name][key].flatten(), stock[name][key]), (name, key)
         within(f"rescued stock ZeRO-3 bf16 {key} vs the stock run's (relative RMS)",
                max(float((rescued["params"][n][key].flatten() - stock[n][key]).norm() / stock[n][key].norm())
-                   for n in stock if "weight" in n), 1e-2)
+                   for n in stock if "weight" in n), REQUANTIZED_RMS_BOUND)
     within(f"rescued stock ZeRO-3 bf16 at DP={dp} vs stock (rel.)",
            worst_relative(sources["stock3_bf16_after"], resumed[dp]["rescued3_bf16_after"]),
            BF16_REQUANTIZED_LOSS_BOUND)
@@ -428,6 +442,7 @@ def test_a_stock_stage3_checkpoint_trained_with_optimizer_offload_is_rescued(wor
     _ok(runs, "export3_offload")
     exported = load_file(workdir / "offload3.safetensors")
     stock = _stock3_moments(workdir / "stock3_offload" / "s3")
+    worst_rms = 0.0
     for name, weight in sources["stock3_offload_weights"].items():
         assert torch.equal(exported[name], weight), name
         for key, moment in (("state1", "exp_avg"), ("state2", "exp_avg_sq")):
@@ -435,7 +450,10 @@ def test_a_stock_stage3_checkpoint_trained_with_optimizer_offload_is_rescued(wor
             if name.endswith("bias"):  # fp32 state: exact
                 assert not difference.any(), (name, moment)
             else:
-                assert 0 < float(difference.norm() / stock[name][key].norm()) < 1e-2, (name, moment)
+                rms = float(difference.norm() / stock[name][key].norm())
+                assert rms > 0, (name, moment)
+                worst_rms = max(worst_rms, rms)
+    within("rescued stock ZeRO-3 offload: moments vs the stock run's (relative RMS)", worst_rms, REQUANTIZED_RMS_BOUND)
 
 
 @pytest.mark.parametrize("dp", [1, 3])
@@ -458,7 +476,7 @@ def test_stock_deepspeed_stage3_loads_the_universal_output_of_a_stage3_checkpoin
     assert "first one's hyper-parameters ({'lr': 0.01" in report["stock_zero3_note"]
     assert loaded["universal3_steps_after"] == [float(STEPS + MORE)]  # each state its own step again
     within(f"universal (from stage 3) into stock stage-3 fp32 AdamW at DP={dp} vs zero_bnb (rel.)",
-           worst_relative(sources["zero_bnb3_after"], loaded["universal3_after"]), 1e-4)
+           worst_relative(sources["zero_bnb3_after"], loaded["universal3_after"]), UNIVERSAL_LOSS_BOUND)
 
 
 def test_damaged_or_mixed_stock_stage3_checkpoints_are_refused_in_one_line(work, tmp_path):

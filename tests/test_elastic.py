@@ -14,23 +14,23 @@ from zero_bnb.testing.consolidate import state_differences
 from zero_bnb.testing.launch import run_distributed
 
 STEPS_BEFORE, STEPS_AFTER = 3, 3
-# Bounds: measured figures (2026-11-23, the fused CPU 8-bit update, this suite's 2-core CPU box) and the margin each
-# leaves.
-#: first resumed loss: measured <= 1.92e-7 (at DP=1; fp32 reduction order, about 2 ulps of a loss near 0.3); 4 ulps.
-FIRST_LOSS_BOUND = 4e-7
-#: the 3 resumed losses: measured <= 1.55e-5 (AdamW8bit test: noise moving an 8-bit code); about 3x.
-LOSS_BOUND = 5e-5
-#: fp32 weights after 3 more steps (max abs): measured 2.98e-8 at DP=1 (one fp32 ulp of a weight in [0.25, 0.5)),
-#: bound 4 ulps of a weight below 1; 7.63e-4 for the group whose state changed from 8-bit to fp32 at DP>2, and
-#: 1.4e-3 where fp32 state was quantized once (AdamW8bit test): about 2x and 1.4x.
-DRIFT, SWITCHED_DRIFT, QUANTIZED_DRIFT = 2.5e-7, 1.5e-3, 2e-3
+# Bounds: each at least 5x the worst figure measured under seven instruction-set variants of this suite's 2-core box
+# (docs/bounds.md, 2026-11-27, the fused CPU 8-bit update).
+#: first resumed loss: worst 9.6e-8 (fp32 reduction order, about 1 ulp of a loss near 0.4); bound 5e-7.
+FIRST_LOSS_BOUND = 5e-7
+#: the 3 resumed losses: worst 1.51e-5 (AdamW8bit test: noise moving an 8-bit code); bound 8e-5.
+LOSS_BOUND = 8e-5
+#: fp32 weights after 3 more steps (max abs). At DP=1 (no group changes precision) reduction-order noise can still move
+#: an 8-bit moment across a code boundary: worst 2.73e-4 (4.weight, natively; 3e-8, one ulp, where no code moved),
+#: bound 1.5e-3. At DP>2 the group whose state changed from 8-bit to fp32: worst 7.63e-4, bound 4e-3; where fp32
+#: state was quantized once (AdamW8bit test): worst 1.4e-3, bound 7e-3.
+DRIFT, SWITCHED_DRIFT, QUANTIZED_DRIFT = 1.5e-3, 4e-3, 7e-3
 #: at DP>=3 the switched group steps fp32 state where the reference steps 8-bit state, and the other layers feel it
-#: through the loss: with the fused kernel (bitsandbytes' CUDA arithmetic) 2.weight drifted 3.0e-4 at DP=3 and DP=4;
-#: about 1.7x.
-COUPLED_DRIFT = 5e-4
-#: the same requantize-once path as test_convert's rescue: measured 6.2e-5 here (again with the fused update), 3.1e-5
-#: there; about 3x.
-REQUANTIZED_LOSS_BOUND = 2e-4
+#: through the loss: worst 3.35e-4 (2.weight at DP=3, ATen's default kernels; 3.0e-4 natively); bound 2e-3.
+COUPLED_DRIFT = 2e-3
+#: the same requantize-once path as test_convert's rescue: worst 6.22e-5 here, 9.38e-5 there; one bound for the path,
+#: 5e-4.
+REQUANTIZED_LOSS_BOUND = 5e-4
 EIGHT_BIT_CODES = ("state1", "state2")
 
 
@@ -57,14 +57,15 @@ def _assert_state_equal(saved, loaded, *, exact_codes: bool):
                     assert torch.equal(saved_raw[key], loaded_raw[key]), key
 
 
-def _assert_training_continues(reference, resumed, *, atol):
+def _assert_training_continues(reference, resumed, *, atol, label):
     ref_after = reference["losses"][STEPS_BEFORE:]
     # Same weights and state: the first resumed loss differs only by reduction order.
-    within("elastic first resumed loss (rel.)", worst_relative(ref_after[:1], resumed["losses"][:1]), FIRST_LOSS_BOUND)
-    within("elastic resumed losses (rel.)", worst_relative(ref_after, resumed["losses"]), LOSS_BOUND)
+    within(f"elastic {label}: first resumed loss (rel.)", worst_relative(ref_after[:1], resumed["losses"][:1]),
+           FIRST_LOSS_BOUND)
+    within(f"elastic {label}: resumed losses (rel.)", worst_relative(ref_after, resumed["losses"]), LOSS_BOUND)
     for name, tensors in reference["final"]["params"].items():
         diff = (tensors["fp32"] - resumed["final"]["params"][name]["fp32"]).abs().max().item()
-        within(f"elastic weight drift of {name}", diff, atol[name])
+        within(f"elastic {label}: weight drift of {name}", diff, atol[name])
 
 
 def test_reload_into_the_same_engine_returns_to_the_saved_state(adam8bit_dp2):
@@ -94,7 +95,7 @@ def test_resume_at_another_dp_size_is_exact(adam8bit_dp2, dp):
     switched = "4.weight"
     coupled = COUPLED_DRIFT if dp > 2 else DRIFT
     atol = {name: (SWITCHED_DRIFT if name == switched and dp > 2 else coupled) for name in reference["saved"]["params"]}
-    _assert_training_continues(reference, resumed, atol=atol)
+    _assert_training_continues(reference, resumed, atol=atol, label=f"Adam8bit DP=2 -> {dp}")
 
 
 def test_adamw8bit_fp32_state_is_quantized_when_partitions_grow(tmp_path):
@@ -115,7 +116,8 @@ def test_adamw8bit_fp32_state_is_quantized_when_partitions_grow(tmp_path):
             else:
                 assert torch.equal(got, value), f"{name}.{key}"
     assert saved["counters"] == loaded["counters"]
-    _assert_training_continues(reference, resumed, atol={n: QUANTIZED_DRIFT for n in saved["params"]})
+    _assert_training_continues(reference, resumed, atol={n: QUANTIZED_DRIFT for n in saved["params"]},
+                               label="AdamW8bit DP=3 -> 2")
 
 
 @pytest.fixture(scope="module")

@@ -27,14 +27,15 @@ from zero_bnb.testing.launch import run_distributed
 from zero_bnb.tools.views import export_fp32
 
 RESUMED_STEPS = (5, 6, 7, 8)
-#: Resumed losses vs the uninterrupted run (relative), measured with the fused CPU 8-bit update (2026-11-23):
-#: <= 1.18e-7 (Trainer, the other Trainer optimizers) and 7.2e-8 (Accelerate): fp32 reduction order at DP=3, about
-#: 2 ulps; bound 4 ulps, the README's figure.
-RESUMED_BOUND = 4e-7
-#: Stock checkpoints resumed by zero_bnb: the first step measured exactly 0; then <= 4.16e-6 (3.9e-6 before the fused
-#: update; the embeddings now get the fp32 moments Trainer's override asked for, stock DeepSpeed gave them 8-bit
-#: ones); about 5x.
-STOCK_FIRST_BOUND, STOCK_AFTER_BOUND = 2.5e-7, 2e-5
+#: Resumed losses vs the uninterrupted run (relative); each bound at least 5x the worst figure measured under seven
+#: instruction-set variants (docs/bounds.md, 2026-11-27): worst 1.27e-7 (Trainer at ZeRO-3; the other Trainer
+#: optimizers and Accelerate 1.19e-7 and less): fp32 reduction order at DP=3, about 2 ulps; bound 7e-7, the README's
+#: figure.
+RESUMED_BOUND = 7e-7
+#: Stock checkpoints resumed by zero_bnb: the first step 0 in every variant (bound: the first-step bound of the other
+#: resumes, whose worst is 9.8e-8); then worst 4.16e-6 (the embeddings now get the fp32 moments Trainer's override
+#: asked for, stock DeepSpeed gave them 8-bit ones).
+STOCK_FIRST_BOUND, STOCK_AFTER_BOUND = 5e-7, 2.5e-5
 #: The class and optim_bits Trainer 5.23 builds for each name (Trainer.get_optimizer_cls_and_kwargs).
 EXPECTED_CLASSES = {"adamw_8bit": "AdamW(8-bit)", "lion_32bit": "Lion(32-bit)", "paged_adamw_32bit": "AdamW(32-bit)",
                     "paged_lion_8bit": "Lion(8-bit)", "rmsprop_bnb": "RMSprop(32-bit)",
@@ -136,8 +137,10 @@ def test_untested_optimizer_warning_only_for_undeclared_optimizers(hf):
 def test_plain_assignment_of_zero_bnb_initialize_does_not_recurse(hf):
     _, dp2, _, _ = hf
     assert dp2["assigned"]["engine"] == "ZeroBnbEngine"
-    # The toy model's first loss at DP=2, before any update (the demo's step 0 prints it too: 0.437404).
-    assert dp2["assigned"]["losses"] == [pytest.approx(0.437404, abs=5e-7)], dp2["assigned"]["losses"]
+    # The toy model's first loss at DP=2, before any update (the demo's step 0 prints it too: 0.437404), to the printed
+    # 6 decimals: 5e-7 is half their last unit (measured 2.35e-7 in every variant of docs/bounds.md: the rounding).
+    assert len(dp2["assigned"]["losses"]) == 1, dp2["assigned"]["losses"]
+    within("toy's first loss vs 0.437404 (abs.)", abs(dp2["assigned"]["losses"][0] - 0.437404), 5e-7)
 
 
 @pytest.mark.parametrize(("key", "fix", "foreign"), [

@@ -16,6 +16,7 @@ import deepspeed.utils.zero_to_fp32 as deepspeed_zero_to_fp32
 import pytest
 import stage3_scenarios
 import torch
+from optimizer_scenarios import learning_rate
 from scenarios import check_zero_to_fp32_habits, result, within, worst_relative
 
 import zero_bnb
@@ -128,13 +129,29 @@ def test_precision_is_decided_on_the_whole_parameter(runs, case):
         assert kinds == expected, (dp, kinds)
 
 
-#: Master drift after the resumed steps where a family's update amplifies reduction-order noise (measured
-#: 2026-11-24): Lion's update is lr * sign(...), so an element whose sign the other summation order flips moves by
-#: 2 * lr in that step (bf16: 4.0e-2 at DP=3, two flips; bound one flip per step); AdEMAMix8bit, every parameter
-#: 8-bit, moved one moment across a code boundary of the 8-bit map (3.8e-5 at DP=3; bound about 2.5x). The other
-#: new families stay within the fp32 bound: SGD8bit 7.5e-9, Adagrad8bit 3.0e-8, RMSprop8bit 6.8e-7 (its toy run's
-#: loss grows 3600-fold in one step).
-DRIFT_BOUND = {"lion8bit_offload_bf16": 2 * stage3_scenarios.LR * STEPS_AFTER, "ademamix8bit": 1e-4}
+#: Bounds of the resumed runs against the uninterrupted one, each at least 5x the worst figure measured under seven
+#: instruction-set variants (docs/bounds.md, 2026-11-27). The first resumed step runs on the same weights and state
+#: and differs only by the order of the reduction: worst 9.8e-8, bound 1e-6 (also for the first step of the
+#: cross-stage and weights-only loads below: worst 9.6e-8).
+FIRST_LOSS_BOUND = 1e-6
+#: The three resumed losses (relative): fp32 worst 2.1e-7 (torch AdamW at DP=1, ATen's default kernels); bf16
+#: (gradients reduced in bf16 in another order) 8.5e-4 (bf16 at DP=1). The fp32 one also for the offloaded resume.
+LOSS_BOUND = {"fp32": 1.2e-6, "bf16": 5e-3}
+#: Master drift (max abs) after them. fp32 training with fp32 state (Adam32bit, torch AdamW): worst 5.0e-8. fp32
+#: training with 8-bit state, where reduction-order noise can move a moment across a code boundary of the 8-bit map:
+#: worst 3.0e-4 (Adam8bit and its offload/zero.Init rows at DP=3 under AVX2 kernels; 3.7e-8 natively: whether a code
+#: moves is chance, so one bound for every such family; AdEMAMix8bit 1.6e-4). bf16 training: worst 2.0e-3.
+DRIFT_BOUND = {"fp32 state": 3e-7, "8-bit state": 1.5e-3, "bf16": 1.2e-2}
+#: Lion's update is lr * sign(...): an element's master either follows the uninterrupted run exactly or, in a step
+#: where the other summation order flips the sign of its update, lands 2 * lr away (any two Lion runs are within
+#: 2 * lr * steps, so a max-abs drift bound says nothing). Counted instead: the fraction of elements that moved by more
+#: than lr / 2; the others are held to DRIFT_BOUND. bf16 worst 1.33% (451 of 33,946 elements at DP=3, natively); fp32
+#: 0 in every variant, its noise 2^16 times smaller, but a first flip moves a weight by 2 * lr and perturbs the next
+#: steps' gradients far more than that noise (a cascade like bf16's): the same bound.
+FLIPPED_FRACTION_BOUND = 0.07
+#: Cases whose optimizer keeps fp32 state for every parameter.
+FP32_STATE = {case for case, (optimizer, _, _) in stage3_scenarios.CASES.items()
+              if optimizer in ("Adam32bit", "torch.AdamW")}
 
 
 @pytest.mark.parametrize("dp", [3, 1])
@@ -144,16 +161,21 @@ def test_resume_at_another_dp_size_is_exact_and_training_continues(runs, case, d
     _assert_same_state(reference["saved"], resumed["loaded"])
     assert resumed["global_steps"] == STEPS_BEFORE
     expected = reference["losses"][STEPS_BEFORE:]
-    # Same weights and state: the first resumed loss differs only by the order of the reduction (measured <= 1e-7).
-    assert resumed["losses"][0] == pytest.approx(expected[0], rel=1e-6)
-    # Later steps: fp32 measured 1.1e-7 relative, master drift 5.0e-8 (torch AdamW); bf16 (gradients reduced in bf16
-    # in another order) 4.3e-4 relative and 2.0e-3 (offload_all at DP=1).
-    bf16 = "bf16" in stage3_scenarios.CASES[case][1]
+    within(f"stage-3 {case} at DP={dp}: first resumed loss (rel.)", worst_relative(expected[:1], resumed["losses"][:1]),
+           FIRST_LOSS_BOUND)
+    optimizer, extra, _ = stage3_scenarios.CASES[case]
+    bf16 = "bf16" in extra
     within(f"stage-3 {case} at DP={dp}: resumed losses (rel.)", worst_relative(expected, resumed["losses"]),
-           1e-3 if bf16 else 1e-6)
-    drift = max((tensors["fp32"] - resumed["final"]["params"][name]["fp32"]).abs().max().item()
-                for name, tensors in reference["final"]["params"].items())
-    within(f"stage-3 {case} at DP={dp}: master drift", drift, DRIFT_BOUND.get(case, 5e-3 if bf16 else 1e-6))
+           LOSS_BOUND["bf16" if bf16 else "fp32"])
+    moved = torch.cat([(tensors["fp32"] - resumed["final"]["params"][name]["fp32"]).abs().flatten()
+                       for name, tensors in reference["final"]["params"].items()])
+    if optimizer.startswith("Lion"):
+        flipped = moved > learning_rate(optimizer) / 2
+        within(f"stage-3 {case} at DP={dp}: elements whose update flipped sign (fraction)",
+               flipped.float().mean().item(), FLIPPED_FRACTION_BOUND)
+        moved = moved[~flipped]
+    kind = "bf16" if bf16 else "fp32 state" if case in FP32_STATE else "8-bit state"
+    within(f"stage-3 {case} at DP={dp}: master drift", moved.max().item(), DRIFT_BOUND[kind])
 
 
 @pytest.mark.parametrize("case", stage3_scenarios.OFFLOADED)
@@ -198,7 +220,8 @@ def test_a_checkpoint_saved_without_offload_resumes_offloaded_at_another_dp_size
     _assert_same_state(reference["saved"], resumed["loaded"])
     # bit for bit as the non-offloaded resume at the same DP size (offload changes no arithmetic in fp32)
     assert resumed["losses"] == _case(runs, 3, "adam8bit")["losses"]
-    assert resumed["losses"] == pytest.approx(reference["losses"][STEPS_BEFORE:], rel=1e-6)
+    within("stage-3 adam8bit offloaded at DP=3: resumed losses (rel.)",
+           worst_relative(reference["losses"][STEPS_BEFORE:], resumed["losses"]), LOSS_BOUND["fp32"])
 
 
 def test_frozen_parameters_are_restored_at_any_dp_size_and_stage(runs):
@@ -296,13 +319,15 @@ def _dequantized_close(saved: dict, loaded: dict) -> None:
 def test_a_stage2_checkpoint_resumes_at_stage3_at_another_dp_size(runs):
     saved, resumed = _case(runs, 2, "stage2"), _case(runs, 3, "stage2_into_3")
     _dequantized_close(saved["saved"], resumed["loaded"])
-    assert resumed["losses"][0] == pytest.approx(saved["losses"][STEPS_BEFORE], rel=1e-6)
+    within("stage-2 checkpoint into stage 3 at DP=3: first resumed loss (rel.)",
+           worst_relative(saved["losses"][STEPS_BEFORE:STEPS_BEFORE + 1], resumed["losses"][:1]), FIRST_LOSS_BOUND)
 
 
 def test_a_stage3_checkpoint_resumes_at_stage2_at_another_dp_size(runs):
     saved, resumed = _case(runs, 2, "adam8bit"), _case(runs, 3, "stage3_into_2")
     _dequantized_close(saved["saved"], resumed["loaded"])
-    assert resumed["losses"][0] == pytest.approx(saved["losses"][STEPS_BEFORE], rel=1e-6)
+    within("stage-3 checkpoint into stage 2 at DP=3: first resumed loss (rel.)",
+           worst_relative(saved["losses"][STEPS_BEFORE:STEPS_BEFORE + 1], resumed["losses"][:1]), FIRST_LOSS_BOUND)
 
 
 @pytest.mark.parametrize("load", ["module_only", "no_optimizer"])
@@ -313,7 +338,8 @@ def test_weights_only_loads_restore_exact_masters_and_module_weights(runs, load)
     for name, master in masters.items():
         assert torch.equal(loaded["masters"][name], master), name
         assert torch.equal(loaded["weights"][name], master), name  # fp32 module: its weights are the masters
-    assert loaded["loss"] == pytest.approx(saved["losses"][STEPS_BEFORE], rel=1e-6)  # forward before the step
+    within(f"stage-3 {load} load at DP=3: first loss (rel.)",  # the forward pass before the step
+           worst_relative(saved["losses"][STEPS_BEFORE:STEPS_BEFORE + 1], [loaded["loss"]]), FIRST_LOSS_BOUND)
 
 
 def test_a_weights_only_load_into_a_model_with_a_new_layer_loads_by_name(runs):

@@ -22,8 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps-after", type=int, default=12, help="optimizer steps after it")
     demo.add_argument("--save-dp", type=int, default=2, help="DP size of the first run")
     demo.add_argument("--resume-dp", type=int, default=3, help="DP size of the resumed run")
-    demo.add_argument("--loss-bound", type=float, default=3e-4,
-                      help="largest relative difference of a resumed loss from the uninterrupted run (exit 1 above)")
+    demo.add_argument("--loss-bound", type=float, default=None,
+                      help="largest relative difference of a resumed loss from the uninterrupted run (exit 1 above; "
+                           "default: zero_bnb.cli.demo.LOSS_BOUND, measured in docs/bounds.md)")
     kernels = commands.add_parser(
         "build-kernels", help="compile the fused CPU 8-bit optimizer update now and print its path",
         description="Compiles zero_bnb's fused CPU 8-bit optimizer update (otherwise built on first use) into the "
@@ -36,9 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # `timeout`, `kill`, SLURM: clean up like Ctrl-C
         signal.signal(signal.SIGTERM, tools.terminate)
     if args.command == "demo":
-        from zero_bnb.cli.demo import run_demo
+        from zero_bnb.cli.demo import LOSS_BOUND, run_demo
 
-        return run_demo(args.out, args.steps_before, args.steps_after, args.save_dp, args.resume_dp, args.loss_bound)
+        bound = LOSS_BOUND if args.loss_bound is None else args.loss_bound
+        return run_demo(args.out, args.steps_before, args.steps_after, args.save_dp, args.resume_dp, bound)
     if args.command == "build-kernels":
         from zero_bnb.kernels.build import prebuild
 

@@ -105,14 +105,14 @@ DEFAULT_RUN = ToyRun(global_batch_size=24, micro_batch=2)
 LEARNING_RATE = 1e-2
 
 
-def build_engine(dp: int, optimizer_cls: type, run: ToyRun = DEFAULT_RUN, **config):
-    """The toy model and ``optimizer_cls`` under ``zero_bnb.initialize`` at DP size ``dp``.
+def build_engine(dp: int, optimizer_cls: type, run: ToyRun = DEFAULT_RUN, *, lr: float = LEARNING_RATE, **config):
+    """The toy model and ``optimizer_cls`` (learning rate ``lr``) under ``zero_bnb.initialize`` at DP size ``dp``.
 
     ``config`` adds top-level DeepSpeed config keys. Collective: every rank must call it.
     """
     import zero_bnb
 
     model = build_model()
-    optimizer = optimizer_cls(param_groups(model), lr=LEARNING_RATE)
+    optimizer = optimizer_cls(param_groups(model), lr=lr)
     engine, *_ = zero_bnb.initialize(model=model, optimizer=optimizer, config=run.ds_config(dp, **config))
     return engine
