@@ -1,0 +1,75 @@
+"""Stock DeepSpeed + Adam8bit against zero_bnb + Adam8bit, one engine at a time in one launch: live tensor storage
+(:func:`zero_bnb.testing.census.live_storage_bytes`) over the launch's baseline at construction, after the first
+step, after steady steps, after a save and after a load."""
+
+from __future__ import annotations
+
+import os
+
+import bitsandbytes as bnb
+import deepspeed
+import torch
+
+import zero_bnb
+from scenarios import _save_result
+from zero_bnb.testing.census import live_storage_bytes
+from zero_bnb.testing.toy import DEFAULT_RUN as RUN
+from zero_bnb.testing.toy import IN_FEATURES
+
+#: 60 -> 1024 -> 512 -> 90 (a million parameters; group sizes multiples of 2 x 256 at DP=2, where stock DeepSpeed's
+#: partitions fall on the same blocks as zero_bnb's), so 0.1 B/param is 100 kB: far above noise, far below any buffer.
+WIDTHS = (IN_FEATURES, 1024, 512, 90)
+PHASES = ("construction", "first_step", "steady_steps", "save", "load")
+CASES = {"fp32-zero1": {}, "bf16-zero1": {"bf16": {"enabled": True}},
+         "bf16acc-zero1": {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
+         "fp32-zero2": {"zero_optimization": {"stage": 2}}}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = []
+    for a, b in zip(WIDTHS, WIDTHS[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def _step(engine, step: int) -> None:
+    generator = torch.Generator().manual_seed(step)
+    inputs = torch.randn(RUN.micro_batch, WIDTHS[0], generator=generator).to(engine.device)
+    targets = torch.randn(RUN.micro_batch, WIDTHS[-1], generator=generator).to(engine.device)
+    dtype = next(engine.module.parameters()).dtype
+    loss = torch.nn.functional.mse_loss(engine(inputs.to(dtype)), targets.to(dtype))
+    engine.backward(loss)
+    engine.step()
+
+
+def census_by_phase(rank: int, world: int, workdir: str) -> None:
+    out: dict = {}
+    for case, extra in CASES.items():
+        for variant in ("stock", "zero_bnb"):
+            baseline = live_storage_bytes()
+            model = _model()
+            optimizer = bnb.optim.Adam8bit(model.parameters(), lr=1e-3)
+            config = {"train_batch_size": RUN.micro_batch * world, "train_micro_batch_size_per_gpu": RUN.micro_batch,
+                      "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+                      "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 1}, **extra}
+            initialize = zero_bnb.initialize if variant == "zero_bnb" else deepspeed.initialize
+            engine = initialize(model=model, optimizer=optimizer, config=config)[0]  # the rest would keep it alive
+            del model, optimizer
+            phases = {"construction": live_storage_bytes() - baseline}
+            _step(engine, 0)
+            phases["first_step"] = live_storage_bytes() - baseline
+            for step in range(1, 4):
+                _step(engine, step)
+            phases["steady_steps"] = live_storage_bytes() - baseline
+            folder = os.path.join(workdir, f"{case}-{variant}")
+            engine.save_checkpoint(folder, tag="a")
+            phases["save"] = live_storage_bytes() - baseline
+            engine.load_checkpoint(folder, tag="a")
+            phases["load"] = live_storage_bytes() - baseline
+            phases["parameters"] = sum(p.numel() for p in engine.module.parameters())
+            engine.destroy()
+            del engine
+            phases["left_after_destroy"] = live_storage_bytes() - baseline
+            out[(case, variant)] = phases
+    _save_result(os.path.join(workdir, f"census_dp{world}.pt"), out)
