@@ -130,6 +130,7 @@ def measure(rank, world, args, result_path):
                 undo()
             record.update(_offload_bytes(engine), optimizer=type(engine.optimizer.optimizer).__name__,
                           threads=torch.get_num_threads())
+            engine.destroy()  # del alone does not free a DeepSpeed engine: later variants would share its memory
             del engine
     if rank == 0:
         with open(result_path, "w") as handle:

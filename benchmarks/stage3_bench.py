@@ -153,6 +153,7 @@ def measure(rank, world, args, workdir, result_path):
                 record["parameters"] = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
                                            for p in engine.module.parameters())
                 record["save_s"], record["checkpoint_bytes"] = timed_save(engine, os.path.join(workdir, name))
+            engine.destroy()  # del alone does not free a DeepSpeed engine: later variants would share its memory
             del engine
     if rank == 0:
         with open(result_path, "w") as handle:
