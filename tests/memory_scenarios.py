@@ -4,11 +4,14 @@ step), save, train on, then load and look at the replaced state and at the views
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import weakref
 
 import bitsandbytes as bnb
 import torch
+
+import zero_bnb
 from scenarios import _save_result
 
 from zero_bnb.testing.toy import DEFAULT_RUN as RUN
@@ -47,7 +50,18 @@ def load_keeps_nothing_alive(rank: int, world: int, workdir: str) -> None:
                if isinstance(value, torch.Tensor)]
         old_bytes = sum(ref().untyped_storage().nbytes() for ref in old)
         views_before = sorted(key for key, _ in _views(engine))
-        engine.load_checkpoint(os.path.join(workdir, case), tag="a")
+        messages = []
+        handler = logging.Handler(logging.INFO)
+        handler.emit = lambda record: messages.append(record.getMessage())
+        logger = logging.getLogger("zero_bnb.ds.engine")
+        logger.addHandler(handler)
+        level = logger.level
+        logger.setLevel(logging.INFO)  # setLevel, not the attribute: it clears the logger's cached decisions
+        try:
+            engine.load_checkpoint(os.path.join(workdir, case), tag="a")
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
         gc.collect()
         live = {value.untyped_storage().data_ptr(): key for entry in base.state.values() for key, value in entry.items()
                 if isinstance(value, torch.Tensor)}
@@ -61,6 +75,8 @@ def load_keeps_nothing_alive(rank: int, world: int, workdir: str) -> None:
             "kept_alive_bytes": sum(t.untyped_storage().nbytes() for t in alive
                                     if t.untyped_storage().data_ptr() not in live.keys() | shared),
             "stale_views": [key for key, view in views if view.untyped_storage().data_ptr() not in live],
+            "described": zero_bnb.describe(engine),
+            "load_log": [m for m in messages if m.startswith("zero_bnb: loaded checkpoint")],
             "losses_after_load": train_steps(engine, RUN, 2, 1),
         }
         engine.destroy()

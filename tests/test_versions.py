@@ -90,3 +90,18 @@ def test_initialize_refuses_a_known_broken_release_before_deepspeed_starts(monke
         zero_bnb.initialize(model=model, optimizer=optimizer, config={"train_batch_size": 2,
                                                                         "zero_optimization": {"stage": 1}})
     assert not torch.distributed.is_initialized()  # nothing was started
+
+
+def test_an_untested_release_is_logged_by_rank_0_only(caplog, monkeypatch):
+    # Issue 34: unpinned, every rank of a job printed the same warning about transformers.
+    from zero_bnb import versions
+
+    caplog.set_level(logging.WARNING, logger="zero_bnb.versions")
+    monkeypatch.setattr(versions, "_warned", set())
+    monkeypatch.setenv("RANK", "1")
+    assert len(check_supported({"transformers": "5.99.0"})) == 1
+    assert not caplog.records
+    monkeypatch.setattr(versions, "_warned", set())
+    monkeypatch.setenv("RANK", "0")
+    check_supported({"transformers": "5.99.0"})
+    assert len(caplog.records) == 1

@@ -37,6 +37,7 @@ from zero_bnb.versions import UnsupportedVersionError
 #: Public names whose modules import DeepSpeed: imported on first use, so that ``import zero_bnb``
 #: (and ``zero-bnb inspect`` / ``verify``) does not pay DeepSpeed's import time.
 _LAZY = {
+    "describe": "zero_bnb.ds.describe",
     "initialize": "zero_bnb.ds.initialize",
     "enable": "zero_bnb.ds.substitute",
     "disable": "zero_bnb.ds.substitute",
@@ -75,6 +76,7 @@ __all__ = [
     "ZeroBnbConfig",
     "ZeroBnbConfigError",
     "__version__",
+    "describe",
     "disable",
     "enable",
     "enabled",

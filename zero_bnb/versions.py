@@ -14,7 +14,9 @@ Local: no collectives. Pure: reads package metadata only, imports none of the pa
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
 from dataclasses import dataclass
 from importlib import metadata
 
@@ -102,7 +104,7 @@ def _fix(entry: Supported) -> str:
 
 
 def check_supported(found: dict[str, str] | None = None, *, optional: tuple[str, ...] = ()) -> list[str]:
-    """Refuse known-broken releases of zero_bnb's dependencies; warn once for untested ones.
+    """Refuse known-broken releases of zero_bnb's dependencies; warn once for untested ones (rank 0 logs it).
 
     Args:
         found: ``{package: version}`` to check; default: the installed torch, deepspeed and
@@ -110,7 +112,7 @@ def check_supported(found: dict[str, str] | None = None, *, optional: tuple[str,
         optional: extras' packages to check when installed (the front doors pass the ones they use).
 
     Returns:
-        The warnings (each also logged once per process).
+        The warnings (each also logged once per process, on the job's rank 0 only).
 
     Raises:
         UnsupportedVersionError: a release below a known-broken floor, naming the installed version,
@@ -140,5 +142,15 @@ def check_supported(found: dict[str, str] | None = None, *, optional: tuple[str,
         warnings.append(message)
         if (name, version) not in _warned:
             _warned.add((name, version))
-            logger.warning("zero_bnb: %s", message)
+            if _is_rank_zero():  # one line per job, not one per rank
+                logger.warning("zero_bnb: %s", message)
     return warnings
+
+
+def _is_rank_zero() -> bool:
+    """Whether this process is the job's rank 0: the initialized process group's rank, else the launcher's ``RANK``
+    (torchrun, deepspeed and accelerate set it before the script runs)."""
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        return distributed.get_rank() == 0
+    return os.environ.get("RANK", "0").strip() in ("", "0")

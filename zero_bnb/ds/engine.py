@@ -432,10 +432,20 @@ class ZeroBnbEngine(DeepSpeedEngine):
             raise ZeRORuntimeException("zero_bnb loads ZeRO state only through ZeroBnbEngine.load_checkpoint")
         apply_restore(self.optimizer, plan.optimizer)
         if self.global_rank == 0:
+            from zero_bnb.ds.describe import describe
+
+            described = describe(self)
+            notes = sorted({note for group in plan.optimizer.groups for note in group.notes})
             logger.info(
-                "zero_bnb: loaded checkpoint %s saved at DP=%d into DP=%d",
-                os.path.join(load_dir, str(tag)),
-                plan.optimizer.saved_dp,
-                self.optimizer.dp_size,
+                "zero_bnb: loaded checkpoint %s saved at DP=%d into DP=%d at ZeRO stage %d (%s); %s; rank 0's "
+                "optimizer state %s, %.2f B/param%s",
+                os.path.join(load_dir, str(tag)), plan.optimizer.saved_dp, self.optimizer.dp_size,
+                described["zero_stage"],
+                "same partitions" if plan.optimizer.saved_dp == self.optimizer.dp_size else "every tensor re-split",
+                "optimizer state loaded" if plan.optimizer.load_optimizer_states else "weights only",
+                f"8-bit in {len(described['eight_bit_groups'])} of {len(described['groups'])} groups",
+                described["state_bytes_per_param"],
+                f"; converted where a partition changed precision (bitsandbytes' min_8bit_size): {', '.join(notes)}"
+                if notes else "",
             )
         return True

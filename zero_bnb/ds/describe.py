@@ -1,0 +1,58 @@
+"""What a zero_bnb engine holds, as plain data: so a user can assert in their own script that their optimizer state is
+8-bit after a resume at another DP size, without digging into DeepSpeed's and bitsandbytes' objects.
+
+Local: no collectives; describes this rank's partitions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zero_bnb.core.state_spec import StateKind
+
+__all__ = ["describe"]
+
+
+def describe(engine: Any) -> dict[str, Any]:
+    """This rank's view of a zero_bnb engine.
+
+    Returns:
+        ``{"optimizer": class, "zero_stage": int, "dp_size": int, "dp_rank": int, "groups": [{"numel",
+        "partition_numel", "state": {key: {"kind", "dtype", "shape", "bytes"}}} per flat group], "masters_bytes",
+        "state_bytes", "state_bytes_per_param", "eight_bit_groups": indexes of the groups whose moments are 8-bit}``.
+        Bytes per parameter are this rank's state bytes over its partition's elements.
+
+    Raises:
+        TypeError: ``engine`` was not built by zero_bnb (its optimizer is not block-aligned).
+    """
+    optimizer = getattr(engine, "optimizer", None)
+    if not hasattr(optimizer, "zero_bnb_spec"):
+        raise TypeError(f"describe() takes an engine built by zero_bnb.initialize (or under zero_bnb.enable()); "
+                        f"this one's optimizer is {type(optimizer).__name__}")
+    base = optimizer.optimizer
+    spec = optimizer.zero_bnb_spec
+    groups, masters_bytes, state_bytes, partition_numel, eight_bit = [], 0, 0, 0, []
+    for index in range(optimizer.num_groups):
+        master = optimizer.master_partition(index)
+        geometry = optimizer.geometry(index)
+        state = {}
+        for key, value in base.state.get(master, {}).items():
+            kind = spec.kinds.get(key, StateKind.COUNTER if not isinstance(value, torch.Tensor) else None)
+            if isinstance(value, torch.Tensor):
+                state[key] = {"kind": kind.value if kind else "undeclared", "dtype": str(value.dtype).removeprefix("torch."),
+                              "shape": tuple(value.shape), "bytes": value.numel() * value.element_size()}
+                state_bytes += state[key]["bytes"]
+            else:
+                state[key] = {"kind": StateKind.COUNTER.value, "value": value}
+        if any(entry.get("dtype") == "uint8" for entry in state.values()):
+            eight_bit.append(index)
+        masters_bytes += master.numel() * master.element_size()
+        partition_numel += master.numel()
+        groups.append({"numel": geometry.numel, "partition_numel": master.numel(), "state": state})
+    return {"optimizer": f"{type(base).__module__}.{type(base).__qualname__}",
+            "zero_stage": int(engine.zero_optimization_stage()), "dp_size": optimizer.dp_size,
+            "dp_rank": optimizer.dp_rank, "groups": groups, "masters_bytes": masters_bytes, "state_bytes": state_bytes,
+            "state_bytes_per_param": state_bytes / partition_numel if partition_numel else 0.0,
+            "eight_bit_groups": eight_bit}
