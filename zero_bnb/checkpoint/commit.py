@@ -110,13 +110,18 @@ def _check_targets(save_dir: str, tag: str, latest_name: str | None, owned_only:
             f"{final} exists and is not a checkpoint folder (it holds {shown}); zero_bnb replaces only checkpoint "
             f"folders it wrote. Nothing was written. Save under another tag, or move {final} away yourself"
         )
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    keep = next(path for path in (os.path.join(save_dir, f"{tag}.replaced-{stamp}{suffix}")
-                                  for suffix in ("", *(f"-{n}" for n in range(1, 1000))))
-                if not os.path.lexists(path))
+    keep = _kept_name(save_dir, tag)
     logger.warning("zero_bnb: %s holds files zero_bnb did not write (%s); the new checkpoint takes its place and the "
                    "folder is kept whole as %s (remove it when you no longer need it)", final, shown, keep)
     return keep
+
+
+def _kept_name(save_dir: str, tag: str) -> str:
+    """A free visible name beside ``tag`` for a folder kept whole: ``<tag>.replaced-<UTC time>[-n]``."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return next(path for path in (os.path.join(save_dir, f"{tag}.replaced-{stamp}{suffix}")
+                                  for suffix in ("", *(f"-{n}" for n in range(1, 10**6))))
+                if not os.path.lexists(path))
 
 
 def _prepare(save_dir: str, tag: str, latest_name: str | None, token: str,
@@ -160,6 +165,11 @@ def _publish(save_dir: str, tag: str, staging: str, latest_name: str | None, own
             write_text(tag, pointer.path, root=pointer.folder)  # before anything is visible: a full disk fails here
         publish_folder(staging, final, keep or aside, trash)
         try:
+            if keep is None and owned_only and os.path.isdir(aside) and checkpoint_strangers(aside):
+                keep = _kept_name(save_dir, tag)  # something arrived after the last check: keep it all
+                os.rename(aside, keep)
+                logger.warning("zero_bnb: files zero_bnb did not write arrived in %s while it was replaced; the "
+                               "previous folder is kept whole as %s", final, keep)
             if keep is None:
                 _finish_even_if_interrupted(final, aside, trash)
             else:

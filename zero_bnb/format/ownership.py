@@ -37,23 +37,38 @@ _CHUNK = 1 << 20
 def checkpoint_strangers(tag_folder: str) -> list[str]:
     """Entries of ``tag_folder`` (paths relative to it) that are not files of the zero_bnb checkpoint its manifest
     describes: ``[]`` when it is such a checkpoint and holds nothing else, or is empty. Without a readable zero_bnb
-    manifest every entry is a stranger. Links are strangers; a file the manifest lists at another size too."""
-    entries = []
-    for root, folders, files in os.walk(tag_folder, followlinks=False):
+    manifest every entry is a stranger. Links are strangers; so are a folder that cannot be listed (what it holds is
+    unknown), a file the manifest lists at another size, and one changed after the manifest was written (modified
+    later than it: the save writes the manifest last; a copy that keeps times, ``cp -a`` or ``rsync -a``, keeps
+    this true)."""
+    entries: list[str] = []
+
+    def unlistable(error: OSError) -> None:
+        entries.append(os.path.relpath(error.filename or tag_folder, tag_folder) + os.sep)
+
+    for root, folders, files in os.walk(tag_folder, onerror=unlistable, followlinks=False):
         for name in files + [folder for folder in folders if os.path.islink(os.path.join(root, folder))]:
             entries.append(os.path.relpath(os.path.join(root, name), tag_folder))
     if not entries:
         return []
+    manifest_path = os.path.join(SUBDIR, MANIFEST_NAME)
     try:
         manifest = read_manifest(os.path.join(tag_folder, SUBDIR))
+        written = os.lstat(os.path.join(tag_folder, manifest_path)).st_mtime_ns
     except (CheckpointFormatError, OSError, ValueError):
         return sorted(entries)
     sizes = {record.path: record.size for record in manifest.files}
-    sizes[os.path.join(SUBDIR, MANIFEST_NAME)] = None
     strangers = []
     for path in entries:
-        full = os.path.join(tag_folder, path)
-        if path not in sizes or os.path.islink(full) or (sizes[path] is not None and os.path.getsize(full) != sizes[path]):
+        if path == manifest_path:
+            continue
+        try:
+            info = os.lstat(os.path.join(tag_folder, path))
+        except OSError:
+            strangers.append(path)
+            continue
+        if (path not in sizes or not stat.S_ISREG(info.st_mode) or info.st_size != sizes[path]
+                or info.st_mtime_ns > written):
             strangers.append(path)
     return sorted(strangers)
 

@@ -134,9 +134,11 @@ def install_accelerate_patch() -> None:
         module = sys.modules.get(_MODULE)
         if module is not None and hasattr(module, _TARGET):
             _patch(module)
-        elif module is not None:  # being imported on another thread: patch once it has run
+        elif module is not None and _importing(module):  # being imported on another thread: patch once it has run
             threading.Thread(target=_patch_when_imported, args=(module,), name="zero_bnb-accelerate-patch",
                              daemon=True).start()
+        elif module is not None:  # imported, without the swap (an Accelerate that does not replace optimizers)
+            pass
         elif _WATCHER not in sys.meta_path and _installed():
             sys.meta_path.insert(0, _WATCHER)
 

@@ -76,6 +76,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
     """
     _, reader = open_verified(checkpoint_dir, tag, command=command)
     state = _fp32_tensors(reader, moments_too=moments_too, progress=progress)
+    trained = {param.name for group in reader.manifest.groups for param in group.params}
     model_name, model_file = model_file_of(reader.tag_folder)
     model_states = reader.load(model_name, "DeepSpeed model file", deepspeed_classes=True)  # the verified bytes
     with malformed(f"DeepSpeed model file {model_file}"):
@@ -92,6 +93,15 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
                 continue
             state[name] = value.float() if value.is_floating_point() else value
         for alias, source in shared.items():
+            # A tied alias is never a trained parameter of its own (whose masters the checks bound to the shard),
+            # and has its source's shape: a model file that says otherwise was edited after the save.
+            if alias in trained or (isinstance(module.get(alias), torch.Tensor) and source in state
+                                    and tuple(module[alias].shape) != tuple(state[source].shape)):
+                raise CheckpointFormatError(
+                    f"{model_file}: shared_params ties {alias!r} to {source!r}, but {alias!r} is "
+                    f"{'a trained parameter with master weights of its own' if alias in trained else 'of another shape'}"
+                    f"; the model file was edited after the save. Restore it, or load an earlier tag"
+                )
             if source in state:
                 state[alias] = state[source]
     return state

@@ -139,6 +139,11 @@ def write_shards(state: dict[str, torch.Tensor], output_dir: str, weights_name: 
             output is incomplete; or an earlier file could not be removed (named).
     """
     plan = plan_shards(state, weights_name, max_shard_size)
+    if os.path.lexists(output_dir) and not os.path.isdir(output_dir):
+        raise CheckpointUsageError(
+            f"the output folder {output_dir} is a file: zero_to_fp32 writes {weights_name} (or its shards) into a "
+            f"folder since DeepSpeed 0.14 (python zero_to_fp32.py . OUTPUT_DIR); give a folder. Nothing was written"
+        )
     makedirs(output_dir)
     with SaveFolderLock(output_dir, f"writing {weights_name}"):
         record = OutputRecord(output_dir)
@@ -157,11 +162,19 @@ def write_shards(state: dict[str, torch.Tensor], output_dir: str, weights_name: 
         try:
             stamps = {name: record.note(name, temporary) for name, temporary in fresh.items()}
             record.save()  # before anything is in place: a crash after it still leaves only files it proves
+        except BaseException as error:
+            _discard(fresh)
+            if not isinstance(error, Exception):
+                raise  # an interrupt: nothing was put in place, and the command says so
+            raise CheckpointSaveError(
+                f"could not record the new {weights_name} output in {output_dir} ({type(error).__name__}: {error}); "
+                f"nothing was written: the previous output there is unchanged. Free space (or fix permissions) and "
+                f"run it again"
+            ) from error
+        try:
             _put_in_place(output_dir, fresh, index_name if plan.sharded else None)
         except BaseException as error:
-            for temporary in fresh.values():
-                with contextlib.suppress(OSError):
-                    os.unlink(temporary)
+            _discard(fresh)
             raise CheckpointSaveError(
                 f"writing {weights_name} into {output_dir} was interrupted while its files were put in place "
                 f"({type(error).__name__}: {error}); the output there is incomplete (no index names a mix of two "
@@ -213,9 +226,7 @@ def _write_hidden(state: dict[str, torch.Tensor], output_dir: str, plan: ShardPl
                 json.dump(plan.index(), handle, indent=2, sort_keys=True)
                 handle.write("\n")
     except BaseException as error:
-        for temporary in fresh.values():
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
+        _discard(fresh)
         if isinstance(error, CheckpointSaveError):
             failed = next(reversed(fresh))  # named before its write began
             cause = error.__cause__ if error.__cause__ is not None else error
@@ -228,6 +239,13 @@ def _write_hidden(state: dict[str, torch.Tensor], output_dir: str, plan: ShardPl
         raise
     return fresh
 
+
+
+def _discard(fresh: dict[str, str]) -> None:
+    """Remove the hidden files of a new output that were not put in place."""
+    for temporary in fresh.values():
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
 
 
 def _put_in_place(output_dir: str, fresh: dict[str, str], index_name: str | None) -> None:
