@@ -5,7 +5,6 @@ import os
 
 import bitsandbytes as bnb
 import torch
-import torch.distributed as dist
 
 from zero_bnb.format import durable
 from zero_bnb.testing.toy import DEFAULT_RUN as RUN
