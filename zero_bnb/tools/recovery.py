@@ -95,8 +95,9 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
         for alias, source in shared.items():
             # A tied alias is never a trained parameter of its own (whose masters the checks bound to the shard),
             # and has its source's shape: a model file that says otherwise was edited after the save.
-            if alias in trained or (isinstance(module.get(alias), torch.Tensor) and source in state
-                                    and tuple(module[alias].shape) != tuple(state[source].shape)):
+            placeholder = module.get(alias)  # stage 3 saves an empty tensor under every parameter name
+            if alias in trained or (isinstance(placeholder, torch.Tensor) and placeholder.numel() > 0
+                                    and source in state and tuple(placeholder.shape) != tuple(state[source].shape)):
                 raise CheckpointFormatError(
                     f"{model_file}: shared_params ties {alias!r} to {source!r}, but {alias!r} is "
                     f"{'a trained parameter with master weights of its own' if alias in trained else 'of another shape'}"
