@@ -8,16 +8,29 @@ an elastic resume stays bit-identical). The quantizer alone is checked at every 
 neighbours and every bucket edge of the kernel's table. The build and its cache (with a fake compiler that
 copies this machine's build): a failing build is tried once per process, an unusable cache folder or a
 cached library another user could have written is a KernelBuildError naming the fix, a damaged cached
-library is rebuilt, and concurrent builders of one key compile once.
+library is rebuilt, and concurrent builders of one key compile once. The attacks on a shared cache folder: a
+symbolic link, a hard link or a FIFO at the kernel's name is refused (never followed, never waited on), the
+library loaded is the file that was checked even if the name is swapped before the loader opens it, a build lock
+held by another process (or a stopped builder) makes a bounded wait that falls back or fails naming the lock
+file, and a library at the kernel's name without the kernel's functions is rebuilt (or refused, when another
+user owns it), never a traceback.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import fcntl
 import logging
 import os
 import platform
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import threading
+import time
 
 import bitsandbytes as bnb
 import bitsandbytes.functional as F
@@ -26,6 +39,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from zero_bnb import cli
 from zero_bnb.kernels import build, cpu_update
 from zero_bnb.kernels.build import KernelBuildError
 from zero_bnb.kernels.cpu_update import install_cpu_update
@@ -453,3 +467,272 @@ def test_a_cached_library_someone_else_could_have_written_is_refused(fake_cxx, m
     if what == "folder writable by others":
         build.forget()
         assert build.load_library().zero_bnb_blockwise_update.restype is ctypes.c_int
+
+
+def _foreign_library() -> str:
+    """A valid shared library that is not the kernel: one of Python's extension modules."""
+    import importlib
+
+    for name in ("_json", "_csv", "_bisect", "_ctypes"):
+        found = getattr(importlib.import_module(name), "__file__", None)
+        if found and found.endswith(".so"):
+            return found
+    pytest.skip("no shared-library extension module to stand in for a foreign library")
+
+
+def _plant(source: str, path: str) -> None:
+    """Put a copy of ``source`` at ``path`` as a new file (a new inode: the loader never takes it for a loaded one)."""
+    scratch = f"{path}.planted"
+    shutil.copyfile(source, scratch)
+    os.chmod(scratch, 0o755)
+    os.replace(scratch, path)
+
+
+def _one_line_error(capsys) -> str:
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err, captured.err
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def _falls_back_and_fused_fails(caplog, names: str, compiler_fix: bool = False) -> None:
+    """"auto" falls back with one warning containing ``names``; "fused" is an error containing it. Only a compiler
+    problem (``compiler_fix``) gets advice about a compiler."""
+    with caplog.at_level(logging.WARNING, logger="zero_bnb.kernels.cpu_update"):
+        assert not cpu_update._fused_available("auto")
+        assert not cpu_update._fused_available("auto")
+    warnings = [record.getMessage() for record in caplog.records if record.name == "zero_bnb.kernels.cpu_update"]
+    assert len(warnings) == 1 and names in warnings[0] and ("install a C++ compiler" in warnings[0]) == compiler_fix, \
+        warnings
+    with pytest.raises(KernelBuildError, match=r"zero_cpu_update is \"fused\"") as refused:
+        cpu_update._fused_available("fused")
+    assert names in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize("folder_mode", [0o1777, 0o755], ids=["sticky shared folder", "private folder"])
+def test_a_symbolic_link_at_the_kernels_name_is_refused_never_followed(fake_cxx, tmp_path, capsys, caplog,
+                                                                       folder_mode):
+    """B4: another user's link at the kernel's name to a library this user or root owns passed the trust check
+    (which followed it) and was loaded; repointing the link later ran that user's code in this process."""
+    fake_cxx()
+    path = build.build_library()
+    elsewhere = tmp_path / "elsewhere.so"
+    os.replace(path, elsewhere)
+    os.symlink(elsewhere, path)
+    os.chmod(os.path.dirname(path), folder_mode)
+    refusal = rf"refusing to load the cached kernel {re.escape(path)}: it is a symbolic link"
+    with pytest.raises(build.KernelCacheError, match=refusal + r".*set ZERO_BNB_KERNEL_DIR to a folder only you can"):
+        build.load_library()
+    assert cli.main(["build-kernels"]) == 1 and re.search(refusal, _one_line_error(capsys))
+    assert cli.main(["build-kernels", "--force"]) == 1  # nor does --force replace a link zero_bnb did not make
+    assert re.search(rf"cannot rebuild the cached kernel {re.escape(path)} .*: it is a symbolic link",
+                     _one_line_error(capsys))
+    _falls_back_and_fused_fails(caplog, path)
+    assert os.readlink(path) == str(elsewhere) and fake_cxx.count() == 1, "the link was replaced or followed"
+
+
+def test_a_hard_link_at_the_kernels_name_in_a_shared_folder_is_refused(fake_cxx, tmp_path):
+    """A hard link is not a symbolic link (O_NOFOLLOW opens it): in a folder others can write, another user may have
+    linked any file of root's there, so a library with more than one link is refused."""
+    fake_cxx()
+    path = build.build_library()
+    elsewhere = tmp_path / "elsewhere.so"
+    os.replace(path, elsewhere)
+    os.link(elsewhere, path)
+    os.chmod(os.path.dirname(path), 0o1777)
+    with pytest.raises(build.KernelCacheError, match=rf"{re.escape(path)}: it has 2 hard links"):
+        build.load_library()
+    os.chmod(os.path.dirname(path), 0o755)  # in a folder only its owner writes, a hard link is the owner's doing
+    build.forget()
+    assert build.load_library().zero_bnb_blockwise_update.restype is ctypes.c_int
+
+
+def test_a_fifo_at_the_kernels_name_is_refused_without_waiting_for_a_writer(fake_cxx):
+    """Opening a FIFO for reading waits for a writer: the loader hung on one. (After 15 s a child process plays the
+    writer again and again, so the old code fails instead of hanging; a thread could not: dlopen holds the GIL.)"""
+    fake_cxx()
+    path = build.build_library()
+    os.unlink(path)
+    os.mkfifo(path)
+    writer = subprocess.Popen([sys.executable, "-c", "import os, stat, sys, time\n"
+                               "time.sleep(15)\n"
+                               "while True:\n"
+                               "    try:\n"
+                               "        if stat.S_ISFIFO(os.lstat(sys.argv[1]).st_mode):\n"
+                               "            os.close(os.open(sys.argv[1], os.O_WRONLY | os.O_NONBLOCK))\n"
+                               "    except OSError:\n"
+                               "        pass\n"
+                               "    time.sleep(0.2)\n", path])
+    try:
+        with pytest.raises(build.KernelCacheError, match=rf"{re.escape(path)}: it is not a regular file"):
+            build.load_library()
+    finally:
+        writer.kill()
+        writer.wait()
+    assert stat.S_ISFIFO(os.lstat(path).st_mode) and fake_cxx.count() == 1, "the FIFO was replaced"
+
+
+@pytest.mark.parametrize("proc", ["/proc/self/fd", "no /proc"])
+def test_the_library_loaded_is_the_file_that_was_checked_even_if_its_name_is_swapped(fake_cxx, monkeypatch, tmp_path,
+                                                                                      proc):
+    """The check and the load must see one file: the name is swapped for a foreign library right before the
+    dynamic loader opens what it was given; the kernel is still what gets loaded (its descriptor, or where /proc
+    is missing, a private copy of the checked bytes), and the swapped-in file is left where it is."""
+    fake_cxx()
+    path = build.build_library()
+    if proc == "no /proc":
+        from zero_bnb.kernels import cache
+
+        monkeypatch.setattr(cache, "_PROC_FD", str(tmp_path / "no-proc"))
+    real_cdll, handed = ctypes.CDLL, []
+
+    def swap_then_load(name, *args, **kwargs):
+        if not handed:
+            _plant(_foreign_library(), path)
+        handed.append(str(name))
+        return real_cdll(name, *args, **kwargs)
+
+    monkeypatch.setattr(ctypes, "CDLL", swap_then_load)
+    assert build.load_library().zero_bnb_blockwise_update.restype is ctypes.c_int
+    assert path not in handed, f"the loader was handed the name {path}: {handed}"
+    assert open(path, "rb").read() == open(_foreign_library(), "rb").read()
+    if proc == "no /proc":
+        assert sorted(os.listdir(os.path.dirname(path))) == sorted(
+            [os.path.basename(path), os.path.basename(path)[:-3] + ".lock"]), "the private copy was left behind"
+
+
+def test_the_compiler_writes_only_into_a_private_folder(fake_cxx, tmp_path):
+    """A linker removes and recreates its output: in a folder others can write (sticky), a link planted at that name
+    in between would make it write through the link. The output goes to a folder only this user can enter."""
+    fake_cxx()
+    log = tmp_path / "outputs.log"
+    fake = tmp_path / "fakecxx"
+    record = f'for last; do :; done; stat -c "%a %u" "$(dirname "$last")" >> "{log}"; echo build >>'
+    fake.write_text(fake.read_text().replace("echo build >>", record))
+    os.makedirs(os.environ[build.CACHE_ENV], mode=0o755)
+    os.chmod(os.environ[build.CACHE_ENV], 0o1777)
+    build.build_library()
+    assert log.read_text().split() == ["700", str(os.getuid())], log.read_text()
+
+
+@pytest.fixture
+def held_lock(fake_cxx, monkeypatch):
+    """An empty cache whose build lock another open file holds (released by a timer after 20 s: the old code's
+    endless wait ends and the test fails instead of hanging); the lock timeout is 0.3 s."""
+    fake_cxx()
+    path = build.build_library()
+    os.unlink(path)
+    build.forget()
+    lock = path[: -len(".so")] + ".lock"
+    descriptor = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(descriptor, fcntl.LOCK_EX)
+    monkeypatch.setenv("ZERO_BNB_KERNEL_LOCK_TIMEOUT", "0.3")
+    timer = threading.Timer(20, fcntl.flock, [descriptor, fcntl.LOCK_UN])
+    timer.start()
+    yield path, lock, descriptor
+    timer.cancel()
+    os.close(descriptor)
+
+
+def test_a_build_lock_not_granted_in_time_is_an_error_naming_it_and_auto_falls_back(held_lock, fake_cxx, capsys,
+                                                                                    caplog):
+    """B5: a lock held by another user's process made `zero-bnb build-kernels` and "auto" steps wait forever."""
+    path, lock, descriptor = held_lock
+    started = time.monotonic()
+    refusal = (rf"the kernel build lock {re.escape(lock)} was not granted within 0.3 s: it is held by pid "
+               rf"{os.getpid()} .*ZERO_BNB_KERNEL_LOCK_TIMEOUT")
+    with pytest.raises(KernelBuildError, match=refusal) as timeout:
+        build.build_library()
+    assert time.monotonic() - started < 10 and isinstance(timeout.value, build.KernelLockTimeout)
+    assert cli.main(["build-kernels"]) == 1 and lock in _one_line_error(capsys)
+    build.forget()
+    _falls_back_and_fused_fails(caplog, lock)
+    assert fake_cxx.count() == 1 and not os.path.exists(path)
+    fcntl.flock(descriptor, fcntl.LOCK_UN)  # released: the next process builds
+    build.forget()
+    assert build.load_library().zero_bnb_blockwise_update.restype is ctypes.c_int and fake_cxx.count() == 2
+
+
+def test_a_stopped_builder_holding_the_lock_is_named_with_its_state(held_lock, fake_cxx):
+    """B5: a builder of ours stopped by SIGSTOP holds the lock until it exits; the error names it from /proc/locks."""
+    path, lock, descriptor = held_lock
+    fcntl.flock(descriptor, fcntl.LOCK_UN)
+    child = subprocess.Popen([sys.executable, "-c", "import fcntl, os, signal, sys\n"
+                              "descriptor = os.open(sys.argv[1], os.O_RDWR)\n"
+                              "fcntl.flock(descriptor, fcntl.LOCK_EX)\n"
+                              "print('locked', flush=True)\n"
+                              "os.kill(os.getpid(), signal.SIGSTOP)\n", lock], stdout=subprocess.PIPE, text=True)
+    killer = threading.Timer(20, child.kill)
+    killer.start()
+    try:
+        assert child.stdout.readline().strip() == "locked"
+        for _ in range(200):
+            if open(f"/proc/{child.pid}/status").read().count("State:\tT"):
+                break
+            time.sleep(0.05)
+        named = rf"{re.escape(lock)} was not granted within 0.3 s: it is held by pid {child.pid} \([^,]+, state T "
+        with pytest.raises(KernelBuildError, match=named + rf"\(stopped\), uid {os.getuid()}\)"):
+            build.build_library()
+    finally:
+        killer.cancel()
+        child.kill()
+        child.wait()
+        child.stdout.close()
+    assert fake_cxx.count() == 1
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "nan", "inf"])
+def test_an_invalid_lock_timeout_is_an_error_naming_the_variable(fake_cxx, monkeypatch, capsys, value):
+    fake_cxx()
+    monkeypatch.setenv("ZERO_BNB_KERNEL_LOCK_TIMEOUT", value)
+    assert cli.main(["build-kernels"]) == 1
+    line = _one_line_error(capsys)
+    assert f"ZERO_BNB_KERNEL_LOCK_TIMEOUT={value!r} is not" in line and "default 60" in line, line
+
+
+@pytest.mark.parametrize("how", ["build-kernels", "auto"])
+def test_a_cached_library_without_the_kernels_functions_is_rebuilt(fake_cxx, capsys, caplog, how):
+    """B9: any valid library at the kernel's name: `build-kernels` printed an AttributeError traceback and an
+    "auto" step crashed."""
+    fake_cxx()
+    path = build.build_library()
+    _plant(_foreign_library(), path)
+    with caplog.at_level(logging.WARNING, logger="zero_bnb.kernels.build"):
+        if how == "build-kernels":
+            assert cli.main(["build-kernels"]) == 0
+            captured = capsys.readouterr()
+            assert captured.out.strip() == path and "Traceback" not in captured.err, captured.err
+        else:
+            assert cpu_update._fused_available("auto")
+            assert build.load_library().zero_bnb_quantizer_path.restype is ctypes.c_int
+    [warning] = [record.getMessage() for record in caplog.records if record.name == "zero_bnb.kernels.build"]
+    assert f"{path}: it lacks the kernel's functions zero_bnb_blockwise_update" in warning and "rebuilding" in warning
+    assert fake_cxx.count() == 2 and build.bind(path).zero_bnb_quantize.restype is None
+
+
+def test_a_cached_library_without_the_kernels_functions_falls_back_when_the_rebuild_fails(fake_cxx, capsys, caplog):
+    fake_cxx()
+    path = build.build_library()
+    _plant(_foreign_library(), path)
+    fake_cxx(fail=True)
+    assert cli.main(["build-kernels"]) == 1
+    assert "failed (exit 1)" in _one_line_error(capsys)
+    build.forget()
+    _falls_back_and_fused_fails(caplog, "failed (exit 1)", compiler_fix=True)
+
+
+def test_a_file_without_the_kernels_functions_that_is_not_ours_is_refused_not_replaced(fake_cxx, monkeypatch,
+                                                                                     capsys, caplog):
+    """zero_bnb replaces only its own files: a root-owned library at the name loads (root is trusted) but is not
+    this user's to replace (as root the test pretends to be uid 12345; as another user the file is refused)."""
+    fake_cxx()
+    path = build.build_library()
+    _plant(_foreign_library(), path)
+    monkeypatch.setattr(os, "getuid", lambda: 12345)
+    assert cli.main(["build-kernels"]) == 1
+    line = _one_line_error(capsys)
+    assert path in line and "uid" in line and "ZERO_BNB_KERNEL_DIR" in line, line
+    build.forget()
+    _falls_back_and_fused_fails(caplog, path)
+    assert open(path, "rb").read() == open(_foreign_library(), "rb").read() and fake_cxx.count() == 1

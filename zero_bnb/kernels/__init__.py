@@ -2,7 +2,8 @@
 
 Owns: the arithmetic bitsandbytes' CUDA kernels apply to 8-bit state (``reference``: plain torch, the
 specification), its per-step float32 scalars (``hyper``), the C++/OpenMP kernel that computes the same
-bits one 256-element block at a time (``csrc/``, compiled and cached by ``build``, called by ``fused``),
+bits one 256-element block at a time (``csrc/``, compiled by ``build`` into a cache whose files ``cache`` guards:
+what may be loaded or replaced there and the build lock; called by ``fused``),
 and the replacement of a bitsandbytes optimizer's ``update_step`` that sends every 8-bit update whose
 state lives on the CPU to that kernel (``cpu_update``, chosen by ``zero_cpu_update``).
 

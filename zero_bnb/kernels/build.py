@@ -9,30 +9,44 @@ directory never hands one machine a binary built for another. Pre-build with
 ``python -m zero_bnb.kernels.build`` (or ``zero-bnb build-kernels``).
 
 Each process that uses the kernel calls :func:`load_library`, which builds (or fails) once per process.
-Concurrent builders of one key wait on a ``flock`` in the cache folder so one compiles and the others load
-its result; where the folder cannot be locked each builds privately, still safely (a private file renamed
-into place). A cached build that does not load is rebuilt; one that another user could have written is
-refused (:func:`_check_trusted`). Local: no collectives.
+Concurrent builders of one key wait on a ``flock`` in the cache folder, for at most
+``$ZERO_BNB_KERNEL_LOCK_TIMEOUT`` seconds, so one compiles and the others load its result; where the folder
+cannot be locked each builds privately, still safely (compiled in a private folder, renamed into place). What
+may be loaded from the cache and replaced in it, and the lock, are :mod:`zero_bnb.kernels.cache`'s: a cached
+build that does not load, or lacks the kernel's functions, is rebuilt when it is this user's file; a link at the
+kernel's name, or a file another user could have written, is refused. Local: no collectives.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import fcntl
 import functools
 import hashlib
 import logging
 import os
 import shlex
-import stat
+import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 
-__all__ = ["KernelBuildError", "KernelCacheError", "MARCH_ENV", "bind", "build_library", "cache_dir", "flags", "forget",
-           "load_library", "main", "prebuild"]
+from zero_bnb.kernels.cache import (
+    CACHE_ENV,
+    LOCK_TIMEOUT_ENV,
+    KernelBuildError,
+    KernelCacheError,
+    KernelLockTimeout,
+    build_lock,
+    cache_dir,
+    check_folder,
+    check_replaceable,
+    load_cached,
+    lock_timeout,
+    make_folder,
+)
+
+__all__ = ["CACHE_ENV", "KernelBuildError", "KernelCacheError", "KernelLockTimeout", "LOCK_TIMEOUT_ENV", "MARCH_ENV",
+           "SYMBOLS", "bind", "build_library", "cache_dir", "flags", "forget", "load_library", "main", "prebuild"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +55,11 @@ SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "blockwise_update.cpp")
 HEADERS = tuple(os.path.join(os.path.dirname(SOURCE), name) for name in ("quantize_tables.h", "codec.h"))
 #: -ffp-contract=off: no fused multiply-add, so the kernel rounds as the plain-torch reference does.
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++17")
-#: Where the compiled library is cached (default ``~/.cache/zero_bnb/kernels``).
-CACHE_ENV = "ZERO_BNB_KERNEL_DIR"
 #: The instruction set to build for, as gcc's ``-march`` (default ``native``): ``x86-64-v2`` (the scalar path),
 #: ``x86-64-v3`` (AVX2), ``x86-64-v4`` (AVX-512), ... to test or use another path on one machine. Part of the key.
 MARCH_ENV = "ZERO_BNB_KERNEL_MARCH"
+#: The functions :func:`bind` declares: a library at the kernel's name without all of them is not the kernel.
+SYMBOLS = ("zero_bnb_blockwise_update", "zero_bnb_quantize", "zero_bnb_quantizer_path")
 
 
 def flags() -> tuple[str, ...]:
@@ -62,22 +76,6 @@ def flags() -> tuple[str, ...]:
             f"{MARCH_ENV}={march!r} is not a -march value; use e.g. x86-64-v3, x86-64-v4 or native, or unset it"
         )
     return tuple(f"-march={march}" if flag.startswith("-march=") else flag for flag in FLAGS)
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-
-
-class KernelBuildError(RuntimeError):
-    """The fused CPU update could not be compiled or loaded."""
-
-
-class KernelCacheError(KernelBuildError):
-    """The kernel cache folder cannot be used: it is not writable, or another user could have written its library.
-    The message names the fix (a compiler is not the problem)."""
-
-
-def cache_dir() -> str:
-    """The folder holding compiled kernels (``$ZERO_BNB_KERNEL_DIR`` or ``~/.cache/zero_bnb/kernels``)."""
-    default = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "zero_bnb", "kernels")
-    return os.environ.get(CACHE_ENV) or default
 
 
 def _compiler() -> list[str]:
@@ -117,103 +115,43 @@ def _key(compiler: list[str]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _refuse(path: str, why: str) -> KernelCacheError:
-    return KernelCacheError(
-        f"refusing to load the cached kernel {path}: {why}, so another user could have replaced it; remove it and "
-        f"set {CACHE_ENV} to a folder only you can write, then run `zero-bnb build-kernels`"
-    )
+def _missing(library: ctypes.CDLL) -> list[str]:
+    """The :data:`SYMBOLS` ``library`` lacks."""
+    return [name for name in SYMBOLS if not hasattr(library, name)]
 
 
-def _check_trusted(path: str) -> None:
-    """Refuse a library (or its folder) that a user other than this one (or root) could have written.
-
-    The cached library is trusted by its name, as DeepSpeed's JIT-built ops are; this keeps that name from
-    being someone else's file: the file and its folder must belong to this user or root, the file must not be
-    group/world-writable, nor the folder unless it has the sticky bit (``/tmp``).
+def _cached(path: str) -> tuple[ctypes.CDLL | None, str]:
+    """The cached library at ``path`` when it is usable (loaded as the checked file, with every :data:`SYMBOLS`);
+    else ``None`` and why it must be built: ``""`` when there is none, else what is wrong with it.
 
     Raises:
-        KernelBuildError: the check failed (the message names the path and the fix).
-    """
-    trusted = {os.getuid(), 0}
-    folder = os.path.dirname(path) or "."
-    try:
-        folder_stat = os.stat(folder)
-        file_stat = os.stat(path) if os.path.exists(path) else None
-    except OSError as error:
-        raise KernelCacheError(f"cannot inspect the kernel cache {path}: {error}; set {CACHE_ENV} to a writable "
-                               f"folder") from error
-    if folder_stat.st_uid not in trusted:
-        raise _refuse(path, f"its folder belongs to uid {folder_stat.st_uid}, not to you (uid {os.getuid()})")
-    if folder_stat.st_mode & 0o022 and not folder_stat.st_mode & stat.S_ISVTX:
-        raise _refuse(path, f"its folder is writable by others (mode {oct(folder_stat.st_mode & 0o7777)}) "
-                            f"without the sticky bit")
-    if file_stat is not None and file_stat.st_uid not in trusted:
-        raise _refuse(path, f"it belongs to uid {file_stat.st_uid}, not to you (uid {os.getuid()})")
-    if file_stat is not None and file_stat.st_mode & 0o022:
-        raise _refuse(path, f"it is writable by others (mode {oct(file_stat.st_mode & 0o7777)})")
-
-
-def _loads(path: str) -> bool:
-    """Whether the cached library at ``path`` exists, passes :func:`_check_trusted` and loads."""
-    if not os.path.exists(path):
-        return False
-    _check_trusted(path)
-    try:
-        ctypes.CDLL(path)
-    except OSError as error:
-        logger.warning("zero_bnb: the cached fused CPU kernel %s does not load (%s); rebuilding it", path, error)
-        return False
-    return True
-
-
-def _make_folder(folder: str) -> None:
-    """Create the cache folder (``0o755`` when this call creates it).
-
-    Raises:
-        KernelBuildError: it cannot be created (names the folder, the error and the fix).
+        KernelCacheError: a link, not a regular file, or a file another user could have written is at ``path``.
     """
     try:
-        if not os.path.isdir(folder):
-            os.makedirs(folder, exist_ok=True)
-            os.chmod(folder, 0o755)  # not group-writable under umask 002: _check_trusted would refuse it
+        library = load_cached(path)
     except OSError as error:
-        raise KernelCacheError(
-            f"cannot create the kernel cache folder {folder}: {error}; set {CACHE_ENV} to a writable folder"
-        ) from error
-
-
-@contextlib.contextmanager
-def _build_lock(lock_path: str) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``lock_path`` (concurrent builders of one key wait for the first).
-
-    Where the file cannot be created or locked (read-only folder, NFS without a lock daemon), nothing is
-    held and each process builds privately (the rename keeps that safe).
-    """
-    try:
-        descriptor = os.open(lock_path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600)
-    except OSError as error:
-        logger.info("zero_bnb: cannot create %s (%s); building without the lock", lock_path, error)
-        yield
-        return
-    try:
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX)
-        except OSError as error:
-            logger.info("zero_bnb: cannot lock %s (%s); building without the lock", lock_path, error)
-        yield
-    finally:
-        os.close(descriptor)  # releases the flock
+        return None, f"it does not load ({error})"
+    if library is None:
+        return None, ""
+    missing = _missing(library)
+    if missing:
+        return None, f"it lacks the kernel's functions {', '.join(missing)}"
+    return library, ""
 
 
 def _compile(compiler: list[str], folder: str, path: str) -> None:
-    """Compile into a private file in ``folder`` and rename it to ``path``."""
+    """Compile into a new private folder in ``folder`` and rename the library to ``path``.
+
+    Private: a linker removes and recreates its output, so in a folder others can write (sticky ``/tmp``) a link
+    planted at that name in between would make it write through the link.
+    """
     try:
-        handle, scratch = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
+        private = tempfile.mkdtemp(dir=folder, prefix=".zero_bnb_build-")  # 0o700, this user's
     except OSError as error:
         raise KernelCacheError(
             f"cannot write into the kernel cache folder {folder}: {error}; set {CACHE_ENV} to a writable folder"
         ) from error
-    os.close(handle)
+    scratch = os.path.join(private, os.path.basename(path))
     command = [*compiler, *flags(), SOURCE, "-o", scratch]
     logger.info("building the fused CPU 8-bit optimizer update: %s", " ".join(command))
     try:
@@ -227,38 +165,56 @@ def _compile(compiler: list[str], folder: str, path: str) -> None:
     except (OSError, subprocess.SubprocessError) as error:
         raise KernelBuildError(f"compiling {SOURCE} with {compiler[0]!r} failed: {error}") from error
     finally:
-        if os.path.exists(scratch):
-            os.unlink(scratch)
+        shutil.rmtree(private, ignore_errors=True)  # the folder this call made, holding only the compiler's output
+
+
+def _build(force: bool) -> tuple[str, ctypes.CDLL | None]:
+    """:func:`build_library`, and the cached library when it was loaded to be checked (``None`` after a compile)."""
+    compiler = _compiler()
+    timeout = lock_timeout()
+    folder = cache_dir()
+    path = os.path.join(folder, f"zero_bnb_blockwise_update_{_key(compiler)}.so")
+    if not force:
+        library, _ = _cached(path)
+        if library is not None:
+            return path, library
+    make_folder(folder)
+    check_folder(path)
+    with build_lock(path[: -len(".so")] + ".lock", timeout):
+        problem = "a rebuild was asked for (--force)"
+        if not force:
+            library, problem = _cached(path)  # another process may have built it while this one waited
+            if library is not None:
+                return path, library
+        if problem:
+            check_replaceable(path, problem)
+            if not force:
+                logger.warning("zero_bnb: the cached fused CPU kernel %s: %s; rebuilding it", path, problem)
+        _compile(compiler, folder, path)
+    return path, None
 
 
 def build_library(force: bool = False) -> str:
     """Compile the kernel unless a cached build for this source, compiler and CPU exists and loads; its path.
 
-    A cached build that does not load (truncated, empty) is rebuilt. Concurrent builders of one key wait on
-    ``{path}.lock`` in the cache folder, so one compiles and the others take its result.
+    A cached build that does not load (truncated, empty) or lacks the kernel's functions is rebuilt when it is
+    this user's file. Concurrent builders of one key wait on ``{path}.lock`` in the cache folder (at most
+    ``$ZERO_BNB_KERNEL_LOCK_TIMEOUT`` seconds), so one compiles and the others take its result.
 
     Raises:
-        KernelBuildError: no compiler, an unusable cache folder, a cached build someone else could have
-            written, or the compilation failed (its output is in the message).
+        KernelBuildError: no compiler, or the compilation failed (its output is in the message).
+        KernelCacheError: an unusable cache folder, a link or another user's file at the kernel's name, an invalid
+            ``$ZERO_BNB_KERNEL_LOCK_TIMEOUT``; :class:`KernelLockTimeout`: the build lock was not granted in time.
     """
-    compiler = _compiler()
-    folder = cache_dir()
-    path = os.path.join(folder, f"zero_bnb_blockwise_update_{_key(compiler)}.so")
-    if not force and _loads(path):
-        return path
-    _make_folder(folder)
-    _check_trusted(path)
-    with _build_lock(path[: -len(".so")] + ".lock"):
-        if force or not _loads(path):  # another process may have built it while this one waited
-            _compile(compiler, folder, path)
-    return path
+    return _build(force)[0]
 
 
 @functools.lru_cache(maxsize=None)
 def _attempt(compiler: str, folder: str, march: str) -> ctypes.CDLL | KernelBuildError:
     """One build-and-load per process for each ``CXX``, cache folder and ``-march``: the library, or why it failed."""
     try:
-        return bind(build_library())
+        path, library = _build(force=False)
+        return bind(path) if library is None else _declare(path, library)
     except KernelBuildError as error:
         return error
 
@@ -286,24 +242,41 @@ def forget() -> None:
 
 
 def bind(path: str) -> ctypes.CDLL:
-    """Load the compiled kernel at ``path`` and declare its functions' signatures.
+    """Load the compiled kernel at ``path`` (as the file checked, never following a link: :mod:`~.cache`) and
+    declare its functions' signatures.
 
     Raises:
-        KernelBuildError: it could not be loaded.
+        KernelBuildError: it is missing, could not be loaded or lacks the kernel's functions; ``KernelCacheError``:
+            it is a link or a file another user could have written.
     """
     try:
-        library = ctypes.CDLL(path)
+        library = load_cached(path)
     except OSError as error:
         raise KernelBuildError(f"loading the compiled kernel {path} failed: {error}") from error
+    if library is None:
+        raise KernelBuildError(f"the compiled kernel {path} does not exist; run `zero-bnb build-kernels`")
+    return _declare(path, library)
+
+
+def _declare(path: str, library: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the signatures of :data:`SYMBOLS` on ``library`` (loaded from ``path``).
+
+    Raises:
+        KernelBuildError: it lacks one of them.
+    """
+    missing = _missing(library)
+    if missing:
+        raise KernelBuildError(f"{path} is not the fused CPU kernel: it lacks {', '.join(missing)}; rebuild it with "
+                               f"`zero-bnb build-kernels --force`")
     function = library.zero_bnb_blockwise_update
     function.restype = ctypes.c_int
     function.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 8, ctypes.c_int]
     quantize = library.zero_bnb_quantize
     quantize.restype = None
     quantize.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-    path = library.zero_bnb_quantizer_path
-    path.restype = ctypes.c_int
-    path.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    quantizer = library.zero_bnb_quantizer_path
+    quantizer.restype = ctypes.c_int
+    quantizer.argtypes = [ctypes.c_void_p, ctypes.c_int]
     return library
 
 
@@ -315,8 +288,9 @@ def prebuild(force: bool = False) -> int:
     (or per shared cache folder) before training.
     """
     try:
-        path = build_library(force=force)
-        bind(path)  # the printed library loads
+        path, library = _build(force)
+        if library is None:
+            bind(path)  # the printed library loads and is the kernel
     except KernelBuildError as error:
         sys.stderr.write(f"zero_bnb: {error}\n")
         return 1
