@@ -38,6 +38,19 @@ inline float absmax_of(const float* __restrict__ s) {
         for (int r = 0; r < 4; ++r)  // max_ps gives its second operand when the first is NaN
             m[r] = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(s + j + 16 * r)), m[r]);
     return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3])));
+#elif defined(__AVX2__)
+    // four independent chains, as above: gcc's vectorization of the loop below (its NaN test) took 12x as long
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m[4];
+    for (int r = 0; r < 4; ++r) m[r] = _mm256_set1_ps(-FLT_MAX);
+    for (int j = 0; j < kBlock; j += 32)
+        for (int r = 0; r < 4; ++r)  // max_ps gives its second operand when the first is NaN
+            m[r] = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(s + j + 8 * r), magnitude), m[r]);
+    __m256 all = _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3]));
+    all = _mm256_max_ps(all, _mm256_permute2f128_ps(all, all, 1));
+    all = _mm256_max_ps(all, _mm256_shuffle_ps(all, all, _MM_SHUFFLE(1, 0, 3, 2)));
+    all = _mm256_max_ps(all, _mm256_shuffle_ps(all, all, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm256_cvtss_f32(all);
 #else
     float m = -FLT_MAX;
 #pragma omp simd reduction(max : m)
@@ -266,18 +279,26 @@ void zero_bnb_quantize(const float* qmap, int is_signed, const float* x, int64_t
     std::memcpy(out + whole, codes, n - whole);
 }
 
-// How this build quantizes with qmap: 2 through the permute tables (AVX512-VBMI), 1 through the 16-bit
-// table's gathers (AVX-512), 0 through scalar lookups; for tests and measurements.
-int zero_bnb_quantizer_path(const float* qmap, int is_signed) {
-    const Map& map = map_for(qmap, is_signed != 0);
+// The fastest way this build quantizes: 2 through the permute tables (AVX512-VBMI; maps they cannot hold take
+// 1), 1 through the 16-bit table's 16-lane gathers (AVX-512), 3 through its 8-lane gathers (AVX2), 0 through
+// scalar lookups. The numbering is fused.py's QUANTIZER_PATHS.
+int zero_bnb_widest_path() {
 #if defined(__AVX512VBMI__)
-    if (map.steps.usable) return 2;
-#endif
-#if defined(__AVX512F__)
+    return 2;
+#elif defined(__AVX512F__)
     return 1;
+#elif defined(__AVX2__)
+    return 3;
 #else
     return 0;
 #endif
+}
+
+// How this build quantizes with qmap (numbered as zero_bnb_widest_path); for tests and measurements.
+int zero_bnb_quantizer_path(const float* qmap, int is_signed) {
+    const Map& map = map_for(qmap, is_signed != 0);
+    const int widest = zero_bnb_widest_path();
+    return widest == 2 && !map.steps.usable ? 1 : widest;
 }
 
 }  // extern "C"
