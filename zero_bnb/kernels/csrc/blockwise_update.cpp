@@ -29,6 +29,17 @@ struct Scalars {
     int32_t skip_zeros;
 };
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+inline __m256 abs8(__m256 x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
+
+// The largest of 8 lanes, none NaN.
+inline float reduce_max8(__m256 m) {
+    m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm256_cvtss_f32(_mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+#endif
+
 // fmaxf over |s| from -FLT_MAX, NaN ignored (kernels.cu 1043): order-free, so a vector max is exact.
 inline float absmax_of(const float* __restrict__ s) {
 #if defined(__AVX512F__)
@@ -40,17 +51,12 @@ inline float absmax_of(const float* __restrict__ s) {
     return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3])));
 #elif defined(__AVX2__)
     // four independent chains, as above: gcc's vectorization of the loop below (its NaN test) took 12x as long
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 m[4];
     for (int r = 0; r < 4; ++r) m[r] = _mm256_set1_ps(-FLT_MAX);
     for (int j = 0; j < kBlock; j += 32)
         for (int r = 0; r < 4; ++r)  // max_ps gives its second operand when the first is NaN
-            m[r] = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(s + j + 8 * r), magnitude), m[r]);
-    __m256 all = _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3]));
-    all = _mm256_max_ps(all, _mm256_permute2f128_ps(all, all, 1));
-    all = _mm256_max_ps(all, _mm256_shuffle_ps(all, all, _MM_SHUFFLE(1, 0, 3, 2)));
-    all = _mm256_max_ps(all, _mm256_shuffle_ps(all, all, _MM_SHUFFLE(2, 3, 0, 1)));
-    return _mm256_cvtss_f32(all);
+            m[r] = _mm256_max_ps(abs8(_mm256_loadu_ps(s + j + 8 * r)), m[r]);
+    return reduce_max8(_mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3])));
 #else
     float m = -FLT_MAX;
 #pragma omp simd reduction(max : m)
@@ -100,6 +106,45 @@ void adam_block(const Scalars& s, const View& b, const Map& map1, const Map& map
         max2 = _mm512_max_ps(_mm512_abs_ps(v), max2);
     }
     const float n1 = _mm512_reduce_max_ps(max1), n2 = _mm512_reduce_max_ps(max2);
+    *a1 = n1;
+    *a2 = n2;
+    quantize<true>(map1, s1, n1, b.c1);
+    quantize<false>(map2, s2, n2, b.c2);
+}
+#endif
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// adam_block on 8 lanes (a masked-off lane is +0, as maskz_add gives).
+void adam_block(const Scalars& s, const View& b, const Map& map1, const Map& map2, float* a1, float* a2) {
+    alignas(32) float s1[kBlock], s2[kBlock];
+    dequantize(map1, b.c1, *a1, s1);
+    dequantize(map2, b.c2, *a2, s2);
+    const __m256 beta1 = _mm256_set1_ps(s.beta1), beta2 = _mm256_set1_ps(s.beta2);
+    const __m256 one_minus_beta1 = _mm256_set1_ps(s.one_minus_beta1);
+    const __m256 one_minus_beta2 = _mm256_set1_ps(s.one_minus_beta2);
+    const __m256 step_size = _mm256_set1_ps(s.step_size), eps_hat = _mm256_set1_ps(s.eps_hat);
+    const __m256 decay = _mm256_set1_ps(s.decay);
+    const bool decayed = s.weight_decay > 0.0f;
+    const __m256 infinity = _mm256_set1_ps(INFINITY);
+    __m256 max1 = _mm256_set1_ps(-FLT_MAX), max2 = max1;
+    for (int j = 0; j < kBlock; j += 8) {
+        const __m256 old1 = _mm256_load_ps(s1 + j), old2 = _mm256_load_ps(s2 + j);
+        const __m256 g = _mm256_loadu_ps(b.g + j), p = _mm256_loadu_ps(b.p + j);
+        const __m256 finite = _mm256_cmp_ps(abs8(g), infinity, _CMP_LT_OQ);
+        const __m256 v = _mm256_and_ps(finite, _mm256_add_ps(_mm256_mul_ps(old2, beta2),
+                                                             _mm256_mul_ps(_mm256_mul_ps(one_minus_beta2, g), g)));
+        const __m256 m = _mm256_and_ps(finite, _mm256_add_ps(_mm256_mul_ps(old1, beta1),
+                                                             _mm256_mul_ps(one_minus_beta1, g)));
+        const __m256 direction = _mm256_div_ps(m, _mm256_add_ps(_mm256_sqrt_ps(v), eps_hat));
+        __m256 moved = _mm256_add_ps(p, _mm256_mul_ps(step_size, direction));
+        if (decayed) moved = _mm256_mul_ps(moved, decay);
+        _mm256_storeu_ps(b.p + j, _mm256_blendv_ps(p, moved, finite));
+        _mm256_store_ps(s1 + j, m);
+        _mm256_store_ps(s2 + j, v);
+        max1 = _mm256_max_ps(abs8(m), max1);  // the second operand when the first is NaN
+        max2 = _mm256_max_ps(abs8(v), max2);
+    }
+    const float n1 = reduce_max8(max1), n2 = reduce_max8(max2);
     *a1 = n1;
     *a2 = n2;
     quantize<true>(map1, s1, n1, b.c1);
@@ -189,7 +234,7 @@ void one_state(const Scalars& s, const View& b, const Map& map1, float* a1) {
 
 template <int FAMILY>
 void step_block(const Scalars& s, const View& b, const Map& map1, const Map* map2, float* a1, float* a2, float* a3) {
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
     if constexpr (FAMILY == ADAM) return adam_block(s, b, map1, *map2, a1, a2);
 #endif
     if constexpr (FAMILY == ADAM || FAMILY == ADEMAMIX)

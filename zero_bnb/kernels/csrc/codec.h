@@ -62,7 +62,7 @@ inline __m256i lookup8(const Map& map, __m256 x, uint32_t* slow) {
                                                _mm256_srli_epi32(entry, 16));
     *slow = static_cast<uint32_t>(
         _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(entry, _mm256_setzero_si256()))));
-    const __m256i c = _mm256_blendv_epi8(entry, _mm256_srli_epi32(entry, 8), stepped);
+    const __m256i c = _mm256_srlv_epi32(entry, _mm256_and_si256(stepped, _mm256_set1_epi32(8)));  // next: byte 1
     return _mm256_and_si256(c, _mm256_set1_epi32(0xff));
 }
 
