@@ -75,6 +75,23 @@ struct View {
     uint8_t *c1, *c2, *c3;
 };
 
+// Blocks ahead whose data each block prefetches. A block takes a few hundred ns of arithmetic, and without this a
+// partition of 16M or 64M parameters ran 15-40% slower per element than one of 4M (AdamW, 1 thread, CPU time: AVX2
+// build 1.91-2.04 -> 1.58-1.60 ns, AVX512-VBMI build 1.60-1.64 -> 1.50-1.53; 4M within noise; a Xeon with AVX-512
+// and a 480 MiB L3, 2026-11-27).
+constexpr int64_t kAhead = 2;
+
+// Inlined always: otherwise gcc deleted the calls (a function with no side effects to it).
+[[gnu::always_inline]] inline void prefetch_block(const View& b) {
+    const char *g = reinterpret_cast<const char*>(b.g), *p = reinterpret_cast<const char*>(b.p);
+    for (int line = 0; line < kBlock * static_cast<int>(sizeof(float)); line += 64) {
+        __builtin_prefetch(g + line);
+        __builtin_prefetch(p + line, 1);
+    }
+    for (const uint8_t* codes : {b.c1, b.c2, b.c3})
+        for (int line = 0; codes && line < kBlock; line += 64) __builtin_prefetch(codes + line, 1);
+}
+
 #if defined(__AVX512F__)
 // Adam: the two dequantizations, one pass per 16 elements (update, parameter, absmax), the two requantizations.
 void adam_block(const Scalars& s, const View& b, const Map& map1, const Map& map2, float* a1, float* a2) {
@@ -249,12 +266,15 @@ void update(const Scalars& s, int64_t n, float* p, const float* g, uint8_t* stat
     constexpr bool two = FAMILY == ADAM || FAMILY == ADEMAMIX;
     const int64_t blocks = (n + kBlock - 1) / kBlock, whole = n / kBlock;
     float* slow_absmax = FAMILY == ADEMAMIX ? absmax1 + blocks : nullptr;
+    const auto view = [&](int64_t k) {
+        const int64_t start = k * kBlock;
+        return View{g + start, p + start, state1 + start, two ? state2 + start : nullptr,
+                    FAMILY == ADEMAMIX ? state1 + n + start : nullptr};
+    };
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t k = 0; k < whole; ++k) {
-        const int64_t start = k * kBlock;
-        const View b{g + start, p + start, state1 + start, two ? state2 + start : nullptr,
-                     FAMILY == ADEMAMIX ? state1 + n + start : nullptr};
-        step_block<FAMILY>(s, b, map1, map2, absmax1 + k, two ? absmax2 + k : nullptr,
+        if (k + kAhead < whole) prefetch_block(view(k + kAhead));
+        step_block<FAMILY>(s, view(k), map1, map2, absmax1 + k, two ? absmax2 + k : nullptr,
                            slow_absmax ? slow_absmax + k : nullptr);
     }
     if (whole == blocks) return;
