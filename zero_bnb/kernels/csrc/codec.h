@@ -48,9 +48,9 @@ inline __mmask16 lookup16(const Map& map, __m512 x, uint8_t* out) {
 #endif
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-// lookup16 on 8 lanes (AVX2 gathers): the codes as dwords; *slow gets the mask of those that need the binary search.
-// The 16-bit quantities fit int32, so the signed compare is the unsigned one.
-inline __m256i lookup8(const Map& map, __m256 x, uint32_t* slow) {
+// lookup16 on 8 lanes (AVX2 gathers): the codes as dwords; *slow gets all ones in the lanes that need the binary
+// search (or'ed in). The 16-bit quantities fit int32, so the signed compare is the unsigned one.
+inline __m256i lookup8(const Map& map, __m256 x, __m256i* slow) {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i top = _mm256_srli_epi32(_mm256_slli_epi32(u, 1), 17);  // magnitude >> 16
     __m256i row = _mm256_min_epu32(_mm256_subs_epu16(top, _mm256_set1_epi32(static_cast<int>(map.base))),
@@ -60,8 +60,7 @@ inline __m256i lookup8(const Map& map, __m256 x, uint32_t* slow) {
     const __m256i entry = _mm256_i32gather_epi32(reinterpret_cast<const int*>(map.table.data()), row, 4);
     const __m256i stepped = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0xffff)),
                                                _mm256_srli_epi32(entry, 16));
-    *slow = static_cast<uint32_t>(
-        _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(entry, _mm256_setzero_si256()))));
+    *slow = _mm256_or_si256(*slow, _mm256_cmpeq_epi32(entry, _mm256_setzero_si256()));
     const __m256i c = _mm256_srlv_epi32(entry, _mm256_and_si256(stepped, _mm256_set1_epi32(8)));  // next: byte 1
     return _mm256_and_si256(c, _mm256_set1_epi32(0xff));
 }
@@ -272,17 +271,14 @@ void quantize(const Map& map, const float* __restrict__ s, float absmax, uint8_t
     search_groups<SIGNED>(map, s, absmax, out, slow, 16);
 #elif defined(__AVX2__)
     const __m256 scale = _mm256_set1_ps(absmax);
-    uint32_t slow = 0;
+    uint32_t slow = 0;  // groups of 32: the vector or of 4 lookups is tested once (one in 8 the scalar work)
     for (int j = 0; j < kBlock; j += 32) {
-        __m256i c[4];
-        for (int r = 0; r < 4; ++r) {
-            uint32_t lanes;
-            c[r] = lookup8(map, _mm256_div_ps(_mm256_loadu_ps(s + j + 8 * r), scale), &lanes);
-            slow |= static_cast<uint32_t>(lanes != 0) << (j / 8 + r);
-        }
+        __m256i c[4], lanes = _mm256_setzero_si256();
+        for (int r = 0; r < 4; ++r) c[r] = lookup8(map, _mm256_div_ps(_mm256_loadu_ps(s + j + 8 * r), scale), &lanes);
+        slow |= static_cast<uint32_t>(!_mm256_testz_si256(lanes, lanes)) << (j / 32);
         store_bytes(c, out + j);
     }
-    search_groups<SIGNED>(map, s, absmax, out, slow, 8);
+    search_groups<SIGNED>(map, s, absmax, out, slow, 32);
 #else
     for (int j = 0; j < kBlock; ++j) quantize_slow<SIGNED>(map, s, absmax, out, j);
 #endif
