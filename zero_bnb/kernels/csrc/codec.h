@@ -65,6 +65,12 @@ inline __m256i lookup8(const Map& map, __m256 x, __m256i* slow) {
     return _mm256_and_si256(c, _mm256_set1_epi32(0xff));
 }
 
+// The map's values of 8 codes times scale (a block's absmax).
+inline __m256 dequantize8(const Map& map, const uint8_t* c, __m256 scale) {
+    const __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
+    return _mm256_mul_ps(_mm256_i32gather_ps(map.code, index, 4), scale);
+}
+
 // The low bytes of 4 x 8 dwords (each < 256), in order: the packs work within 128-bit lanes, the permute undoes that.
 inline void store_bytes(const __m256i c[4], uint8_t* out) {
     const __m256i packed = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
@@ -215,10 +221,7 @@ inline void dequantize(const Map& map, const uint8_t* __restrict__ c, float absm
     }
 #elif defined(__AVX2__)
     const __m256 scale = _mm256_set1_ps(absmax);
-    for (int j = 0; j < kBlock; j += 8) {
-        const __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + j)));
-        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_i32gather_ps(map.code, index, 4), scale));
-    }
+    for (int j = 0; j < kBlock; j += 8) _mm256_storeu_ps(out + j, dequantize8(map, c + j, scale));
 #else
     const float* __restrict__ code = map.code;
 #pragma omp simd
