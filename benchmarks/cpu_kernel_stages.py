@@ -1,7 +1,7 @@
 """Where the fused CPU 8-bit kernel's time goes (issue 19): one AdamW step on a partition small enough for L2,
-split into the two requantizations and the rest, for this machine's build (AVX512-VBMI: the permute quantizer)
-and a build without VBMI (the 16-bit table's gathers, as before the permute quantizer), in one run, next to
-DeepSpeedCPUAdam's whole step on the same partition.
+split into the two requantizations and the rest, for this machine's build (AVX512-VBMI: the permute quantizer),
+a build without VBMI (the 16-bit table's gathers, as before the permute quantizer) and, on x86-64, one for AVX2
+(``-march=x86-64-v3``), in one run, next to DeepSpeedCPUAdam's whole step on the same partition.
 
 Reproduce (CPU, from the repository root):
 
@@ -108,8 +108,12 @@ def main() -> None:
         os.environ["CXX"] = f"{cxx or 'c++'} -mno-avx512vbmi"
         try:
             builds["without VBMI"] = build.bind(build.build_library())
+            if platform.machine() in ("x86_64", "AMD64"):
+                os.environ["CXX"], os.environ[build.MARCH_ENV] = cxx or "c++", "x86-64-v3"
+                builds["AVX2 (x86-64-v3)"] = build.bind(build.build_library())
         finally:
             del os.environ[build.CACHE_ENV]
+            os.environ.pop(build.MARCH_ENV, None)
             if cxx is None:
                 del os.environ["CXX"]
             else:

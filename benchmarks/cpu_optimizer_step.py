@@ -5,6 +5,7 @@ Reproduce (CPU, from the repository root; DeepSpeedCPUAdam is JIT-built by DeepS
 
     PYTHONPATH=. python benchmarks/cpu_optimizer_step.py                  # 1M..256M parameters, 1 and 2 threads
     PYTHONPATH=. python benchmarks/cpu_optimizer_step.py --sizes 1 16 --threads 2 --repeats 3
+    PYTHONPATH=. python benchmarks/cpu_optimizer_step.py --march x86-64-v3   # as on an AVX2-only machine
 
 Every variant steps AdamW (lr 1e-3, weight decay 0.01) on one flat fp32 parameter of ``--sizes`` million
 elements and its gradient (shared by all variants, as a ZeRO partition is): zero_bnb's fused kernel
@@ -14,7 +15,8 @@ CPU path (only up to ``--bnb-max-size`` million: it is slow). Rounds alternate t
 and other load hit all alike; the median step is reported in ns/param (wall clock, and process CPU time over all threads:
 steadier on a shared machine) and in GB/s of the bytes the step must
 move (8-bit: 16 B/param, fp32 Adam: 28 B/param) against this machine's copy bandwidth (measured here at each
-thread count). Memory: the optimizer's steady bytes per parameter (fp32 master + state) and the peak resident
+thread count). ``--march`` builds both zero_bnb's kernel and DeepSpeedCPUAdam for another x86-64 level than
+this machine's (DeepSpeed's JIT build in a folder of its own). Memory: the optimizer's steady bytes per parameter (fp32 master + state) and the peak resident
 growth during one step (Linux ``VmHWM`` reset through ``/proc/self/clear_refs``). Last, one step of
 bitsandbytes' CPU path from the same inputs as the reference of bitsandbytes' CUDA kernel
 (``zero_bnb.kernels.reference``): how many codes differ and how far the parameters are.
@@ -36,6 +38,7 @@ import bitsandbytes as bnb
 import bitsandbytes.functional as F
 import torch
 
+from zero_bnb.kernels.build import MARCH_ENV
 from zero_bnb.kernels.cpu_update import install_cpu_update
 from zero_bnb.kernels.hyper import UpdateHyper, step_scalars
 from zero_bnb.kernels.reference import reference_update
@@ -43,6 +46,20 @@ from zero_bnb.kernels.reference import reference_update
 LR, WEIGHT_DECAY = 1e-3, 0.01
 BYTES = {"zero_bnb fused 8-bit": 16, "DeepSpeedCPUAdam": 28, "torch fused AdamW": 28, "bitsandbytes CPU 8-bit": 16}
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+#: DeepSpeed's SIMD macro (``op_builder`` ``simd_width()``, which reads the CPU's flags) for each ``--march``.
+DEEPSPEED_SIMD = {"x86-64-v2": "-D__SCALAR__", "x86-64-v3": "-D__AVX256__", "x86-64-v4": "-D__AVX512__"}
+
+
+def build_for(march: str) -> None:
+    """Make zero_bnb's kernel and DeepSpeedCPUAdam build for ``-march=march`` in this process. DeepSpeed takes
+    ``-march=native`` and its SIMD width from the CPU, so its builder is patched; its JIT build goes to a folder
+    of its own, leaving the default build alone."""
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    os.environ[MARCH_ENV] = march
+    os.environ["TORCH_EXTENSIONS_DIR"] = os.path.expanduser(f"~/.cache/zero_bnb/torch_extensions-{march}")
+    CPUAdamBuilder.cpu_arch = lambda self: f"-march={march}"
+    CPUAdamBuilder.simd_width = lambda self: DEEPSPEED_SIMD[march]
 
 
 def make_variant(name: str, param: torch.nn.Parameter) -> torch.optim.Optimizer:
@@ -196,7 +213,7 @@ def quantizer_distance(numel: int = 2**20) -> dict:
     return out
 
 
-def machine() -> dict:
+def machine(deepspeed_march: str) -> dict:
     model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                  platform.processor())
     import deepspeed
@@ -204,6 +221,7 @@ def machine() -> dict:
     return {"cpu": model, "cores": os.cpu_count(), "memory_gb": round(os.sysconf("SC_PAGE_SIZE")
             * os.sysconf("SC_PHYS_PAGES") / 2**30, 1), "load_average_at_start": os.getloadavg(),
             "torch": torch.__version__, "deepspeed": deepspeed.__version__, "bitsandbytes": bnb.__version__,
+            "zero_bnb_march": os.environ.get(MARCH_ENV) or "native", "deepspeed_march": deepspeed_march,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -211,7 +229,8 @@ def markdown(result: dict) -> str:
     info = result["machine"]
     lines = [f"CPU optimizer step alone (AdamW), {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
              f"deepspeed {info['deepspeed']}, bitsandbytes {info['bitsandbytes']}, {info['date']} (load average at "
-             f"start {', '.join(f'{x:.1f}' for x in info['load_average_at_start'])}).", "",
+             f"start {', '.join(f'{x:.1f}' for x in info['load_average_at_start'])}); built for -march="
+             f"{info['zero_bnb_march']} (zero_bnb), -march={info['deepspeed_march']} (DeepSpeedCPUAdam).", "",
              "| params | threads | variant | ns/param | GB/s | of copy bandwidth | vs DeepSpeedCPUAdam | "
              "CPU ns/param (all threads) | CPU time vs DeepSpeedCPUAdam | memory B/param (steady / step peak) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -245,8 +264,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bnb-max-size", type=int, default=16, help="largest size for bitsandbytes' slow CPU path")
     parser.add_argument("--output", default=os.path.join(RESULTS, "cpu_optimizer_step"))
+    parser.add_argument("--march", choices=sorted(DEEPSPEED_SIMD),
+                        help="build zero_bnb's kernel and DeepSpeedCPUAdam for this x86-64 level (default: native, "
+                             "or $ZERO_BNB_KERNEL_MARCH for zero_bnb's alone)")
     args = parser.parse_args()
-    result = {"machine": machine(), "rows": [], "distance": distance_from_reference(),
+    if args.march:
+        build_for(args.march)
+    result = {"machine": machine(args.march or "native"), "rows": [], "distance": distance_from_reference(),
               "quantizer": quantizer_distance()}
     for millions in args.sizes:
         result["rows"] += bench_size(millions, args.threads, args.repeats, args.bnb_max_size)

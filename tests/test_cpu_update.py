@@ -21,7 +21,7 @@ import torch
 from zero_bnb import cli
 from zero_bnb.core.config import ZeroBnbConfigError, split_config
 from zero_bnb.kernels import build, cpu_update
-from zero_bnb.kernels.build import KernelBuildError
+from zero_bnb.kernels.build import QUANTIZER_PATHS, KernelBuildError
 from zero_bnb.kernels.cpu_update import CpuUpdate, hyper_for, install_cpu_update
 from zero_bnb.kernels.hyper import step_scalars
 from zero_bnb.kernels.reference import reference_update
@@ -182,19 +182,20 @@ def test_build_kernels_compiles_into_the_cache_and_reuses_it(tmp_path, monkeypat
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
     monkeypatch.delenv("CXX", raising=False)
     assert cli.main(["build-kernels"]) == 0
-    path = capsys.readouterr().out.strip()
+    path, quantizer = capsys.readouterr().out.strip().splitlines()
     assert os.path.dirname(path) == str(tmp_path) and os.path.isfile(path)
+    assert quantizer == f"quantizer: {QUANTIZER_PATHS[build.bind(path).zero_bnb_widest_path()]}"
     assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(path), os.path.basename(path)[:-3] + ".lock"])
     # no scratch file left behind; the lock file serialises concurrent builds
     assert build.bind(path).zero_bnb_blockwise_update.restype is ctypes.c_int
     built = os.stat(path).st_mtime_ns
-    assert build.main([]) == 0 and capsys.readouterr().out.strip() == path
+    assert build.main([]) == 0 and capsys.readouterr().out.splitlines()[0] == path
     assert os.stat(path).st_mtime_ns == built, "a cached build was compiled again"
-    assert cli.main(["build-kernels", "--force"]) == 0 and capsys.readouterr().out.strip() == path
+    assert cli.main(["build-kernels", "--force"]) == 0 and capsys.readouterr().out.splitlines()[0] == path
     assert os.stat(path).st_mtime_ns != built
     monkeypatch.setenv("CXX", "c++ -O2")  # flags in CXX make another build, never the cached one
     assert cli.main(["build-kernels"]) == 0
-    assert capsys.readouterr().out.strip() != path and len(glob.glob(os.path.join(tmp_path, "*.so"))) == 2
+    assert capsys.readouterr().out.splitlines()[0] != path and len(glob.glob(os.path.join(tmp_path, "*.so"))) == 2
 
 
 @pytest.mark.parametrize("cxx", ["/nonexistent", "c++ 'unclosed"])

@@ -5,7 +5,8 @@ to 1e30, NaN/Inf gradients and every hyper-parameter, at step 1 and later, the k
 reference's parameters, codes and absmax bit for bit; it does not depend on the thread count; and it
 is block-local (a partition split at any block boundary and updated in pieces gives the same bits, so
 an elastic resume stays bit-identical). The quantizer alone is checked at every map midpoint, its float
-neighbours and every bucket edge of the kernel's table. The build and its cache (with a fake compiler that
+neighbours and every bucket edge of the kernel's table. The kernel built for each x86-64 level (v2: plain loops,
+v3: AVX2, v4: AVX-512 without VBMI) and natively passes the update and quantizer checks too. The build and its cache (with a fake compiler that
 copies this machine's build): a failing build is tried once per process, an unusable cache folder or a
 cached library another user could have written is a KernelBuildError naming the fix, a damaged cached
 library is rebuilt, and concurrent builders of one key compile once. The attacks on a shared cache folder: a
@@ -216,16 +217,6 @@ def _cpu_flags() -> set[str]:
     return set(build._cpu_flags().split(":", 1)[-1].split())
 
 
-def test_bitsandbytes_maps_take_the_permute_quantizer_and_others_fall_back():
-    """With AVX512-VBMI bitsandbytes' two maps are quantized by byte permutes (no gather); a map whose steps
-    reach far below 1 takes the 16-bit table's gathers. Both give the binary search's codes (tests above)."""
-    flags = _cpu_flags()
-    fallback = "gather" if "avx512f" in flags else "scalar"
-    fast = "permute" if {"avx512f", "avx512bw", "avx512vbmi"} <= flags else fallback
-    assert quantizer_path(QMAP1, True) == fast and quantizer_path(QMAP2, False) == fast
-    assert quantizer_path(TINY_STEP, True) == fallback
-
-
 magnitudes = st.integers(0, 0x40000000)  # float bits of [0, 2]: zero, subnormals, every binade up to 2
 any_bits = st.integers(0, 2**32 - 1)  # also NaN, Inf and huge values
 
@@ -251,29 +242,69 @@ def test_a_midpoint_tie_keeps_the_searchs_even_pivot():
     assert fused_quantize(exact, QMAP1, signed=True).long().tolist() == codes.tolist()
 
 
-#: Builds without some of the kernel's instruction-set paths: AVX-512 with gathers but no VBMI byte permutes
-#: (Skylake-X), and no AVX-512 at all (the plain loops every other machine runs).
-NARROWER_BUILDS = {"avx512 without vbmi": "-mno-avx512vbmi", "no avx512": "-mno-avx512f"}
+#: Builds for each x86-64 instruction-set level (``$ZERO_BNB_KERNEL_MARCH``), by the quantizer path they take for
+#: bitsandbytes' maps: x86-64-v2 the plain loops, x86-64-v3 AVX2 gathers, x86-64-v4 AVX-512 without VBMI (Skylake-X)
+#: and this machine's (native: the permute quantizer where the CPU has AVX512-VBMI).
+MARCHES = {"x86-64-v2": "scalar", "x86-64-v3": "avx2", "x86-64-v4": "gather", "native": None}
+X86 = platform.machine() in ("x86_64", "AMD64")
 
 
-@pytest.fixture(scope="module", params=sorted(NARROWER_BUILDS))
-def narrower_kernel(request, tmp_path_factory):
-    """The kernel built for a narrower machine than this one, in a private cache."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return build.load_library()  # no AVX-512 path to turn off: the default build is the portable one
-    folder = str(tmp_path_factory.mktemp("narrower-kernel"))
+def native_path() -> str:
+    flags = _cpu_flags()
+    if {"avx512f", "avx512bw", "avx512vbmi"} <= flags:
+        return "permute"
+    return "gather" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "scalar"
+
+
+@pytest.fixture(scope="module", params=sorted(MARCHES))
+def march_kernel(request, tmp_path_factory):
+    """``(march, library)``: the kernel built with ``-march=march``, in a private cache."""
+    if request.param != "native" and not X86:
+        pytest.skip(f"-march={request.param} is an x86-64 level; this machine is {platform.machine()}")
+    folder = str(tmp_path_factory.mktemp(f"kernel-{request.param}"))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(build.CACHE_ENV, folder)
-        patch.setenv("CXX", f"c++ {NARROWER_BUILDS[request.param]}")
+        patch.setenv(build.MARCH_ENV, request.param)
+        patch.delenv("CXX", raising=False)
         path = build.build_library()
     assert path.startswith(folder)
-    return build.bind(path)
+    return request.param, build.bind(path)
+
+
+def test_each_build_takes_its_quantizer_path(march_kernel):
+    """bitsandbytes' two maps take the build's fastest path; a map whose steps reach far below 1 leaves only the
+    permute quantizer (for the 16-bit table's gathers). All give the binary search's codes (tests below)."""
+    march, library = march_kernel
+    fast = MARCHES[march] or (native_path() if X86 else "scalar")
+    assert quantizer_path(QMAP1, True, library=library) == fast
+    assert quantizer_path(QMAP2, False, library=library) == fast
+    assert quantizer_path(TINY_STEP, True, library=library) == ("gather" if fast == "permute" else fast)
 
 
 @settings(max_examples=30, deadline=None)
 @given(cases())
-def test_builds_for_narrower_machines_give_the_reference_bits(narrower_kernel, case):
-    assert_same_bits(run(fused_update, case, library=narrower_kernel), run(reference_update, case))
+def test_each_build_gives_the_reference_bits(march_kernel, case):
+    assert_same_bits(run(fused_update, case, library=march_kernel[1]), run(reference_update, case))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.one_of(magnitudes, magnitudes.map(lambda bits: bits | 0x80000000), any_bits),
+                min_size=1, max_size=300), st.sampled_from(sorted(["dynamic signed", "dynamic unsigned"])))
+def test_each_build_quantizes_any_float_as_the_binary_search(march_kernel, bits, name):
+    qmap, signed = (QMAP1, True) if name == "dynamic signed" else (QMAP2, False)
+    x = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    got = fused_quantize(x, qmap, signed, library=march_kernel[1]).long()
+    differ = (got != expected_codes(x, qmap, signed)).nonzero().flatten()
+    assert differ.numel() == 0, f"{differ.numel()} codes differ, e.g. x={x[differ[:5]].tolist()}"
+
+
+@pytest.mark.parametrize("name", sorted(["dynamic signed", "dynamic unsigned", *OTHER_MAPS]))
+def test_each_build_quantizes_every_midpoint_and_bucket_edge_as_the_binary_search(march_kernel, name):
+    qmap, signed = {"dynamic signed": (QMAP1, True), "dynamic unsigned": (QMAP2, False), **OTHER_MAPS}[name]
+    x = probe_values(qmap)
+    got = fused_quantize(x, qmap, signed, library=march_kernel[1]).long()
+    differ = (got != expected_codes(x, qmap, signed)).nonzero().flatten()
+    assert differ.numel() == 0, f"{differ.numel()} codes differ, e.g. x={x[differ[:5]].tolist()}"
 
 
 ONE_STATE = sorted(set(FAMILIES) - set(TWO_STATE))
@@ -431,7 +462,7 @@ def test_a_damaged_cached_library_is_rebuilt_and_build_kernels_checks_that_it_lo
     path = build.build_library()
     with open(path, "r+b") as handle:
         handle.truncate(damage)
-    assert build.prebuild() == 0 and capsys.readouterr().out.strip() == path
+    assert build.prebuild() == 0 and capsys.readouterr().out.splitlines()[0] == path
     assert fake_cxx.count() == 2 and os.path.getsize(path) > damage
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "other-cache"))
     path = build.build_library()

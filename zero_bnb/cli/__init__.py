@@ -26,10 +26,11 @@ def main(argv: list[str] | None = None) -> int:
                       help="largest relative difference of a resumed loss from the uninterrupted run (exit 1 above; "
                            "default: zero_bnb.cli.demo.LOSS_BOUND, measured in docs/bounds.md)")
     kernels = commands.add_parser(
-        "build-kernels", help="compile the fused CPU 8-bit optimizer update now and print its path",
+        "build-kernels", help="compile the fused CPU 8-bit optimizer update now and print its path and quantizer",
         description="Compiles zero_bnb's fused CPU 8-bit optimizer update (otherwise built on first use) into the "
                     "kernel cache ($ZERO_BNB_KERNEL_DIR, default ~/.cache/zero_bnb/kernels) with the C++ compiler "
-                    "$CXX (default c++). Exit 0 and the library's path, or 1 and the reason.")
+                    "$CXX (default c++) for -march=$ZERO_BNB_KERNEL_MARCH (default native). Exit 0, the library's path "
+                    "and the quantizer path it takes (permute, gather, avx2 or scalar), or 1 and the reason.")
     kernels.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
     tools.add_commands(commands)
     args = parser.parse_args(argv)

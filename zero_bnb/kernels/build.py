@@ -46,7 +46,7 @@ from zero_bnb.kernels.cache import (
 )
 
 __all__ = ["CACHE_ENV", "KernelBuildError", "KernelCacheError", "KernelLockTimeout", "LOCK_TIMEOUT_ENV", "MARCH_ENV",
-           "SYMBOLS", "bind", "build_library", "cache_dir", "flags", "forget", "load_library", "main", "prebuild"]
+           "QUANTIZER_PATHS", "SYMBOLS", "bind", "build_library", "cache_dir", "flags", "forget", "load_library", "main", "prebuild"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +54,15 @@ SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "blockwise_update.cpp")
 #: Every file the source includes (part of the cache key).
 HEADERS = tuple(os.path.join(os.path.dirname(SOURCE), name) for name in ("quantize_tables.h", "codec.h"))
 #: -ffp-contract=off: no fused multiply-add, so the kernel rounds as the plain-torch reference does.
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++17")
+#: -fno-trapping-math: the kernel never reads floating-point exception flags, so the compiler may compute both sides
+#: of a select; without it gcc leaves the update loops of builds without AVX-512 scalar (the same values either way).
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fPIC",
+         "-shared", "-std=c++17")
 #: The instruction set to build for, as gcc's ``-march`` (default ``native``): ``x86-64-v2`` (the scalar path),
 #: ``x86-64-v3`` (AVX2), ``x86-64-v4`` (AVX-512), ... to test or use another path on one machine. Part of the key.
 MARCH_ENV = "ZERO_BNB_KERNEL_MARCH"
 #: The functions :func:`bind` declares: a library at the kernel's name without all of them is not the kernel.
-SYMBOLS = ("zero_bnb_blockwise_update", "zero_bnb_quantize", "zero_bnb_quantizer_path")
+SYMBOLS = ("zero_bnb_blockwise_update", "zero_bnb_quantize", "zero_bnb_quantizer_path", "zero_bnb_widest_path")
 
 
 def flags() -> tuple[str, ...]:
@@ -76,6 +79,8 @@ def flags() -> tuple[str, ...]:
             f"{MARCH_ENV}={march!r} is not a -march value; use e.g. x86-64-v3, x86-64-v4 or native, or unset it"
         )
     return tuple(f"-march={march}" if flag.startswith("-march=") else flag for flag in FLAGS)
+#: How the kernel finds codes, by what ``zero_bnb_quantizer_path`` and ``zero_bnb_widest_path`` return.
+QUANTIZER_PATHS = ("scalar", "gather", "permute", "avx2")
 
 
 def _compiler() -> list[str]:
@@ -277,24 +282,26 @@ def _declare(path: str, library: ctypes.CDLL) -> ctypes.CDLL:
     quantizer = library.zero_bnb_quantizer_path
     quantizer.restype = ctypes.c_int
     quantizer.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    library.zero_bnb_widest_path.restype = ctypes.c_int
+    library.zero_bnb_widest_path.argtypes = []
     return library
 
 
 def prebuild(force: bool = False) -> int:
-    """Compile (or find, or rebuild a damaged one) the kernel, check that it loads and print its path; the exit
-    code (1 when it cannot be built or loaded).
+    """Compile (or find, or rebuild a damaged one) the kernel, check that it loads and print its path, then on a
+    second line the quantizer path the build takes (``quantizer: permute``, ...: :data:`QUANTIZER_PATHS`, for
+    bitsandbytes' maps); the exit code (1 when it cannot be built or loaded).
 
     ``zero-bnb build-kernels`` and ``python -m zero_bnb.kernels.build``. Local: run it once per machine
     (or per shared cache folder) before training.
     """
     try:
         path, library = _build(force)
-        if library is None:
-            bind(path)  # the printed library loads and is the kernel
+        widest = (library or bind(path)).zero_bnb_widest_path()  # the printed library loads and is the kernel
     except KernelBuildError as error:
         sys.stderr.write(f"zero_bnb: {error}\n")
         return 1
-    sys.stdout.write(f"{path}\n")
+    sys.stdout.write(f"{path}\nquantizer: {QUANTIZER_PATHS[widest]}\n")
     return 0
 
 

@@ -20,6 +20,15 @@ void quantize_slow(const Map& map, const float* s, float absmax, uint8_t* out, i
     if (!lookup(map, bits_of(x), out + j)) out[j] = code_of<SIGNED>(map.code, x, s[j]);
 }
 
+// The binary search for every element of each group of `width` whose bit is set in `groups` (lanes the table
+// left to it): a group at a time, since such lanes are rare (with bitsandbytes' maps: NaN, Inf, |x| >= 2).
+template <bool SIGNED>
+void search_groups(const Map& map, const float* s, float absmax, uint8_t* out, uint32_t groups, int width) {
+    for (; groups; groups &= groups - 1)
+        for (int j = width * __builtin_ctz(groups), end = j + width; j < end; ++j)
+            quantize_slow<SIGNED>(map, s, absmax, out, j);
+}
+
 #if defined(__AVX512F__)
 // The table's codes for 16 values of x (stored to out); the mask of those that need the binary search.
 inline __mmask16 lookup16(const Map& map, __m512 x, uint8_t* out) {
@@ -35,6 +44,39 @@ inline __mmask16 lookup16(const Map& map, __m512 x, uint8_t* out) {
     const __m512i c = _mm512_mask_blend_epi32(stepped, entry, _mm512_srli_epi32(entry, 8));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c));  // the low bytes
     return _mm512_cmpeq_epi32_mask(entry, _mm512_setzero_si512());
+}
+#endif
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// lookup16 on 8 lanes (AVX2 gathers): the codes as dwords; *slow gets all ones in the lanes that need the binary
+// search (or'ed in). The 16-bit quantities fit int32, so the signed compare is the unsigned one.
+inline __m256i lookup8(const Map& map, __m256 x, __m256i* slow) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i top = _mm256_srli_epi32(_mm256_slli_epi32(u, 1), 17);  // magnitude >> 16
+    __m256i row = _mm256_min_epu32(_mm256_subs_epu16(top, _mm256_set1_epi32(static_cast<int>(map.base))),
+                                   _mm256_set1_epi32(static_cast<int>(kTop + 1 - map.base)));
+    const __m128i sign_shift = _mm_cvtsi32_si128(static_cast<int>(map.sign_shift));
+    row = _mm256_or_si256(row, _mm256_and_si256(_mm256_srl_epi32(u, sign_shift),
+                                                _mm256_set1_epi32(static_cast<int>(map.half))));  // row | (u' & half)
+    const __m256i entry = _mm256_i32gather_epi32(reinterpret_cast<const int*>(map.table.data()), row, 4);
+    const __m256i stepped = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0xffff)),
+                                               _mm256_srli_epi32(entry, 16));
+    *slow = _mm256_or_si256(*slow, _mm256_cmpeq_epi32(entry, _mm256_setzero_si256()));
+    const __m256i c = _mm256_srlv_epi32(entry, _mm256_and_si256(stepped, _mm256_set1_epi32(8)));  // next: byte 1
+    return _mm256_and_si256(c, _mm256_set1_epi32(0xff));
+}
+
+// The map's values of 8 codes times scale (a block's absmax).
+inline __m256 dequantize8(const Map& map, const uint8_t* c, __m256 scale) {
+    const __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
+    return _mm256_mul_ps(_mm256_i32gather_ps(map.code, index, 4), scale);
+}
+
+// The low bytes of 4 x 8 dwords (each < 256), in order: the packs work within 128-bit lanes, the permute undoes that.
+inline void store_bytes(const __m256i c[4], uint8_t* out) {
+    const __m256i packed = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                        _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 #endif
 
@@ -157,7 +199,7 @@ void quantize_permuted(const Map& map, const float* __restrict__ s, float absmax
 // Dequantize 256 codes through a 256-entry map and scale by absmax. With AVX512-VBMI the map sits in 16
 // registers as four 256-byte planes (byte k of every value's bits): 64 codes look up each plane with two
 // 128-byte permutes and a blend, and the bytes are interleaved back into floats, about three times
-// faster than a 16-lane gather per 16 codes. Else an explicit gather where AVX-512 exists (compilers
+// faster than a 16-lane gather per 16 codes. Else an explicit gather where AVX-512 or AVX2 exists (compilers
 // tuned for AMD Zen emulate gathers with scalar loads), else scalar.
 inline void dequantize(const Map& map, const uint8_t* __restrict__ c, float absmax, float* __restrict__ out) {
 #if defined(__AVX512VBMI__)
@@ -178,6 +220,9 @@ inline void dequantize(const Map& map, const uint8_t* __restrict__ c, float absm
         const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + j)));
         _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_i32gather_ps(index, map.code, 4), scale));
     }
+#elif defined(__AVX2__)
+    const __m256 scale = _mm256_set1_ps(absmax);
+    for (int j = 0; j < kBlock; j += 8) _mm256_storeu_ps(out + j, dequantize8(map, c + j, scale));
 #else
     const float* __restrict__ code = map.code;
 #pragma omp simd
@@ -227,9 +272,17 @@ void quantize(const Map& map, const float* __restrict__ s, float absmax, uint8_t
         const __mmask16 lanes = lookup16(map, _mm512_div_ps(_mm512_loadu_ps(s + j), scale), out + j);
         slow |= static_cast<uint32_t>(lanes != 0) << (j / 16);
     }
-    for (; slow; slow &= slow - 1)
-        for (int j = 16 * __builtin_ctz(slow), end = j + 16; j < end; ++j)
-            quantize_slow<SIGNED>(map, s, absmax, out, j);
+    search_groups<SIGNED>(map, s, absmax, out, slow, 16);
+#elif defined(__AVX2__)
+    const __m256 scale = _mm256_set1_ps(absmax);
+    uint32_t slow = 0;  // per 32 values: one test of 4 lookups' or'ed masks (a scalar mask per 8 took 4% of a step)
+    for (int j = 0; j < kBlock; j += 32) {
+        __m256i c[4], lanes = _mm256_setzero_si256();
+        for (int r = 0; r < 4; ++r) c[r] = lookup8(map, _mm256_div_ps(_mm256_loadu_ps(s + j + 8 * r), scale), &lanes);
+        slow |= static_cast<uint32_t>(!_mm256_testz_si256(lanes, lanes)) << (j / 32);
+        store_bytes(c, out + j);
+    }
+    search_groups<SIGNED>(map, s, absmax, out, slow, 32);
 #else
     for (int j = 0; j < kBlock; ++j) quantize_slow<SIGNED>(map, s, absmax, out, j);
 #endif

@@ -15,7 +15,7 @@
 
 #include <algorithm>
 #include <cfloat>
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <cmath>
