@@ -15,7 +15,8 @@ A save of tag ``T`` into ``save_dir`` goes through three states:
    folders, write the new ``latest`` into a private folder (a full disk fails here, before
    anything is visible), rename the staging folder to ``save_dir/T`` (an existing ``T`` is first
    moved aside to ``.T.zero_bnb-replaced``, and after the rename removed under a staging name, so that no
-   loader finds it half removed), then rename the new ``latest`` into
+   loader finds it half removed; one holding what zero_bnb did not write is kept whole as
+   ``T.replaced-<UTC time>`` instead), then rename the new ``latest`` into
    place, then release the lock. An error after the folder's rename says that ``T`` *was*
    published and what ``latest`` names.
 
@@ -54,9 +55,9 @@ from zero_bnb.format.durable import (
     write_text,
 )
 from zero_bnb.format.lock import SaveFolderLock
-from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR, Manifest, write_manifest
-from zero_bnb.format.ownership import checkpoint_strangers
-from zero_bnb.format.stock_files import MODEL_STATES, UNIVERSAL_STATE
+from zero_bnb.format.manifest import SUBDIR, Manifest, write_manifest
+from zero_bnb.format.ownership import CHECKPOINT_MARKERS, checkpoint_strangers
+from zero_bnb.format.stock_files import MODEL_STATES
 from zero_bnb.format.tags import LATEST_NAME, UNIVERSAL_LATEST, aside_tag, check_new_tag
 
 __all__ = ["PublishedError", "SaveTransaction", "local_commit"]
@@ -64,9 +65,6 @@ __all__ = ["PublishedError", "SaveTransaction", "local_commit"]
 logger = logging.getLogger(__name__)
 
 _STAGING_SUFFIX = ".zero_bnb-staging"
-#: What marks a folder as a checkpoint (zero_bnb's manifest, stock DeepSpeed's model file, a universal one's state;
-#: stage-3 model files end in MODEL_STATES).
-_CHECKPOINT_MARKERS = (os.path.join(SUBDIR, MANIFEST_NAME), MODEL_STATES, UNIVERSAL_STATE)
 
 
 _PUBLISHED_MARK = "published:"
@@ -76,15 +74,13 @@ class PublishedError(CheckpointSaveError):
     """The new checkpoint was published, but a step after (``latest``, syncing, tidying) failed; the message says which."""
 
 
-def _check_targets(save_dir: str, tag: str, latest_name: str | None, owned_only: bool = True) -> str | None:
+def _check_targets(save_dir: str, tag: str, latest_name: str | None, owned_only: bool = True) -> None:
     """Refuse, before anything is written, targets that publishing could not replace cleanly.
 
-    With ``owned_only`` (engine saves), an existing tag folder is replaced only when it is a zero_bnb checkpoint
-    holding nothing but its own files (or empty). Another checkpoint there (stock DeepSpeed's, or a zero_bnb one
-    with a user's files added) is kept whole under a new name beside it: the returned path, which the caller
-    renames it to (nothing zero_bnb did not write is deleted). Anything else is refused. Offline tools replace an
-    existing output only when asked (``--force``), after their own checks
-    (:func:`zero_bnb.tools.outputs.check_output_folder`): they get ``None``.
+    With ``owned_only`` (engine saves), also an existing tag folder that holds what zero_bnb did not write and is no
+    checkpoint (a user's folder). One that is a checkpoint (stock DeepSpeed's, or a zero_bnb one with a user's file
+    added) is replaced, and kept whole beside the new one (:func:`_publish`). Offline tools replace an existing output
+    only when asked (``--force``), after their own checks (:func:`zero_bnb.tools.outputs.check_output_folder`).
     """
     final = os.path.join(save_dir, tag)
     if os.path.islink(final) or (os.path.lexists(final) and not os.path.isdir(final)):
@@ -101,19 +97,16 @@ def _check_targets(save_dir: str, tag: str, latest_name: str | None, owned_only:
                 f"Remove or rename {latest}"
             )
     strangers = checkpoint_strangers(final) if owned_only and os.path.isdir(final) else []
-    if not strangers:
-        return None
-    shown = ", ".join(strangers[:5]) + (f" and {len(strangers) - 5} more" if len(strangers) > 5 else "")
-    if not (any(os.path.isfile(os.path.join(final, marker)) for marker in _CHECKPOINT_MARKERS)
-            or any(name.endswith(MODEL_STATES) for name in os.listdir(final))):  # stage 3: zero_pp_rank_r_mp_rank_...
+    if strangers and not (any(os.path.isfile(os.path.join(final, marker)) for marker in CHECKPOINT_MARKERS)
+                          or any(name.endswith(MODEL_STATES) for name in os.listdir(final))):  # stage 3's, per rank
         raise CheckpointSaveError(
-            f"{final} exists and is not a checkpoint folder (it holds {shown}); zero_bnb replaces only checkpoint "
-            f"folders it wrote. Nothing was written. Save under another tag, or move {final} away yourself"
+            f"{final} exists and is not a checkpoint folder (it holds {_shown(strangers)}); zero_bnb replaces only "
+            f"checkpoint folders it wrote. Nothing was written. Save under another tag, or move {final} away yourself"
         )
-    keep = _kept_name(save_dir, tag)
-    logger.warning("zero_bnb: %s holds files zero_bnb did not write (%s); the new checkpoint takes its place and the "
-                   "folder is kept whole as %s (remove it when you no longer need it)", final, shown, keep)
-    return keep
+
+
+def _shown(paths: list[str]) -> str:
+    return ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
 
 
 def _kept_name(save_dir: str, tag: str) -> str:
@@ -157,23 +150,24 @@ def _publish(save_dir: str, tag: str, staging: str, latest_name: str | None, own
     final = os.path.join(save_dir, tag)
     aside = os.path.join(save_dir, aside_tag(tag))
     trash = f"{staging}-replaced"  # a staging name: the next save removes it if a crash leaves it
-    # Checked again here: something may have arrived while the ranks wrote. A folder to keep is moved, never removed.
-    keep = _check_targets(save_dir, tag, latest_name, owned_only)
     pointer = None if latest_name is None else StagedFile(os.path.join(save_dir, latest_name))
     try:
         if pointer is not None:
             write_text(tag, pointer.path, root=pointer.folder)  # before anything is visible: a full disk fails here
-        publish_folder(staging, final, keep or aside, trash)
+        publish_folder(staging, final, aside, trash)
         try:
-            if keep is None and owned_only and os.path.isdir(aside) and checkpoint_strangers(aside):
-                keep = _kept_name(save_dir, tag)  # something arrived after the last check: keep it all
+            # The replaced folder, as it is now that nothing can arrive in it any more: removed only if it holds
+            # nothing zero_bnb did not write, else kept whole under a visible name.
+            strangers = checkpoint_strangers(aside) if owned_only and os.path.isdir(aside) else []
+            if strangers:
+                keep = _kept_name(save_dir, tag)
                 os.rename(aside, keep)
-                logger.warning("zero_bnb: files zero_bnb did not write arrived in %s while it was replaced; the "
-                               "previous folder is kept whole as %s", final, keep)
-            if keep is None:
-                _finish_even_if_interrupted(final, aside, trash)
-            else:
                 fsync_dir(save_dir)
+                logger.warning("zero_bnb: %s held files zero_bnb did not write (%s); the new checkpoint took its "
+                               "place and the previous folder is kept whole as %s (remove it when you no longer "
+                               "need it)", final, _shown(strangers), keep)
+            else:
+                _finish_even_if_interrupted(final, aside, trash)
             if pointer is not None:
                 pointer.publish()
         except OSError as error:

@@ -184,10 +184,12 @@ def copy_file(source: str, path: str, *, root: str) -> FileRecord:
 
 
 def digest_file(path: str) -> tuple[int, str]:
-    """Size in bytes and SHA-256 (hex) of the file at ``path``, read in 1 MiB chunks."""
+    """Size in bytes and SHA-256 (hex) of the file at ``path`` (opened without following a link), read in 1 MiB
+    chunks."""
     digest = hashlib.sha256()
     size = 0
-    with open(path, "rb") as handle:
+    with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)),
+                   "rb") as handle:
         while chunk := handle.read(_CHUNK):
             digest.update(chunk)
             size += len(chunk)

@@ -16,22 +16,24 @@ Local, no collectives.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import stat
 from dataclasses import dataclass
 
 from zero_bnb.errors import CheckpointFormatError
-from zero_bnb.format.durable import fsync_dir, replacing
+from zero_bnb.format.durable import digest_file, fsync_dir, replacing
 from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR, read_manifest
+from zero_bnb.format.stock_files import MODEL_STATES, UNIVERSAL_STATE
 
-__all__ = ["RECORD_FORMAT", "RECORD_NAME", "OutputRecord", "checkpoint_strangers", "file_sha256"]
+__all__ = ["CHECKPOINT_MARKERS", "RECORD_FORMAT", "RECORD_NAME", "OutputRecord", "checkpoint_strangers"]
 
 #: The record of what zero_bnb wrote into an output folder (hidden, beside the weights).
 RECORD_NAME = ".zero_bnb-outputs.json"
 RECORD_FORMAT = "zero_bnb-outputs/1"
-_CHUNK = 1 << 20
+#: What marks a folder as a checkpoint (zero_bnb's manifest, a universal checkpoint's state, stock DeepSpeed's model
+#: file of stages 1/2); relative to the tag folder.
+CHECKPOINT_MARKERS = (os.path.join(SUBDIR, MANIFEST_NAME), UNIVERSAL_STATE, MODEL_STATES)
 
 
 def checkpoint_strangers(tag_folder: str) -> list[str]:
@@ -73,16 +75,6 @@ def checkpoint_strangers(tag_folder: str) -> list[str]:
     return sorted(strangers)
 
 
-def file_sha256(path: str) -> str:
-    """SHA-256 of the regular file ``path`` (opened without following a link)."""
-    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-    digest = hashlib.sha256()
-    with os.fdopen(descriptor, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 @dataclass(frozen=True, slots=True)
 class _Stamp:
     size: int
@@ -101,6 +93,7 @@ class OutputRecord:
         self.folder = folder
         self.path = os.path.join(folder, RECORD_NAME)
         self.files: dict[str, list[_Stamp]] = {}
+        self._proven: dict[str, tuple[int, int, int]] = {}
         try:
             with open(self.path, encoding="utf-8") as handle:
                 data = json.load(handle)
@@ -111,25 +104,28 @@ class OutputRecord:
         except (OSError, ValueError, KeyError, TypeError):
             self.files = {}
 
-    def _stamp_in_place(self, name: str) -> _Stamp | None:
+    def owns(self, name: str) -> bool:
+        """Whether ``folder/name`` is a regular file whose bytes are ones zero_bnb recorded writing. A file proven
+        once is not hashed again while it is the same file, unchanged (inode, size and modification time)."""
         path = os.path.join(self.folder, name)
         try:
             info = os.lstat(path)
         except FileNotFoundError:
-            return None
+            return False
         stamps = self.files.get(name, [])
         if not stamps or not stat.S_ISREG(info.st_mode) or all(info.st_size != stamp.size for stamp in stamps):
-            return None
-        digest = file_sha256(path)
-        return next((stamp for stamp in stamps if stamp.size == info.st_size and stamp.sha256 == digest), None)
-
-    def owns(self, name: str) -> bool:
-        """Whether ``folder/name`` is a regular file whose bytes are ones zero_bnb recorded writing."""
-        return self._stamp_in_place(name) is not None
+            return False
+        identity = (info.st_ino, info.st_size, info.st_mtime_ns)
+        if self._proven.get(name) == identity:
+            return True
+        if _Stamp(*digest_file(path)) not in stamps:
+            return False
+        self._proven[name] = identity
+        return True
 
     def note(self, name: str, path: str) -> _Stamp:
         """Record ``path``'s bytes as a version of zero_bnb's output ``name`` (saved by :meth:`save`); its stamp."""
-        stamp = _Stamp(os.path.getsize(path), file_sha256(path))
+        stamp = _Stamp(*digest_file(path))
         self.files[name] = [s for s in self.files.get(name, []) if s != stamp] + [stamp]
         return stamp
 

@@ -160,7 +160,8 @@ class CheckpointReader:
     def check_module_weights(self, rank: int = 0, world_size: int = 1) -> None:
         """Check this process's share (shards ``rank``, ``rank + world_size``, ...) of the module weights that
         derived masters are rebuilt from (dtype, shape and SHA-256 of every piece, as a rebuild checks them, verified
-        or not: a re-signed manifest cannot vouch for an edited model file), without rebuilding; shards whose masters were rebuilt here already were checked then. Call after
+        or not: a re-signed manifest cannot vouch for an edited model file), without rebuilding; shards whose masters
+        were rebuilt here already were checked then. Call after
         :meth:`preload`. Once every process of a load has called it with its rank, every piece was checked by one
         of them, and :meth:`module_weights_as_cast` may hand out the model file's weights.
 

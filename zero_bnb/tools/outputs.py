@@ -15,12 +15,8 @@ from contextlib import contextmanager
 from zero_bnb.errors import CheckpointSaveError, CheckpointUsageError
 from zero_bnb.format.durable import note_published, replacing
 from zero_bnb.format.lock import LOCK_NAME
-from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR
+from zero_bnb.format.ownership import CHECKPOINT_MARKERS
 from zero_bnb.format.paths import RESERVED_TAGS, inside, overlaps, resolved
-from zero_bnb.format.stock_files import MODEL_STATES, UNIVERSAL_STATE
-
-#: What marks a folder as a checkpoint that ``force`` may replace (zero_bnb, DeepSpeed, universal).
-_CHECKPOINT_MARKERS = (os.path.join(SUBDIR, MANIFEST_NAME), UNIVERSAL_STATE, MODEL_STATES)
 
 __all__ = ["check_output_file", "check_output_folder", "replacing_file"]
 
@@ -50,10 +46,10 @@ def check_output_folder(target: str, *, source_tag_folder: str, force: bool) -> 
             f"until the new one is complete), or choose another output"
         )
     if os.path.lexists(target) and (os.path.islink(target) or not any(
-            os.path.isfile(os.path.join(target, marker)) for marker in _CHECKPOINT_MARKERS)):
+            os.path.isfile(os.path.join(target, marker)) for marker in CHECKPOINT_MARKERS)):
         raise CheckpointUsageError(
             f"the output {target} exists and is not a checkpoint folder (it holds none of "
-            f"{list(_CHECKPOINT_MARKERS)}); --force replaces only checkpoints. Choose another output"
+            f"{list(CHECKPOINT_MARKERS)}); --force replaces only checkpoints. Choose another output"
         )
 
 

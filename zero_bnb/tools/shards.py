@@ -240,7 +240,6 @@ def _write_hidden(state: dict[str, torch.Tensor], output_dir: str, plan: ShardPl
     return fresh
 
 
-
 def _discard(fresh: dict[str, str]) -> None:
     """Remove the hidden files of a new output that were not put in place."""
     for temporary in fresh.values():
