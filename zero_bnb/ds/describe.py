@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from zero_bnb.core.state_spec import StateKind
+from zero_bnb.core.state_spec import classify_state
 
 __all__ = ["describe"]
 
@@ -39,13 +39,15 @@ def describe(engine: Any) -> dict[str, Any]:
         geometry = optimizer.geometry(index)
         state = {}
         for key, value in base.state.get(master, {}).items():
-            kind = spec.kinds.get(key, StateKind.COUNTER if not isinstance(value, torch.Tensor) else None)
+            # The kind a save gives it (zero_unsharded_state_keys and the size threshold included).
+            kind = classify_state(key, value, spec=spec, rule=optimizer.zero_bnb_rule,
+                                  partition_numel=geometry.partition_numel).kind.value
             if isinstance(value, torch.Tensor):
-                state[key] = {"kind": kind.value if kind else "undeclared", "dtype": str(value.dtype).removeprefix("torch."),
+                state[key] = {"kind": kind, "dtype": str(value.dtype).removeprefix("torch."),
                               "shape": tuple(value.shape), "bytes": value.numel() * value.element_size()}
                 state_bytes += state[key]["bytes"]
             else:
-                state[key] = {"kind": StateKind.COUNTER.value, "value": value}
+                state[key] = {"kind": kind, "value": value}
         if any(entry.get("dtype") == "uint8" for entry in state.values()):
             eight_bit.append(index)
         masters_bytes += master.numel() * master.element_size()

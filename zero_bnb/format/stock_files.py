@@ -161,26 +161,24 @@ def check_same_save(names: list[str], rank_sds: list[dict[str, Any]]) -> None:
     Raises:
         CheckpointFormatError: names the files that disagree, what differs, and the fix.
     """
-    records = [_shared_record(sd) for sd in rank_sds]
-    for index, record in enumerate(records[1:], start=1):
-        first = records[0]
+    first, *others = [_shared_record(sd) for sd in rank_sds]
+    for name, record in zip(names[1:], others):
         for group, (a, b) in enumerate(zip(first["steps"], record["steps"])):
             if a is not None and b is not None and a != b:
                 raise CheckpointFormatError(
-                    f"stock DeepSpeed rank files {names[0]} and {names[index]} are not from the same save: group "
+                    f"stock DeepSpeed rank files {names[0]} and {name} are not from the same save: group "
                     f"{group}'s step counter is {a} in the first and {b} in the second (a rank's file was left from "
                     f"another save, or copied from one). Stock files carry no rank or save id; copy the complete tag "
                     f"folder as DeepSpeed wrote it, or load an earlier tag"
                 )
-        for key in ("hyper", "scalars"):
-            if first[key] != record[key]:
-                differs = sorted(k for k in (first[key] if isinstance(first[key], dict) else {})
-                                 if first[key].get(k) != record[key].get(k)) if key == "scalars" else ["hyper-parameters"]
-                raise CheckpointFormatError(
-                    f"stock DeepSpeed rank files {names[0]} and {names[index]} are not from the same save: their "
-                    f"{', '.join(differs)} differ. Copy the complete tag folder as DeepSpeed wrote it, or load an "
-                    f"earlier tag"
-                )
+        differs = (["hyper-parameters"] if first["hyper"] != record["hyper"] else []) + sorted(
+            key for key, value in first["scalars"].items() if record["scalars"][key] != value)
+        if differs:
+            raise CheckpointFormatError(
+                f"stock DeepSpeed rank files {names[0]} and {name} are not from the same save: their "
+                f"{', '.join(differs)} differ. Copy the complete tag folder as DeepSpeed wrote it, or load an "
+                f"earlier tag"
+            )
 
 
 def stage3_model_states(rank: int) -> str:

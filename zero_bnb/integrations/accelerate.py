@@ -132,15 +132,15 @@ def install_accelerate_patch() -> None:
     with _LOCK:
         _WANTED = True
         module = sys.modules.get(_MODULE)
-        if module is not None and hasattr(module, _TARGET):
+        if module is None:
+            if _WATCHER not in sys.meta_path and _installed():
+                sys.meta_path.insert(0, _WATCHER)
+        elif hasattr(module, _TARGET):
             _patch(module)
-        elif module is not None and _importing(module):  # being imported on another thread: patch once it has run
+        elif _importing(module):  # being imported on another thread: patch once it has run
             threading.Thread(target=_patch_when_imported, args=(module,), name="zero_bnb-accelerate-patch",
                              daemon=True).start()
-        elif module is not None:  # imported, without the swap (an Accelerate that does not replace optimizers)
-            pass
-        elif _WATCHER not in sys.meta_path and _installed():
-            sys.meta_path.insert(0, _WATCHER)
+        # else: imported without the swap (an Accelerate that does not replace optimizers): nothing to patch
 
 
 def _patch(module: ModuleType) -> None:
