@@ -46,7 +46,8 @@ from zero_bnb.kernels.cache import (
 )
 
 __all__ = ["CACHE_ENV", "KernelBuildError", "KernelCacheError", "KernelLockTimeout", "LOCK_TIMEOUT_ENV", "MARCH_ENV",
-           "QUANTIZER_PATHS", "SYMBOLS", "bind", "build_library", "cache_dir", "flags", "forget", "load_library", "main", "prebuild"]
+           "QUANTIZER_PATHS", "SYMBOLS", "bind", "build_library", "cache_dir", "flags", "forget", "load_library", "main",
+           "prebuild"]
 
 logger = logging.getLogger(__name__)
 

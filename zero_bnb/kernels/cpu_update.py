@@ -6,10 +6,11 @@ gradient whose ``state1`` is uint8 on the CPU and not paged is updated by
 :func:`~zero_bnb.kernels.fused.fused_update`; anything else (a parameter on a GPU, paged state, fp32
 state, fp16/bf16 parameters, an optimizer without a fused kernel) takes the optimizer's own path. The
 decision is the *parameter's* device: bitsandbytes' paged state (``is_paged``, parameters of at least
-1e5 elements on CUDA) is a CPU tensor over CUDA managed memory, which the CUDA kernel updates. The configuration and step counting are bitsandbytes' (``get_config``, ``state["step"] += 1``,
-AdEMAMix's alpha/beta3 schedule from ``bitsandbytes/optim/ademamix.py``), so per-parameter overrides keep
-working. The ``zero_cpu_update`` setting chooses: ``"auto"`` (fused when it builds, else bitsandbytes'
-path with one warning), ``"fused"`` (fail if it cannot build) or ``"bitsandbytes"``.
+1e5 elements on CUDA) is a CPU tensor over CUDA managed memory, which the CUDA kernel updates. The
+configuration and step counting are bitsandbytes' (``get_config``, ``state["step"] += 1``, AdEMAMix's
+alpha/beta3 schedule from ``bitsandbytes/optim/ademamix.py``), so per-parameter overrides keep working.
+The ``zero_cpu_update`` setting chooses: ``"auto"`` (fused when it builds, else bitsandbytes' path with one
+warning), ``"fused"`` (fail if it cannot build) or ``"bitsandbytes"``.
 
 Local: no collectives.
 """

@@ -30,7 +30,8 @@ import torch
 
 from zero_bnb.kernels.hyper import BLOCK, TWO_STATE, UpdateHyper
 
-__all__ = ["EXACT_TIES", "FORMAT", "TIES_BLOCK", "GoldenCase", "agreement", "golden_cases", "read_fixtures", "write_fixture"]
+__all__ = ["EXACT_TIES", "FORMAT", "TIES_BLOCK", "GoldenCase", "agreement", "golden_cases", "read_fixtures",
+           "write_fixture"]
 
 #: The fixture format's name and version (metadata ``format``).
 FORMAT = "zero_bnb-golden-8bit-update/1"
@@ -77,8 +78,8 @@ def _inputs(hyper: UpdateHyper, n: int, seed: int) -> dict[str, torch.Tensor]:
     absmax2[0] = 0.0
     # Block 1: one NaN gradient; block 2: one +Inf, block 3: one -Inf.
     g[BLOCK + 5], g[2 * BLOCK + 9], g[3 * BLOCK + 17] = float("nan"), float("inf"), float("-inf")
-    # Block 4 (TIES_BLOCK): ties. State 1 starts at code 128 (0) with absmax 0 in every row, so with beta1 = 0 the new moment is
-    # the (decayed) gradient; the gradient holds 1.0 (the block's absmax) and every midpoint of the signed map.
+    # Block 4 (TIES_BLOCK): ties. State 1 starts at code 128 (0) with absmax 0 in every row, so with beta1 = 0 the new
+    # moment is the (decayed) gradient; the gradient holds 1.0 (the block's absmax) and every midpoint of the signed map.
     start = TIES_BLOCK * BLOCK
     midpoints = (qmap1[1:] + qmap1[:-1]) / 2
     g[start:start + BLOCK] = 0.0

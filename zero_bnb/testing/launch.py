@@ -23,10 +23,6 @@ __all__ = ["DEVICES", "child_environment_for", "gpus_missing", "init_worker", "r
 
 logger = logging.getLogger(__name__)
 
-#: Where the ranks run: ``"cpu"`` (gloo, DeepSpeed's CPU accelerator, no CUDA device visible) or ``"cuda"``
-#: (nccl, rank r on ``cuda:r``).
-DEVICES = ("cpu", "cuda")
-
 #: Set in the parent before spawning, so each child reads it before it first imports torch (which happens while
 #: the child unpickles ``fn``, before :func:`init_worker` runs): OpenMP's thread count, CUDA's visible devices and
 #: DeepSpeed's accelerator are all fixed at first use.
@@ -35,6 +31,9 @@ _CHILD_ENV = {
     "cuda": {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cuda"},
 }
 _BACKEND = {"cpu": "gloo", "cuda": "nccl"}
+#: Where the ranks run: ``"cpu"`` (gloo, DeepSpeed's CPU accelerator, no CUDA device visible) or ``"cuda"``
+#: (nccl, rank r on ``cuda:r``).
+DEVICES = tuple(_CHILD_ENV)
 
 
 def child_environment_for(device: str) -> dict[str, str]:
