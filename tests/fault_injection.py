@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from zero_bnb.format import durable
 from zero_bnb.testing.consolidate import consolidated_state, state_differences
-from zero_bnb.testing.launch import init_worker
+from zero_bnb.testing.launch import child_environment_for, init_worker
 from zero_bnb.testing.toy import DEFAULT_RUN as RUN
 from zero_bnb.testing.toy import train_steps
 
@@ -150,6 +150,9 @@ def _run_trial(workdir: str, number: int, trial: dict) -> dict:
 
 
 def _serve(workdir: str, trials: list[dict]) -> None:
+    # The CPU ranks' environment before DeepSpeed picks its accelerator at import: the forked trials inherit both,
+    # so on a machine with GPUs they stay on the CPU too (init_worker sets it again, too late for this import).
+    os.environ.update(child_environment_for("cpu"))
     torch.set_num_threads(1)
     import deepspeed  # noqa: F401 - imported once here, inherited by every forked trial
     import scenarios  # noqa: F401
