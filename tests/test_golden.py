@@ -67,3 +67,14 @@ def test_a_file_of_another_format_is_refused_naming_it(tmp_path):
     with pytest.raises(ValueError, match=r"stray.safetensors is not a golden-vector fixture: its metadata format is "
                                          r"'other', expected 'zero_bnb-golden-8bit-update/1'"):
         read_fixtures(str(tmp_path))
+
+
+def test_a_fixture_with_a_strangers_metadata_is_refused_naming_it(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"p": torch.zeros(1)}, str(tmp_path / "odd.safetensors"),
+              metadata={"format": "zero_bnb-golden-8bit-update/1", "hyper": '{"name": "adam", "rm": 1}', "step": "1"})
+    with pytest.raises(ValueError, match=r"odd.safetensors is a golden-vector fixture with unreadable metadata "
+                                         r"\(TypeError: .*\); write it again with benchmarks/gpu/golden_vectors.py"):
+        read_fixtures(str(tmp_path))

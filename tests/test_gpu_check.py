@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 
 import pytest
 import torch
@@ -25,7 +27,19 @@ def _check(out, **env) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, check.sh runs the whole GPU check (about 9 minutes): "
                                                       "run it directly")
 def test_the_dry_run_goes_through_every_step_and_exits_0(tmp_path):
-    done = _check(tmp_path)
+    # Another check running at the same time keeps its scratch folder (its process is alive: this one); a killed
+    # run's leftovers (their process gone) are removed.
+    alive = tempfile.mkdtemp(prefix="zero_bnb_gpu_check.", dir="/tmp")
+    dead = tempfile.mkdtemp(prefix="zero_bnb_cross_device_", dir="/tmp")
+    with open(os.path.join(alive, "pid"), "w") as handle:
+        handle.write(str(os.getpid()))
+    with open(os.path.join(dead, "pid"), "w") as handle:
+        handle.write("999999999")  # no such process
+    try:
+        done = _check(tmp_path)
+        assert os.path.isdir(alive) and not os.path.exists(dead)
+    finally:
+        shutil.rmtree(alive, ignore_errors=True)
     log = (tmp_path / "check.log").read_text()
     assert done.returncode == 0, log[-3000:]
     assert "no CUDA device: a CPU dry run of the same steps" in log and "check: all steps passed" in log

@@ -30,9 +30,17 @@ LOG="$OUT/check.log"
 failed=()
 say() { echo "check: $*" | tee -a "$LOG"; }
 
-# A killed earlier run may have left checkpoints behind (the GPU machine's disk is 64 GB).
-rm -rf /tmp/zero_bnb_gpu_check.* /tmp/zero_bnb_cross_device_* 2>/dev/null
+# A killed earlier run may have left checkpoints behind (the GPU machine's disk is 64 GB): its scratch folders are
+# removed, each only when the process that made it (its "pid" file) is gone, so a second check running at the same
+# time keeps its own.
+for left in /tmp/zero_bnb_gpu_check.* /tmp/zero_bnb_cross_device_*; do
+    [ -d "$left" ] && [ ! -L "$left" ] || continue
+    owner=$(cat "$left/pid" 2>/dev/null || true)
+    if [ -n "$owner" ] && kill -0 "$owner" 2>/dev/null; then continue; fi
+    rm -rf "$left"
+done
 SCRATCH=$(mktemp -d /tmp/zero_bnb_gpu_check.XXXXXX)
+echo $$ > "$SCRATCH/pid"
 trap 'rm -rf "$SCRATCH"' EXIT
 
 # Runs "$@" with a time limit, output to the log (and to FILE when given: step NAME SECONDS [FILE] -- command...).

@@ -195,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         print("cross_device: no CUDA device; use --dry-run", file=sys.stderr)
         return 2
     workdir = tempfile.mkdtemp(prefix="zero_bnb_cross_device_")
+    with open(os.path.join(workdir, "pid"), "w") as handle:  # check.sh removes it only once this process is gone
+        handle.write(str(os.getpid()))
     timings = {}
     try:
         for side, fn, world, where in (("gpu_save", gpu_save, 1, device), ("cpu_resave", cpu_resave, 3, "cpu"),

@@ -153,10 +153,15 @@ def read_fixtures(folder: str) -> list[tuple[GoldenCase, dict[str, torch.Tensor]
                 raise ValueError(f"{path} is not a golden-vector fixture: its metadata format is "
                                  f"{metadata.get('format')!r}, expected {FORMAT!r}")
             tensors = {key: handle.get_tensor(key) for key in handle.keys()}
-        hyper = UpdateHyper(**json.loads(metadata["hyper"]))
+        try:
+            hyper = UpdateHyper(**json.loads(metadata["hyper"]))
+            step = int(metadata["step"])
+        except (KeyError, TypeError, ValueError) as error:  # a stranger's file: named, not a traceback
+            raise ValueError(f"{path} is a golden-vector fixture with unreadable metadata ({type(error).__name__}: "
+                             f"{error}); write it again with benchmarks/gpu/golden_vectors.py") from error
         inputs = {k: v for k, v in tensors.items() if not k.startswith("out.")}
         outputs = {k[len("out."):]: v for k, v in tensors.items() if k.startswith("out.")}
-        found.append((GoldenCase(entry[: -len(".safetensors")], hyper, int(metadata["step"]), inputs,
+        found.append((GoldenCase(entry[: -len(".safetensors")], hyper, step, inputs,
                                  metadata.get("features", "")), outputs, metadata))
     return found
 
