@@ -253,6 +253,9 @@ class SaveTransaction:
         self.errors: list[str] = []
         #: the first exception a :meth:`guard` caught on this rank (chained to the error raised for it)
         self.cause: BaseException | None = None
+        #: the process group :meth:`commit` agrees on (``None``: the world; an asynchronous save's own group,
+        #: so that a commit in a background thread never interleaves with training's collectives)
+        self.group: Any = None
         self._lock: SaveFolderLock | None = None
 
     def begin(self) -> None:
@@ -329,8 +332,8 @@ class SaveTransaction:
                 publish; the previous checkpoint and ``latest`` are then unchanged.
         """
         local = (self.files, "; ".join(self.errors) or None)
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local)
+        gathered: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, local, group=self.group)
         failures = [None if error is None else ("CheckpointSaveError", error) for _, error in gathered]
         outcome: list[Any] = [None]
         if dist.get_rank() == 0:
@@ -351,7 +354,7 @@ class SaveTransaction:
                 self.cause = self.cause or error
             finally:
                 self.abort()
-        dist.broadcast_object_list(outcome, src=0)
+        dist.broadcast_object_list(outcome, src=0, group=self.group)
         if outcome[0] is not None and outcome[0][1].startswith(_PUBLISHED_MARK):
             raise CheckpointSaveError(f"saving checkpoint {self.tag!r} to {self.save_dir}: "
                                       f"{outcome[0][1][len(_PUBLISHED_MARK):]}")

@@ -8,8 +8,10 @@ rank 0 once every rank has reported its files. Publishing the folder is
 
 from __future__ import annotations
 
+import copy
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,12 +34,18 @@ from zero_bnb.format.payload import (
     write_shard,
 )
 
-__all__ = ["build_manifest", "write_local_files"]
+__all__ = ["LocalPayload", "Stage", "build_manifest", "copy_to_cpu", "manifest_draft", "stage_local_payload",
+           "write_local_files"]
 
 
-def _valid_slice(value: torch.Tensor, count: int) -> torch.Tensor:
-    """The real-element part (along the last, partition axis) of a partition-local tensor, as a compact CPU copy."""
-    return value.detach()[..., :count].to("cpu", copy=True).contiguous()
+#: How a save copies a tensor it will write out of training's reach: into a fresh CPU tensor (a synchronous save),
+#: or into a reused staging buffer (:meth:`zero_bnb.checkpoint.staging.StagingPool.tensor`, an asynchronous one).
+Stage = Callable[[torch.Tensor], torch.Tensor]
+
+
+def copy_to_cpu(value: torch.Tensor) -> torch.Tensor:
+    """A compact CPU copy of ``value`` (the :data:`Stage` of a synchronous save)."""
+    return value.detach().to("cpu", copy=True).contiguous()
 
 
 def _hyperparameters(optimizer: PartitionedOptimizer, group_index: int) -> dict[str, Any]:
@@ -45,18 +53,35 @@ def _hyperparameters(optimizer: PartitionedOptimizer, group_index: int) -> dict[
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def write_local_files(optimizer: PartitionedOptimizer, tag_folder: str, masters: Sequence[MasterPlan]) -> list[FileRecord]:
-    """Write this rank's shard, and on rank 0 the replicated-state file, durably.
+@dataclass(frozen=True, slots=True)
+class LocalPayload:
+    """What one rank's optimizer files hold, copied out of training's reach (see :func:`stage_local_payload`)."""
 
-    Local: no collectives. Each shard holds, per flat group, the fp32 master weights (whole, or
-    derived as ``masters`` says: :func:`~zero_bnb.checkpoint.masters.plan_masters`) and the
-    element-wise and block-wise state of the real elements this rank owns (padding stripped).
+    shard: ShardPayload
+    replicated: ReplicatedPayload | None
 
-    Returns:
-        The files written, with paths relative to ``tag_folder``.
+    def write(self, tag_folder: str) -> list[FileRecord]:
+        """Write this rank's shard, and on rank 0 the replicated-state file, durably. Local.
+
+        Returns:
+            The files written, with paths relative to ``tag_folder``.
+        """
+        folder = os.path.join(tag_folder, SUBDIR)
+        makedirs(folder)
+        records = [write_shard(self.shard, folder, root=tag_folder)]
+        if self.replicated is not None:
+            records.append(write_replicated(self.replicated, folder, root=tag_folder))
+        return records
+
+
+def stage_local_payload(optimizer: PartitionedOptimizer, masters: Sequence[MasterPlan],
+                        stage: Stage = copy_to_cpu) -> LocalPayload:
+    """This rank's shard and (rank 0) replicated state, each tensor copied by ``stage``. Local: no collectives.
+
+    Each shard holds, per flat group, the fp32 master weights (whole, or derived as ``masters`` says:
+    :func:`~zero_bnb.checkpoint.masters.plan_masters`) and the element-wise and block-wise state of the real
+    elements this rank owns (padding stripped); hyperparameters and counters are copied as they are now.
     """
-    folder = os.path.join(tag_folder, SUBDIR)
-    makedirs(folder)
     rank = optimizer.dp_rank
     shard_groups, replicated_groups = [], []
     for group_index in range(optimizer.num_groups):
@@ -65,31 +90,36 @@ def write_local_files(optimizer: PartitionedOptimizer, tag_folder: str, masters:
         for item in classify_group_state(optimizer, group_index):
             key, kind, value = item.entry.key, item.entry.kind, item.value
             if is_partitioned(kind):
-                sharded[key] = _valid_slice(value, saved_length(kind, geometry, rank))
+                sharded[key] = stage(value.detach()[..., :saved_length(kind, geometry, rank)])
             elif kind is StateKind.REPLICATED:
-                replicated[key] = value.detach().to("cpu", copy=True)
+                replicated[key] = stage(value)
             else:
-                counters[key] = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+                counters[key] = stage(value) if isinstance(value, torch.Tensor) else copy.deepcopy(value)
         plan = masters[group_index]
-        fp32 = None if plan.storage != FULL else _valid_slice(
-            optimizer.master_partition(group_index), saved_length(StateKind.ELEMENTWISE, geometry, rank))
+        fp32 = None if plan.storage != FULL else stage(
+            optimizer.master_partition(group_index).detach()[..., :saved_length(StateKind.ELEMENTWISE, geometry, rank)])
         shard_groups.append(ShardGroup(fp32, sharded, plan.derived))
-        replicated_groups.append(ReplicatedGroup(_hyperparameters(optimizer, group_index), counters, replicated))
-    records = [write_shard(ShardPayload(rank, optimizer.dp_size, tuple(shard_groups)), folder, root=tag_folder)]
-    if rank == 0:
-        payload = ReplicatedPayload(tuple(replicated_groups), optimizer.wrapper_scalars())
-        records.append(write_replicated(payload, folder, root=tag_folder))
-    return records
+        replicated_groups.append(ReplicatedGroup(copy.deepcopy(_hyperparameters(optimizer, group_index)), counters,
+                                                 replicated))
+    shard = ShardPayload(rank, optimizer.dp_size, tuple(shard_groups))
+    replicated_payload = None if rank != 0 else ReplicatedPayload(tuple(replicated_groups),
+                                                                  copy.deepcopy(optimizer.wrapper_scalars()))
+    return LocalPayload(shard, replicated_payload)
 
 
-def build_manifest(
+def write_local_files(optimizer: PartitionedOptimizer, tag_folder: str, masters: Sequence[MasterPlan]) -> list[FileRecord]:
+    """Write this rank's shard, and on rank 0 the replicated-state file, durably (a synchronous save). Local."""
+    return stage_local_payload(optimizer, masters).write(tag_folder)
+
+
+def manifest_draft(
     optimizer: PartitionedOptimizer,
     names: dict[torch.nn.Parameter, str],
-    files: list[FileRecord],
     non_finite: dict[str, list[str]],
     masters: Sequence[MasterPlan],
-) -> Manifest:
-    """The manifest of a checkpoint whose files (of all ranks) are ``files``, its masters stored as ``masters``.
+) -> Callable[[list[FileRecord]], Manifest]:
+    """The manifest of this save, described now (hyperparameters as they are at the call), completed by the
+    returned function with the files of all ranks once they are written.
 
     Local; the geometry is the same on every rank, so any rank could build it (rank 0 does).
     """
@@ -104,9 +134,24 @@ def build_manifest(
             masters=masters[group_index].storage, **({"state_precision": precision} if precision else {}),
         ))
     base = optimizer.optimizer
-    return Manifest.create(
+    fields = dict(
         dp_world_size=optimizer.dp_size, block_size=optimizer.zero_bnb_spec.block_size,
         optimizer_class=f"{type(base).__module__}.{type(base).__qualname__}",
-        optimizer_spec=optimizer.zero_bnb_spec.name, groups=tuple(groups), files=files, non_finite=non_finite,
+        optimizer_spec=optimizer.zero_bnb_spec.name, groups=tuple(groups), non_finite=copy.deepcopy(non_finite),
         module_file=MODEL_STATES if any(plan.storage != FULL for plan in masters) else "",
     )
+    return lambda files: Manifest.create(files=files, **fields)
+
+
+def build_manifest(
+    optimizer: PartitionedOptimizer,
+    names: dict[torch.nn.Parameter, str],
+    files: list[FileRecord],
+    non_finite: dict[str, list[str]],
+    masters: Sequence[MasterPlan],
+) -> Manifest:
+    """The manifest of a checkpoint whose files (of all ranks) are ``files``, its masters stored as ``masters``.
+
+    Local (see :func:`manifest_draft`).
+    """
+    return manifest_draft(optimizer, names, non_finite, masters)(files)

@@ -2,7 +2,7 @@
 
 zero_bnb's keys (``zero_unsharded_state_keys``, ``zero_unsharded_state_max_numel``,
 ``zero_nonfinite_check``, ``zero_checkpoint_verify``, ``zero_derived_module_weights``,
-``zero_cpu_update``, ``zero_update_max_numel``) may sit at the top level of the DeepSpeed config (stock
+``zero_cpu_update``, ``zero_update_max_numel``, ``zero_checkpoint_async``, ``zero_checkpoint_async_max_staging_mb``) may sit at the top level of the DeepSpeed config (stock
 DeepSpeed ignores unknown top-level keys, so one JSON serves both) or inside ``zero_optimization`` (which
 stock DeepSpeed would reject, so they are removed before DeepSpeed validates the config).
 """
@@ -21,6 +21,8 @@ import torch
 from zero_bnb.core.state_spec import BNB_BLOCK_SIZE, BNB_KERNEL_MAX_NUMEL, declared, spec_for
 
 __all__ = [
+    "CHECKPOINT_ASYNC",
+    "CHECKPOINT_ASYNC_MAX_STAGING_MB",
     "CHECKPOINT_VERIFY",
     "CPU_UPDATE",
     "CPU_UPDATE_MODES",
@@ -44,10 +46,12 @@ CHECKPOINT_VERIFY = "zero_checkpoint_verify"
 DERIVED_MODULE_WEIGHTS = "zero_derived_module_weights"
 CPU_UPDATE = "zero_cpu_update"
 UPDATE_MAX_NUMEL = "zero_update_max_numel"
+CHECKPOINT_ASYNC = "zero_checkpoint_async"
+CHECKPOINT_ASYNC_MAX_STAGING_MB = "zero_checkpoint_async_max_staging_mb"
 #: Values of ``zero_cpu_update``.
 CPU_UPDATE_MODES = ("auto", "fused", "bitsandbytes")
 _OWN_KEYS = (UNSHARDED_KEYS, UNSHARDED_MAX_NUMEL, NONFINITE_CHECK, CHECKPOINT_VERIFY, DERIVED_MODULE_WEIGHTS,
-             CPU_UPDATE, UPDATE_MAX_NUMEL)
+             CPU_UPDATE, UPDATE_MAX_NUMEL, CHECKPOINT_ASYNC, CHECKPOINT_ASYNC_MAX_STAGING_MB)
 _NONFINITE_MODES = ("error", "warn", "off")
 #: DeepSpeed's top-level key that makes it refuse every client optimizer under optimizer offload.
 FORCE_DS_CPU_OPTIMIZER = "zero_force_ds_cpu_optimizer"
@@ -93,6 +97,12 @@ class ZeroBnbConfig:
             the result of one call. A smaller value bounds the fp32 temporaries of bitsandbytes' CPU path
             (it dequantizes both moments of what it steps into new tensors) and lets a test exercise the
             piecewise update on a small model; the result does not depend on it.
+        checkpoint_async: whether ``save_checkpoint`` returns once every rank's state is copied into host
+            memory (:mod:`zero_bnb.checkpoint.staging`), writing, checksumming, fsyncing and committing the
+            checkpoint in a background thread (:mod:`zero_bnb.checkpoint.background`) while training goes on.
+            Default ``False``: the save returns when the checkpoint is committed.
+        checkpoint_async_max_staging_mb: the most host memory (MiB) one asynchronous save may stage; a save
+            that needs more runs synchronously instead, with a warning. ``None`` (default): no limit.
     """
 
     unsharded_state_keys: tuple[str, ...] | None = None
@@ -102,6 +112,8 @@ class ZeroBnbConfig:
     derived_module_weights: bool = False
     cpu_update: str = "auto"
     update_max_numel: int = BNB_KERNEL_MAX_NUMEL
+    checkpoint_async: bool = False
+    checkpoint_async_max_staging_mb: float | None = None
 
     def __post_init__(self) -> None:
         keys = self.unsharded_state_keys
@@ -132,7 +144,15 @@ class ZeroBnbConfig:
                 f"{UPDATE_MAX_NUMEL} must be an integer number of elements from {BNB_BLOCK_SIZE} (one quantization "
                 f"block) to {BNB_KERNEL_MAX_NUMEL} (bitsandbytes' kernel limit, the default), got {pieces!r}"
             )
-        for key, value in ((CHECKPOINT_VERIFY, self.checkpoint_verify), (DERIVED_MODULE_WEIGHTS, self.derived_module_weights)):
+        staging = self.checkpoint_async_max_staging_mb
+        if staging is not None and (isinstance(staging, bool) or not isinstance(staging, (int, float))
+                                    or not 0 <= staging < float("inf")):
+            raise ZeroBnbConfigError(
+                f"{CHECKPOINT_ASYNC_MAX_STAGING_MB} must be a non-negative number of MiB (for example 4096), or absent "
+                f"for no limit; got {staging!r}"
+            )
+        for key, value in ((CHECKPOINT_VERIFY, self.checkpoint_verify), (DERIVED_MODULE_WEIGHTS, self.derived_module_weights),
+                           (CHECKPOINT_ASYNC, self.checkpoint_async)):
             if not isinstance(value, bool):
                 raise ZeroBnbConfigError(f"{key} must be true or false, got {value!r}")
 
@@ -191,7 +211,8 @@ def split_config(ds_config: Mapping[str, Any]) -> tuple[ZeroBnbConfig, dict[str,
         field: found[key]
         for field, key in (("nonfinite_check", NONFINITE_CHECK), ("checkpoint_verify", CHECKPOINT_VERIFY),
                            ("derived_module_weights", DERIVED_MODULE_WEIGHTS), ("cpu_update", CPU_UPDATE),
-                           ("update_max_numel", UPDATE_MAX_NUMEL))
+                           ("update_max_numel", UPDATE_MAX_NUMEL), ("checkpoint_async", CHECKPOINT_ASYNC),
+                           ("checkpoint_async_max_staging_mb", CHECKPOINT_ASYNC_MAX_STAGING_MB))
         if key in found
     }
     parsed = ZeroBnbConfig(

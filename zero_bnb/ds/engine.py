@@ -18,6 +18,7 @@ out with ``zero_derived_module_weights: true`` and rebuilt from the master weigh
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -36,7 +37,8 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
 from zero_bnb.bnb.chunked import ChunkedUpdate, uninstall_chunked_update
-from zero_bnb.checkpoint.batch import warn_if_batch_changed, with_batch
+from zero_bnb.checkpoint.background import BackgroundSaver
+from zero_bnb.checkpoint.batch import batch_of, warn_if_batch_changed
 from zero_bnb.checkpoint.collective import agree
 from zero_bnb.checkpoint.commit import SaveTransaction
 from zero_bnb.checkpoint.derived import DERIVED_PARAMS_KEY, derived_entries
@@ -44,7 +46,8 @@ from zero_bnb.checkpoint.load import LoadPlan, apply_module_weights, open_for_lo
 from zero_bnb.checkpoint.masters import plan_masters
 from zero_bnb.checkpoint.recovery_script import write_recovery_script
 from zero_bnb.checkpoint.restore import apply_masters, apply_restore
-from zero_bnb.checkpoint.save import build_manifest, write_local_files
+from zero_bnb.checkpoint.save import LocalPayload, manifest_draft, stage_local_payload
+from zero_bnb.checkpoint.staging import StagingLimitError, StagingPool
 from zero_bnb.checkpoint.state_checks import find_non_finite, verify_replicated_state
 from zero_bnb.core.config import ZeroBnbConfig
 from zero_bnb.core.state_spec import StateRule, declared, spec_for
@@ -95,6 +98,11 @@ class DurableCheckpointEngine(TorchCheckpointEngine):
     transaction: SaveTransaction | None = None
     #: ``{path: loaded object}`` prepared (read and checked) by a load's plan; served by :meth:`load`.
     planned: dict[str, Any] | None = None
+    #: An asynchronous save's staging buffers: :meth:`save` then stages the object and defers the write
+    #: (to :attr:`deferred`) instead of writing it.
+    pool: StagingPool | None = None
+    #: ``(path, staged object)`` of the writes an asynchronous save left to its background writer.
+    deferred: list[tuple[str, Any]] | None = None
 
     def makedirs(self, path, exist_ok=False):
         if self.transaction is None:
@@ -113,6 +121,12 @@ class DurableCheckpointEngine(TorchCheckpointEngine):
             with replacing(path) as temporary:
                 save_torch(state_dict, temporary, root=os.path.dirname(temporary))
             return
+        if self.pool is not None and self.deferred is not None:
+            try:
+                self.deferred.append((path, self.pool.snapshot(state_dict)))
+                return
+            except StagingLimitError as error:
+                logger.warning("zero_bnb: %s; writing %s before save_checkpoint returns", error, os.path.basename(path))
         transaction.add([save_torch(state_dict, path, root=transaction.staging_folder)])
 
     def load(self, path: str, map_location=None):
@@ -245,15 +259,23 @@ class ZeroBnbEngine(DeepSpeedEngine):
         """
         if not save_dir or not isinstance(save_dir, (str, os.PathLike)):
             raise CheckpointUsageError(f"save_dir must be a non-empty path, got {save_dir!r}")
+        self.wait_for_checkpoint()  # one save at a time; a failed asynchronous save is raised here
         save_dir = os.fspath(save_dir)
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         transaction = SaveTransaction(save_dir, tag, save_latest=save_latest)  # refuses unsafe tags on every rank
         verify_replicated_state(self.optimizer)
         non_finite = find_non_finite(self.optimizer, self.param_names, self.zero_bnb_config.nonfinite_check)
         masters = plan_masters(self.optimizer, self._saved_module_weights(exclude_frozen_parameters), self.param_names)
+        draft, batch = manifest_draft(self.optimizer, self.param_names, non_finite, masters), batch_of(self)
+        saver = self._zero_bnb_saver()
+        if saver is not None:
+            transaction.group = saver.process_group()
+            saver.pool.begin()
         self._zero_bnb_masters = masters
         transaction.begin()
         self.checkpoint_engine.transaction = transaction
+        self.checkpoint_engine.pool = None if saver is None else saver.pool
+        deferred = self.checkpoint_engine.deferred = [] if saver is not None else None
         try:
             super().save_checkpoint(
                 save_dir,
@@ -267,12 +289,61 @@ class ZeroBnbEngine(DeepSpeedEngine):
             raise
         finally:
             self.checkpoint_engine.transaction = None
+            self.checkpoint_engine.pool = self.checkpoint_engine.deferred = None
             self._zero_bnb_masters = None
-        transaction.commit(
-            lambda files: with_batch(build_manifest(self.optimizer, self.param_names, files, non_finite, masters), self),
-            after_publish=lambda: write_recovery_script(save_dir),  # DeepSpeed's zero_to_fp32.py habit
-        )
+
+        def finish() -> None:
+            transaction.commit(lambda files: dataclasses.replace(draft(files), batch=batch),
+                               after_publish=lambda: write_recovery_script(save_dir))  # DeepSpeed's zero_to_fp32.py habit
+
+        if saver is None:
+            finish()
+            return True
+        saver.pool.trim()
+        copies = saver.pool.copies_done()
+
+        def write_and_commit() -> None:
+            with transaction.guard():  # an error here is agreed on by commit(), so no rank waits for another
+                if copies is not None:
+                    copies.synchronize()
+                for path, staged in deferred:  # DeepSpeed's files by path; the optimizer payload into its tag folder
+                    transaction.add(staged.write(path) if isinstance(staged, LocalPayload)
+                                    else [save_torch(staged, path, root=transaction.staging_folder)])
+            finish()
+
+        saver.start(tag, write_and_commit)
         return True
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until this engine's asynchronous save (``zero_checkpoint_async``), if one is pending, is committed.
+
+        Local (each rank waits for its own writer; the writers agree among themselves). A no-op for
+        synchronous saves. ``save_checkpoint``, ``load_checkpoint`` and ``destroy`` call it first.
+
+        Raises:
+            zero_bnb.errors.CheckpointSaveError: the last asynchronous save failed (the previous checkpoint
+                and ``latest`` are then unchanged); raised once.
+        """
+        saver = getattr(self, "_zero_bnb_background", None)
+        if saver is not None:
+            saver.wait()
+
+    def _zero_bnb_saver(self) -> BackgroundSaver | None:
+        """The asynchronous saver (created at the first asynchronous save), or ``None`` for synchronous saves."""
+        config = self.zero_bnb_config
+        if not config.checkpoint_async:
+            return None
+        saver = getattr(self, "_zero_bnb_background", None)
+        if saver is None:
+            limit = config.checkpoint_async_max_staging_mb
+            saver = self._zero_bnb_background = BackgroundSaver(None if limit is None else int(limit * 2**20))
+        return saver
+
+    def destroy(self):
+        saver = getattr(self, "_zero_bnb_background", None)
+        if saver is not None:
+            saver.close()  # a pending save is finished (its error logged), the staging buffers freed
+        super().destroy()
 
     def _save_checkpoint(self, save_dir, tag, client_state=None, exclude_frozen_parameters=False):
         derived = self._derived_module_weights()
@@ -319,9 +390,18 @@ class ZeroBnbEngine(DeepSpeedEngine):
         return super().load_module_state_dict(checkpoint, *args, **kwargs)
 
     def _save_zero_checkpoint(self, save_path, tag):
-        transaction = self.checkpoint_engine.transaction
+        engine, folder = self.checkpoint_engine, os.path.join(save_path, str(tag))
+        transaction = engine.transaction
         with transaction.guard():
-            transaction.add(write_local_files(self.optimizer, os.path.join(save_path, str(tag)), self._zero_bnb_masters))
+            if engine.pool is not None and engine.deferred is not None:
+                try:
+                    payload = stage_local_payload(self.optimizer, self._zero_bnb_masters, engine.pool.tensor)
+                except StagingLimitError as error:
+                    logger.warning("zero_bnb: %s; writing the optimizer files before save_checkpoint returns", error)
+                else:
+                    engine.deferred.append((folder, payload))
+                    return
+            transaction.add(stage_local_payload(self.optimizer, self._zero_bnb_masters).write(folder))
 
     def load_checkpoint(
         self,
@@ -347,6 +427,7 @@ class ZeroBnbEngine(DeepSpeedEngine):
             DeepSpeed's ``(load_path, client_state)``; ``(None, None)`` when ``tag`` is ``None`` and
             ``load_dir`` has no ``latest`` file.
         """
+        self.wait_for_checkpoint()  # a pending asynchronous save is committed first (its failure raised here)
         if self.load_universal_checkpoint():
             raise ZeRORuntimeException(
                 "checkpoint.load_universal is set, but zero_bnb engines load their own checkpoints at any DP size; "

@@ -1,0 +1,177 @@
+"""One DP=2 launch of asynchronous saves (``zero_checkpoint_async``): what is saved, waits, failures, memory.
+
+Each check records a value or ``"ErrorClass: message"`` per rank; rank 0 writes all ranks' records to
+``async.pt`` for ``tests/test_async_save.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+from integrity_scenarios import _fail_when, _listing
+from scenarios import _error, make_engine, run_phases
+
+import zero_bnb
+from zero_bnb.format import durable
+from zero_bnb.testing.consolidate import consolidated_state, state_differences
+from zero_bnb.testing.toy import DEFAULT_RUN as RUN
+from zero_bnb.testing.toy import train_steps
+
+
+def _slow_writes(seconds: float):
+    """An I/O hook that makes every write of the background writer slow (so training overlaps it)."""
+    return lambda event, path: time.sleep(seconds) if event == "write" else None
+
+
+def _same_as_sync(c, out):
+    """An asynchronous save holds exactly the state at the call, whatever training does next; its files are the
+    ones a synchronous save of the same state writes; a load waits for it."""
+    workdir, engine, twin = c["workdir"], c["engine"], c["twin"]
+    at_call = consolidated_state(engine)
+    weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    client = {"epoch": [3], "note": "at the call"}
+    slow = _slow_writes(0.02)
+    durable.set_io_hook(slow)  # the writer is slow, so the steps below overlap it
+    began = time.perf_counter()
+    engine.save_checkpoint(os.path.join(workdir, "async"), tag="A", client_state=client)
+    blocked = time.perf_counter() - began
+    out["returned_while_pending"] = engine._zero_bnb_background.pending
+    client["epoch"].append(4)  # changed after the call: must not reach the checkpoint
+    client["note"] = "changed"
+    out["losses_overlapping"] = train_steps(engine, RUN, 2, 2)  # DP=2 all-reduces while the writer commits
+    with torch.no_grad():
+        for param in engine.module.parameters():
+            param.add_(1.0)  # module weights changed in place too
+    engine.wait_for_checkpoint()
+    durable.set_io_hook(None)
+    out[f"blocked_and_background:{c['rank']}"] = (blocked, engine._zero_bnb_background.last_duration)
+    twin.save_checkpoint(os.path.join(workdir, "sync"), tag="A", client_state={"epoch": [3], "note": "at the call"})
+    out["twin_losses"] = train_steps(twin, RUN, 2, 2)
+    for name in ("async", "sync"):
+        zero_bnb.verify_checkpoint(os.path.join(workdir, name))
+    fresh = make_engine(c["world"])
+    _, client_loaded = fresh.load_checkpoint(os.path.join(workdir, "async"))
+    loaded = consolidated_state(fresh)
+    if c["rank"] == 0:
+        out["state_differences"] = state_differences(at_call, loaded)[1]
+    out["client_state"] = {key: client_loaded[key] for key in ("epoch", "note")}
+    out["weights_differ"] = [n for n, p in fresh.module.named_parameters() if not torch.equal(p, weights[n])]
+    folders = [os.path.join(workdir, name, "A") for name in ("async", "sync")]
+    out["same_files"] = sorted(os.listdir(os.path.join(folders[0], "zero_bnb"))) == sorted(
+        os.listdir(os.path.join(folders[1], "zero_bnb")))
+    shard = f"zero_bnb/shard_0000{c['rank']}-of-00002.pt"
+    out[f"same_shard_bytes:{c['rank']}"] = all(
+        open(os.path.join(folders[0], path), "rb").read() == open(os.path.join(folders[1], path), "rb").read()
+        for path in (shard, "mp_rank_00_model_states.pt"))
+    fresh.destroy()
+
+
+def _waits(c, out):
+    """Back-to-back saves, a load while a save is pending, destroy() while pending."""
+    workdir, engine = c["workdir"], c["engine"]
+    folder = os.path.join(workdir, "waits")
+    durable.set_io_hook(_slow_writes(0.01))
+    engine.save_checkpoint(folder, tag="one")
+    engine.save_checkpoint(folder, tag="two")  # waits for "one" first
+    state_two = consolidated_state(engine)
+    train_steps(engine, RUN, 4, 1)
+    engine.load_checkpoint(folder, tag="two")  # waits for "two", then loads it
+    durable.set_io_hook(None)
+    loaded = consolidated_state(engine)
+    if c["rank"] == 0:
+        out["load_while_pending"] = state_differences(state_two, loaded)[1]
+    out["waits_listing"] = _listing(folder)
+    for tag in ("one", "two"):
+        out[f"verify_{tag}"] = _error(lambda tag=tag: zero_bnb.verify_checkpoint(folder, tag))
+    other = make_engine(c["world"], zero_checkpoint_async=True)
+    durable.set_io_hook(_slow_writes(0.01))
+    other.save_checkpoint(folder, tag="three")
+    other.destroy()  # waits for the pending save, then frees the staging buffers
+    durable.set_io_hook(None)
+    out["after_destroy"] = (_error(lambda: zero_bnb.verify_checkpoint(folder, "three")), _listing(folder)[1])
+
+
+def _failures(c, out):
+    """A background failure leaves the previous checkpoint and is raised by the next wait, save or load; a full disk
+    (a real file-size limit) likewise; saving works again after."""
+    rank, workdir, engine = c["rank"], c["workdir"], c["engine"]
+    folder = os.path.join(workdir, "fail")
+    engine.save_checkpoint(folder, tag="good")
+    engine.wait_for_checkpoint()
+    for label, call in (("wait", engine.wait_for_checkpoint),
+                        ("save", lambda: engine.save_checkpoint(folder, tag="next")),
+                        ("load", lambda: engine.load_checkpoint(folder))):
+        if rank == 1:
+            durable.set_io_hook(_fail_when("write", "shard_00001", 2))
+        out[f"returned:{label}"] = _error(lambda: engine.save_checkpoint(folder, tag="bad"))
+        out[f"raised:{label}"] = _error(call)
+        durable.set_io_hook(None)
+        out[f"listing:{label}"] = _listing(folder)
+        out[f"raised_once:{label}"] = _error(engine.wait_for_checkpoint)
+    engine.wait_for_checkpoint()
+    if rank == 0:  # a real full disk: rank 0 may write no file beyond 64 KiB
+        previous = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (65536, previous[1]))
+    try:
+        out["full_disk_returned"] = _error(lambda: engine.save_checkpoint(folder, tag="full"))
+        out["full_disk_raised"] = _error(engine.wait_for_checkpoint)
+    finally:
+        if rank == 0:
+            resource.setrlimit(resource.RLIMIT_FSIZE, previous)
+            signal.signal(signal.SIGXFSZ, handler)
+    out["full_disk_listing"] = _listing(folder)
+    out["save_after_failures"] = _error(lambda: (engine.save_checkpoint(folder, tag="again"),
+                                                 engine.wait_for_checkpoint()))
+    out["final_listing"] = _listing(folder)
+
+
+def _memory(c, out):
+    """The staging buffers are reused between saves; a run can bound them (over the bound, the save writes what does
+    not fit before it returns, with a warning)."""
+    workdir, engine = c["workdir"], c["engine"]
+    saver = engine._zero_bnb_background
+    folder = os.path.join(workdir, "memory")
+    pointers = []
+    for tag in ("m1", "m2"):
+        engine.save_checkpoint(folder, tag=tag)
+        engine.wait_for_checkpoint()
+        pointers.append(sorted(buffer.data_ptr() for buffer in saver.pool._buffers))
+        train_steps(engine, RUN, 5, 1)
+    out["buffers_reused"] = pointers[0] == pointers[1]
+    out["staged_bytes"] = saver.pool.staged_bytes
+    out["held_bytes"] = saver.pool.held_bytes
+    out["params"] = sum(p.numel() for p in engine.module.parameters())
+    bounded = make_engine(c["world"], zero_checkpoint_async=True, zero_checkpoint_async_max_staging_mb=0.05)
+    train_steps(bounded, RUN, 0, 1)
+    state = consolidated_state(bounded)
+    out["bounded_save"] = _error(lambda: bounded.save_checkpoint(folder, tag="bounded"))
+    bounded.wait_for_checkpoint()
+    out["bounded_held"] = bounded._zero_bnb_background.pool.held_bytes
+    fresh = make_engine(c["world"])
+    fresh.load_checkpoint(folder, tag="bounded")
+    loaded = consolidated_state(fresh)
+    if c["rank"] == 0:
+        out["bounded_differences"] = state_differences(state, loaded)[1]
+    bounded.destroy()
+    fresh.destroy()
+
+
+def asynchronous(rank, world, workdir):
+    out: dict = {}
+    engine = make_engine(world, zero_checkpoint_async=True)
+    twin = make_engine(world)  # the same run, saving synchronously
+    train_steps(engine, RUN, 0, 2)
+    train_steps(twin, RUN, 0, 2)
+    context = {"rank": rank, "world": world, "workdir": workdir, "engine": engine, "twin": twin}
+    run_phases(out, context, _same_as_sync, _waits, _failures, _memory)
+    engine.wait_for_checkpoint()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, out)
+    if rank == 0:
+        torch.save(gathered, os.path.join(workdir, "async.pt"))

@@ -1,0 +1,137 @@
+"""Asynchronous saves: the writing, checksumming, fsync and commit of a staged checkpoint in a background thread.
+
+With ``zero_checkpoint_async`` an engine's ``save_checkpoint`` stages everything it will write
+(:mod:`zero_bnb.checkpoint.staging`) and hands :class:`BackgroundSaver` the rest of the save: the writes into the
+save's staging folder and the collective commit of :class:`~zero_bnb.checkpoint.commit.SaveTransaction`, which
+publishes the folder and moves ``latest`` only when every rank's files are durable and agreed. The commit's
+collectives run on a process group of their own (gloo, created at the first asynchronous save), so they never
+interleave with training's collectives.
+
+What this changes for a user:
+
+* the checkpoint holds the state at the call, never a later step's;
+* a failure in the background (a full disk, a killed rank, a write error) leaves the previous checkpoint and
+  ``latest`` as they were; it is logged at once and raised by the next ``save_checkpoint``,
+  ``load_checkpoint`` or :meth:`BackgroundSaver.wait` (``engine.wait_for_checkpoint()``);
+* a second save, a load, ``engine.destroy()``, ``torch.distributed.destroy_process_group()`` and the end of the
+  process wait for a pending save (the writer is a non-daemon thread; ``destroy_process_group`` is wrapped once, at
+  the first asynchronous save, to wait for every pending save first: the commit needs the process group).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from zero_bnb.checkpoint.staging import StagingPool
+from zero_bnb.errors import CheckpointSaveError
+
+__all__ = ["BackgroundSaver"]
+
+logger = logging.getLogger(__name__)
+
+_SAVERS: weakref.WeakSet[BackgroundSaver] = weakref.WeakSet()
+_WRAP_LOCK = threading.Lock()
+
+
+def _wait_before_destroy() -> None:
+    """Make ``torch.distributed.destroy_process_group`` wait for every pending asynchronous save first (once)."""
+    with _WRAP_LOCK:
+        original = dist.destroy_process_group
+        if getattr(original, "_zero_bnb_waits", False):
+            return
+
+        @functools.wraps(original)
+        def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+            for saver in list(_SAVERS):
+                saver.wait(raise_error=False)  # a failure was logged when it happened
+            return original(*args, **kwargs)
+
+        destroy_process_group._zero_bnb_waits = True  # type: ignore[attr-defined]
+        dist.destroy_process_group = destroy_process_group
+
+
+class BackgroundSaver:
+    """One engine's asynchronous saves: the staging buffers, the writer thread, the last save's outcome.
+
+    Args:
+        limit_bytes: the most bytes one save may stage (``None``: no limit).
+    """
+
+    def __init__(self, limit_bytes: int | None = None) -> None:
+        self.pool = StagingPool(limit_bytes=limit_bytes)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._group: Any = None
+        self._tag = ""
+        #: seconds the last background save took, from its start to its commit (``None`` before one finished)
+        self.last_duration: float | None = None
+
+    @property
+    def pending(self) -> bool:
+        """Whether a save is being written now."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def process_group(self) -> Any:
+        """The process group of the background commits (created by the first call). Collective the first time:
+        every rank must call it."""
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+            _wait_before_destroy()
+            _SAVERS.add(self)
+        return self._group
+
+    def start(self, tag: str, work: Callable[[], None]) -> None:
+        """Run ``work`` (the rest of the save of ``tag``) in the writer thread. Local; call after :meth:`wait`."""
+        if self.pending:
+            raise RuntimeError("BackgroundSaver.start while a save is pending; wait() first")
+        self._tag, self._error = tag, None
+        began = time.perf_counter()
+
+        def run() -> None:
+            try:
+                work()
+                self.last_duration = time.perf_counter() - began
+                logger.debug("zero_bnb: asynchronous save of checkpoint %r committed in %.2f s", tag, self.last_duration)
+            except BaseException as error:  # noqa: BLE001 - kept, logged, and raised by the next call
+                self._error = error
+                logger.error("zero_bnb: the asynchronous save of checkpoint %r failed; the previous checkpoint and "
+                             "'latest' are unchanged. The next save_checkpoint, load_checkpoint or "
+                             "wait_for_checkpoint raises this error: %s", tag, error)
+
+        self._thread = threading.Thread(target=run, name=f"zero_bnb-save-{tag}", daemon=False)
+        self._thread.start()
+
+    def wait(self, *, raise_error: bool = True) -> None:
+        """Block until the pending save (if any) is committed or failed. Local.
+
+        Raises:
+            zero_bnb.errors.CheckpointSaveError: the last asynchronous save failed (raised once; with
+                ``raise_error=False`` it is only logged, as it was when it happened).
+        """
+        thread = self._thread
+        if thread is not None:
+            if thread.is_alive():
+                logger.info("zero_bnb: waiting for the asynchronous save of checkpoint %r", self._tag)
+            thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None and raise_error:
+            if isinstance(error, CheckpointSaveError):
+                raise error
+            raise CheckpointSaveError(
+                f"the asynchronous save of checkpoint {self._tag!r} failed in the background: "
+                f"{type(error).__name__}: {error}; the previous checkpoint and 'latest' are unchanged"
+            ) from error
+
+    def close(self) -> None:
+        """Wait for a pending save (its error only logged) and free the staging buffers. Local."""
+        self.wait(raise_error=False)
+        self.pool.release()
