@@ -18,6 +18,7 @@ from scenarios import _error, make_engine, run_phases
 
 import zero_bnb
 from zero_bnb.format import durable
+from zero_bnb.format.manifest import read_manifest
 from zero_bnb.testing.consolidate import consolidated_state, state_differences
 from zero_bnb.testing.toy import DEFAULT_RUN as RUN
 from zero_bnb.testing.toy import train_steps
@@ -69,6 +70,33 @@ def _same_as_sync(c, out):
         open(os.path.join(folders[0], path), "rb").read() == open(os.path.join(folders[1], path), "rb").read()
         for path in (shard, "mp_rank_00_model_states.pt"))
     fresh.destroy()
+
+
+def _bf16(c, out):
+    """bf16: the masters derive from the module weights in the background writer (low 16 bits and exceptions),
+    to the bytes a synchronous save writes."""
+    workdir, rank = c["workdir"], c["rank"]
+    engines = {name: make_engine(c["world"], bf16={"enabled": True}, zero_checkpoint_async=name == "async")
+               for name in ("async", "sync")}
+    for engine in engines.values():
+        train_steps(engine, RUN, 0, 2)
+    at_call = consolidated_state(engines["async"])
+    for name, engine in engines.items():
+        engine.save_checkpoint(os.path.join(workdir, f"bf16_{name}"), tag="A")
+    train_steps(engines["async"], RUN, 2, 1)
+    engines["async"].wait_for_checkpoint()
+    folders = [os.path.join(workdir, f"bf16_{name}", "A") for name in ("async", "sync")]
+    out[f"bf16_same_bytes:{rank}"] = all(
+        open(os.path.join(folders[0], path), "rb").read() == open(os.path.join(folders[1], path), "rb").read()
+        for path in (f"zero_bnb/shard_0000{rank}-of-00002.pt", "mp_rank_00_model_states.pt"))
+    out["bf16_masters"] = [group.masters for group in read_manifest(os.path.join(folders[0], "zero_bnb")).groups]
+    fresh = make_engine(c["world"], bf16={"enabled": True})
+    fresh.load_checkpoint(os.path.join(workdir, "bf16_async"))
+    loaded = consolidated_state(fresh)
+    if rank == 0:
+        out["bf16_differences"] = state_differences(at_call, loaded)[1]
+    for engine in (*engines.values(), fresh):
+        engine.destroy()
 
 
 def _waits(c, out):
@@ -169,7 +197,7 @@ def asynchronous(rank, world, workdir):
     train_steps(engine, RUN, 0, 2)
     train_steps(twin, RUN, 0, 2)
     context = {"rank": rank, "world": world, "workdir": workdir, "engine": engine, "twin": twin}
-    run_phases(out, context, _same_as_sync, _waits, _failures, _memory)
+    run_phases(out, context, _same_as_sync, _bf16, _waits, _failures, _memory)
     engine.wait_for_checkpoint()
     gathered = [None] * world
     dist.all_gather_object(gathered, out)

@@ -9,12 +9,15 @@ Three stages, each one process launch:
    pair per trial): each pair loads ``A`` from a copy of ``base/``, trains the same step,
    and saves; the victim rank SIGKILLs itself at its ``k``-th I/O step, the surviving rank
    is SIGKILLed (as a launcher would) if it has not died on its own within a grace period.
+   In the ``async_new`` mode the save is asynchronous (``zero_checkpoint_async``): the I/O steps,
+   and so the kill, happen in the background writer while the pair trains one more step.
 3. :func:`verify` (DP=3, spawned): loads every trial folder and compares the state with
    ``A`` and ``B`` bit for bit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -35,7 +38,9 @@ from zero_bnb.testing.toy import DEFAULT_RUN as RUN
 from zero_bnb.testing.toy import train_steps
 
 STEPS_TO_A = 2
-MODES = {"new": "B", "overwrite": "A"}  # save mode -> tag the interrupted save writes
+# save mode -> tag the interrupted save writes
+# (an asynchronous save publishes through the same commit as a synchronous one: its re-save of a tag is not repeated)
+MODES = {"new": "B", "overwrite": "A", "async_new": "B"}
 _GRACE_S = 2.0
 _TRIAL_TIMEOUT_S = 60.0
 
@@ -45,6 +50,20 @@ def _engine(world):
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     return make_engine(world)
+
+
+def _asynchronous(engine, mode: str) -> None:
+    """Make ``engine``'s saves asynchronous in the ``async_*`` modes, synchronous in the others."""
+    engine.zero_bnb_config = dataclasses.replace(engine.zero_bnb_config, checkpoint_async=mode.startswith("async"))
+
+
+def _save(engine, folder: str, mode: str) -> None:
+    """A save of ``mode``; an asynchronous one is followed by a training step overlapping its writer, then a wait."""
+    _asynchronous(engine, mode)
+    engine.save_checkpoint(folder, tag=MODES[mode])
+    if mode.startswith("async"):
+        train_steps(engine, RUN, STEPS_TO_A + 1, 1)  # must not reach the checkpoint
+        engine.wait_for_checkpoint()
 
 
 def _events_of(save) -> list[list[str]]:
@@ -67,12 +86,12 @@ def reference(rank, world, workdir):
     train_steps(engine, RUN, STEPS_TO_A, 1)
     state_b = consolidated_state(engine)
     events = {}
-    for mode, tag in MODES.items():
+    for mode in MODES:
         folder = os.path.join(workdir, f"clean_{mode}")
         if rank == 0:
             shutil.copytree(base, folder)
         dist.barrier()
-        events[mode] = _events_of(lambda folder=folder, tag=tag: engine.save_checkpoint(folder, tag=tag))
+        events[mode] = _events_of(lambda folder=folder, mode=mode: _save(engine, folder, mode))
     gathered = [None] * world
     dist.all_gather_object(gathered, events)
     if rank == 0:
@@ -99,7 +118,7 @@ def _trial_child(rank: int, folder: str, store: str, trial: dict) -> None:
     train_steps(engine, RUN, STEPS_TO_A, 1)
     if rank == trial["victim"]:
         durable.set_io_hook(_kill_at(trial["index"]))
-    engine.save_checkpoint(folder, tag=MODES[trial["mode"]])
+    _save(engine, folder, trial["mode"])
     dist.destroy_process_group()
 
 

@@ -36,6 +36,13 @@ def test_the_files_are_those_a_synchronous_save_writes(ranks):
         assert ranks[rank][f"same_shard_bytes:{rank}"] is True, rank  # this rank's shard and the model file
 
 
+def test_bf16_masters_derive_in_the_background_to_the_bytes_of_a_synchronous_save(ranks):
+    assert set(result(ranks, "bf16_masters")) == {"module+low16"}, result(ranks, "bf16_masters")
+    for rank in (0, 1):
+        assert ranks[rank][f"bf16_same_bytes:{rank}"] is True, rank
+    assert result(ranks[:1], "bf16_differences") == []
+
+
 def test_the_call_blocks_for_less_than_the_background_write(ranks):
     for rank in (0, 1):
         blocked, background = ranks[rank][f"blocked_and_background:{rank}"]
@@ -73,10 +80,11 @@ def test_staging_buffers_are_reused_and_bounded(ranks):
     assert result(ranks, "buffers_reused") is True
     for rank in (0, 1):
         assert ranks[rank]["held_bytes"] == ranks[rank]["staged_bytes"] > 0
-    # a rank stages its shard (4 B masters + 2 B of 8-bit moments per parameter it owns, plus absmax) and the
-    # ranks writing DeepSpeed's model file its 4 B/param fp32 weights
+    # a rank stages its shard (4 B masters + 2 B of 8-bit moments per parameter it owns, plus absmax) and its
+    # module weights (4 B, fp32 here, per parameter it owns: on rank 0 views of DeepSpeed's model file, staged whole)
     params = result(ranks, "params")
-    assert ranks[0]["staged_bytes"] / params <= 4 + 6 / 2 + 0.5, ranks[0]["staged_bytes"]
+    assert ranks[0]["staged_bytes"] / params <= 4 + (4 + 2) / 2 + 0.5, ranks[0]["staged_bytes"] / params
+    assert ranks[1]["staged_bytes"] / params <= (4 + 4 + 2) / 2 + 0.5, ranks[1]["staged_bytes"] / params
     assert result(ranks, "bounded_save") is None
     assert result(ranks[:1], "bounded_differences") == []
     for rank in (0, 1):

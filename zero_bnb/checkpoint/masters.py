@@ -11,7 +11,7 @@ loaded or changed after the last step) stores them whole. Every rank learns the 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ from zero_bnb.checkpoint.partitioned import PartitionedOptimizer
 from zero_bnb.core.residual import rounds_to
 from zero_bnb.format.masters import FULL, MODULE, MODULE_LOW16, DerivedMasters, derive, module_slice
 
-__all__ = ["MasterPlan", "plan_masters"]
+__all__ = ["MasterPlan", "decide_masters", "master_candidates", "plan_masters", "stage_module_slices"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,23 +57,55 @@ def _candidate(optimizer: PartitionedOptimizer, group_index: int, weights: Mappi
     return storage, ""
 
 
-def _derive_local(optimizer: PartitionedOptimizer, index: int, weights: Mapping[str, torch.Tensor], names: dict,
-                  storage: str) -> tuple[DerivedMasters | None, int, str]:
-    """This rank's derived part of group ``index`` (``None`` and why when its weights are not the rounded masters)."""
+def _inputs(optimizer: PartitionedOptimizer, index: int, weights: Mapping[str, torch.Tensor],
+            names: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's real elements of group ``index``: its master weights (CPU) and module weights (a view if it can)."""
     start, end = optimizer.geometry(index).element_ranges()[optimizer.dp_rank]
     params = optimizer.param_entries(index, names)
     master = optimizer.master_partition(index).detach()[: end - start].to("cpu")
-    by_name = {p.name: weights[p.name].detach() for p in params}
-    weight = module_slice(params, by_name, start, end)
+    return master, module_slice(params, {p.name: weights[p.name].detach() for p in params}, start, end)
+
+
+def _derive_local(optimizer: PartitionedOptimizer, index: int, names: dict, storage: str, master: torch.Tensor,
+                  weight: torch.Tensor) -> tuple[DerivedMasters | None, int, str]:
+    """This rank's derived part of group ``index`` (``None`` and why when its weights are not the rounded masters)."""
     if not rounds_to(master, weight):
         return None, 0, _NOT_ROUNDING
-    derived = derive(storage, master, weight, params, start, end)
+    start, end = optimizer.geometry(index).element_ranges()[optimizer.dp_rank]
+    derived = derive(storage, master, weight, optimizer.param_entries(index, names), start, end)
     return derived, 0 if derived.residual is None else derived.residual.index.numel(), ""
+
+
+def master_candidates(optimizer: PartitionedOptimizer, weights: Mapping[str, torch.Tensor] | None,
+                      names: dict) -> list[tuple[str, str]]:
+    """Per group, the storage its masters could use and why not when they cannot (the same on every rank). Local.
+
+    Args:
+        weights: the module weights DeepSpeed's model file will hold, by parameter name (the trained
+            parameters themselves), or ``None`` if it holds none (``zero_derived_module_weights``, ZeRO stage 3).
+        names: parameter -> name (``engine.param_names``).
+    """
+    return [_candidate(optimizer, index, weights, names) for index in range(optimizer.num_groups)]
+
+
+def stage_module_slices(optimizer: PartitionedOptimizer, candidates: list[tuple[str, str]],
+                        weights: Mapping[str, torch.Tensor] | None, names: dict,
+                        stage: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor]:
+    """For each group whose masters could derive, this rank's module weights copied by ``stage`` (an asynchronous
+    save's staging; its masters are staged whole with the shard), for :func:`decide_masters` to check in the
+    background. Local."""
+    slices = {}
+    for index, (storage, _) in enumerate(candidates):
+        if storage != FULL:
+            start, end = optimizer.geometry(index).element_ranges()[optimizer.dp_rank]
+            params = optimizer.param_entries(index, names)
+            slices[index] = stage(module_slice(params, {p.name: weights[p.name].detach() for p in params}, start, end))
+    return slices
 
 
 def plan_masters(optimizer: PartitionedOptimizer, weights: Mapping[str, torch.Tensor] | None,
                  names: dict) -> list[MasterPlan]:
-    """Per group, how this save stores the masters, and this rank's derived part.
+    """Per group, how this save stores the masters, and this rank's derived part, from the live state.
 
     Collective over the data-parallel group: every rank must call it, before any file is written.
 
@@ -83,15 +115,27 @@ def plan_masters(optimizer: PartitionedOptimizer, weights: Mapping[str, torch.Te
             parameters themselves), or ``None`` if it holds none (``zero_derived_module_weights``, ZeRO stage 3).
         names: parameter -> name (``engine.param_names``).
     """
+    candidates = master_candidates(optimizer, weights, names)
+    return decide_masters(optimizer, candidates, names,
+                          lambda index: _inputs(optimizer, index, weights, names))  # type: ignore[arg-type]
+
+
+def decide_masters(optimizer: PartitionedOptimizer, candidates: list[tuple[str, str]], names: dict,
+                   inputs: Callable[[int], tuple[torch.Tensor, torch.Tensor]], *, group: Any = None) -> list[MasterPlan]:
+    """Per group, how this save stores the masters: :func:`master_candidates` checked against the values.
+
+    Collective over ``group`` (default: the optimizer's data-parallel group): every rank must call it.
+    ``inputs(index)`` gives this rank's master and module weights of a group that could derive: the live ones, or
+    an asynchronous save's staged copies (:func:`stage_module_slices`: decided in its background writer).
+    """
     rank = optimizer.dp_rank
     plans: list[Any] = []
     local = []
-    for index in range(optimizer.num_groups):
-        storage, reason = _candidate(optimizer, index, weights, names)
+    for index, (storage, reason) in enumerate(candidates):
         derived, exceptions = None, 0
         if storage != FULL:
             try:
-                derived, exceptions, reason = _derive_local(optimizer, index, weights, names, storage)
+                derived, exceptions, reason = _derive_local(optimizer, index, names, storage, *inputs(index))
             except Exception as error:  # noqa: BLE001  (one rank's failure must not strand the others below)
                 logger.warning("zero_bnb: group %d stores its fp32 master weights whole: deriving them on rank %d "
                                "failed: %r", index, rank, error)
@@ -99,7 +143,7 @@ def plan_masters(optimizer: PartitionedOptimizer, weights: Mapping[str, torch.Te
         plans.append((storage, reason, derived))
         local.append((derived is not None or storage == FULL, exceptions))
     gathered: list[Any] = [None] * optimizer.dp_size
-    dist.all_gather_object(gathered, local, group=optimizer.dp_process_group)
+    dist.all_gather_object(gathered, local, group=optimizer.dp_process_group if group is None else group)
     result = []
     for index, (storage, reason, derived) in enumerate(plans):
         ok = all(part[index][0] for part in gathered)

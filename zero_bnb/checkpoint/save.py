@@ -9,9 +9,9 @@ rank 0 once every rank has reported its files. Publishing the folder is
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,12 +53,19 @@ def _hyperparameters(optimizer: PartitionedOptimizer, group_index: int) -> dict[
     return {k: v for k, v in group.items() if k != "params"}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class LocalPayload:
     """What one rank's optimizer files hold, copied out of training's reach (see :func:`stage_local_payload`)."""
 
     shard: ShardPayload
     replicated: ReplicatedPayload | None
+
+    def with_masters(self, masters: Sequence[MasterPlan]) -> LocalPayload:
+        """This payload with each group's masters stored as ``masters`` says (staged whole, then derived where the
+        background writer decided they can be: :func:`~zero_bnb.checkpoint.masters.decide_masters`)."""
+        groups = tuple(group if plan.storage == FULL else dataclasses.replace(group, fp32=None, derived=plan.derived)
+                       for group, plan in zip(self.shard.groups, masters, strict=True))
+        return dataclasses.replace(self, shard=dataclasses.replace(self.shard, groups=groups))
 
     def write(self, tag_folder: str) -> list[FileRecord]:
         """Write this rank's shard, and on rank 0 the replicated-state file, durably. Local.
@@ -116,10 +123,9 @@ def manifest_draft(
     optimizer: PartitionedOptimizer,
     names: dict[torch.nn.Parameter, str],
     non_finite: dict[str, list[str]],
-    masters: Sequence[MasterPlan],
-) -> Callable[[list[FileRecord]], Manifest]:
+) -> Callable[[list[FileRecord], Sequence[MasterPlan]], Manifest]:
     """The manifest of this save, described now (hyperparameters as they are at the call), completed by the
-    returned function with the files of all ranks once they are written.
+    returned function with the files of all ranks and how the masters were stored, once they are written.
 
     Local; the geometry is the same on every rank, so any rank could build it (rank 0 does).
     """
@@ -127,20 +133,28 @@ def manifest_draft(
     for group_index in range(optimizer.num_groups):
         geometry = optimizer.geometry(group_index)
         precision = optimizer.state_precision(group_index)
-        groups.append(GroupEntry.describe(
-            geometry.numel, optimizer.param_entries(group_index, names),
-            tuple(item.entry for item in classify_group_state(optimizer, group_index)),
-            geometry.element_ranges(), geometry.block_ranges(), _hyperparameters(optimizer, group_index),
-            masters=masters[group_index].storage, **({"state_precision": precision} if precision else {}),
+        groups.append(dict(
+            numel=geometry.numel, params=optimizer.param_entries(group_index, names),
+            states=tuple(item.entry for item in classify_group_state(optimizer, group_index)),
+            element_ranges=geometry.element_ranges(), block_ranges=geometry.block_ranges(),
+            param_group=copy.deepcopy(_hyperparameters(optimizer, group_index)),
+            extra={"state_precision": precision} if precision else {},
         ))
     base = optimizer.optimizer
     fields = dict(
         dp_world_size=optimizer.dp_size, block_size=optimizer.zero_bnb_spec.block_size,
         optimizer_class=f"{type(base).__module__}.{type(base).__qualname__}",
-        optimizer_spec=optimizer.zero_bnb_spec.name, groups=tuple(groups), non_finite=copy.deepcopy(non_finite),
-        module_file=MODEL_STATES if any(plan.storage != FULL for plan in masters) else "",
+        optimizer_spec=optimizer.zero_bnb_spec.name, non_finite=copy.deepcopy(non_finite),
     )
-    return lambda files: Manifest.create(files=files, **fields)
+
+    def complete(files: list[FileRecord], masters: Sequence[MasterPlan]) -> Manifest:
+        entries = tuple(GroupEntry.describe(
+            group["numel"], group["params"], group["states"], group["element_ranges"], group["block_ranges"],
+            group["param_group"], masters=plan.storage, **group["extra"]) for group, plan in zip(groups, masters, strict=True))
+        return Manifest.create(files=files, groups=entries, **fields,
+                               module_file=MODEL_STATES if any(plan.storage != FULL for plan in masters) else "")
+
+    return complete
 
 
 def build_manifest(
@@ -154,4 +168,4 @@ def build_manifest(
 
     Local (see :func:`manifest_draft`).
     """
-    return manifest_draft(optimizer, names, non_finite, masters)(files)
+    return manifest_draft(optimizer, names, non_finite)(files, masters)

@@ -103,6 +103,17 @@ class StagingPool:
         buffer.copy_(value, non_blocking=pin)
         return buffer
 
+    def view_or_copy(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` as a view of this save's staged copy of its storage if :meth:`snapshot` staged that storage
+        already (no second copy of the same bytes), else :meth:`tensor`'s compact copy."""
+        value = value.detach()
+        storage = value.untyped_storage()
+        copied = self._shared.get((value.device, storage.data_ptr(), storage.nbytes()))
+        if copied is None:
+            return self.tensor(value)
+        return torch.empty(0, dtype=value.dtype).set_(copied.untyped_storage(), value.storage_offset(),
+                                                      value.shape, value.stride())
+
     def _same_storage(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` as a view of a host copy of its whole storage (one copy per storage), so that ``torch.save``
         writes exactly what it writes for the original: the same storages, shared where they were."""

@@ -35,6 +35,7 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
 )
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
+import torch
 
 from zero_bnb.bnb.chunked import ChunkedUpdate, uninstall_chunked_update
 from zero_bnb.checkpoint.background import BackgroundSaver
@@ -43,7 +44,13 @@ from zero_bnb.checkpoint.collective import agree
 from zero_bnb.checkpoint.commit import SaveTransaction
 from zero_bnb.checkpoint.derived import DERIVED_PARAMS_KEY, derived_entries
 from zero_bnb.checkpoint.load import LoadPlan, apply_module_weights, open_for_load, plan_load
-from zero_bnb.checkpoint.masters import plan_masters
+from zero_bnb.checkpoint.masters import (
+    MasterPlan,
+    decide_masters,
+    master_candidates,
+    plan_masters,
+    stage_module_slices,
+)
 from zero_bnb.checkpoint.recovery_script import write_recovery_script
 from zero_bnb.checkpoint.restore import apply_masters, apply_restore
 from zero_bnb.checkpoint.save import LocalPayload, manifest_draft, stage_local_payload
@@ -55,6 +62,7 @@ from zero_bnb.ds.stage3 import BlockAlignedStage3Optimizer
 from zero_bnb.ds.zero_optimizer import BlockAlignedBF16Optimizer, BlockAlignedZeroOptimizer
 from zero_bnb.errors import CheckpointUsageError
 from zero_bnb.format.durable import makedirs, replacing, save_torch
+from zero_bnb.format.masters import FULL
 from zero_bnb.format.stock_files import MODEL_STATES, stage3_model_states, stock_dp_world_size
 from zero_bnb.format.tags import resolve_tag
 from zero_bnb.format.unpickle import safe_load
@@ -265,12 +273,17 @@ class ZeroBnbEngine(DeepSpeedEngine):
         transaction = SaveTransaction(save_dir, tag, save_latest=save_latest)  # refuses unsafe tags on every rank
         verify_replicated_state(self.optimizer)
         non_finite = find_non_finite(self.optimizer, self.param_names, self.zero_bnb_config.nonfinite_check)
-        masters = plan_masters(self.optimizer, self._saved_module_weights(exclude_frozen_parameters), self.param_names)
-        draft, batch = manifest_draft(self.optimizer, self.param_names, non_finite, masters), batch_of(self)
+        draft, batch = manifest_draft(self.optimizer, self.param_names, non_finite), batch_of(self)
         saver = self._zero_bnb_saver()
-        if saver is not None:
+        if saver is None:
+            masters = plan_masters(self.optimizer, self._saved_module_weights(exclude_frozen_parameters),
+                                   self.param_names)
+        else:  # the masters are staged whole; the background writer decides which can derive from the module weights
             transaction.group = saver.process_group()
             saver.pool.begin()
+            weights = self._saved_module_weights(exclude_frozen_parameters)
+            candidates = master_candidates(self.optimizer, weights, self.param_names)
+            masters = [MasterPlan(FULL)] * len(candidates)
         self._zero_bnb_masters = masters
         transaction.begin()
         self.checkpoint_engine.transaction = transaction
@@ -292,24 +305,39 @@ class ZeroBnbEngine(DeepSpeedEngine):
             self.checkpoint_engine.pool = self.checkpoint_engine.deferred = None
             self._zero_bnb_masters = None
 
-        def finish() -> None:
-            transaction.commit(lambda files: dataclasses.replace(draft(files), batch=batch),
+        def finish(masters: list[MasterPlan]) -> None:
+            transaction.commit(lambda files: dataclasses.replace(draft(files, masters), batch=batch),
                                after_publish=lambda: write_recovery_script(save_dir))  # DeepSpeed's zero_to_fp32.py habit
 
         if saver is None:
-            finish()
+            finish(masters)
             return True
+        try:  # after DeepSpeed's model file: where this rank staged it, its weights are views of that copy
+            slices = stage_module_slices(self.optimizer, candidates, weights, self.param_names, saver.pool.view_or_copy)
+        except StagingLimitError as error:
+            logger.warning("zero_bnb: %s; this save stores the fp32 master weights whole", error)
+            slices = {}
         saver.pool.trim()
         copies = saver.pool.copies_done()
+        payloads = [staged for _, staged in deferred if isinstance(staged, LocalPayload)]
+
+        def inputs(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if index not in slices or not payloads:
+                raise StagingLimitError("the module weights or the masters were not staged "
+                                        "(zero_checkpoint_async_max_staging_mb)")
+            return payloads[0].shard.groups[index].fp32, slices[index]
 
         def write_and_commit() -> None:
-            with transaction.guard():  # an error here is agreed on by commit(), so no rank waits for another
+            with transaction.guard():
                 if copies is not None:
                     copies.synchronize()
+            # Collective on the writers' group: every rank decides, even after an error (commit() then reports it).
+            decided = decide_masters(self.optimizer, candidates, self.param_names, inputs, group=transaction.group)
+            with transaction.guard():  # an error here is agreed on by commit(), so no rank waits for another
                 for path, staged in deferred:  # DeepSpeed's files by path; the optimizer payload into its tag folder
-                    transaction.add(staged.write(path) if isinstance(staged, LocalPayload)
+                    transaction.add(staged.with_masters(decided).write(path) if isinstance(staged, LocalPayload)
                                     else [save_torch(staged, path, root=transaction.staging_folder)])
-            finish()
+            finish(decided)
 
         saver.start(tag, write_and_commit)
         return True

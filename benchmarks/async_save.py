@@ -1,0 +1,209 @@
+"""How long a checkpoint save stalls training: stock DeepSpeed, zero_bnb's durable save, zero_bnb's asynchronous one.
+
+Side by side in one run, interleaved rounds, one process per rank (CPU, gloo), an MLP of ``--params`` parameters
+trained with bitsandbytes' Adam8bit under ZeRO-1. Per variant and round:
+
+* **blocking**: the seconds ``save_checkpoint`` blocks (barrier to barrier);
+* **stall**: blocking plus the extra time of the steps that overlap the background write (each step's time minus
+  the median step time measured just before the save); for a synchronous save, the stall is the blocking time;
+* **background**: the seconds from the call until the asynchronous save is committed.
+
+``--contention disk`` runs another process writing (and fsyncing) 64 MiB blocks to the same disk throughout, as
+on a shared node. Results (with the machine's load average while it ran) go to ``--out``.
+
+    python benchmarks/async_save.py --params 59e6 --precision bf16 --rounds 3 --contention none disk
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+VARIANTS = ("stock", "zero_bnb", "zero_bnb-async")
+_STEPS_BEFORE = 4
+
+
+def _model(params: float, width: int) -> torch.nn.Module:
+    layers = max(1, round(params / (width * width + width)))
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+
+
+def _config(args, world: int, variant: str) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
+        "train_batch_size": args.micro_batch * world, "zero_optimization": {"stage": 1},
+        "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
+    }
+    if args.precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    if variant == "zero_bnb-async":
+        config["zero_checkpoint_async"] = True
+    return config
+
+
+def _build(variant: str, args, world: int):
+    import bitsandbytes as bnb
+    import deepspeed
+
+    import zero_bnb
+
+    torch.manual_seed(0)
+    model = _model(args.params, args.width)
+    optimizer = bnb.optim.Adam8bit(model.parameters(), lr=1e-4)
+    initialize = deepspeed.initialize if variant == "stock" else zero_bnb.initialize
+    engine, *_ = initialize(model=model, optimizer=optimizer, config=_config(args, world, variant))
+    return engine
+
+
+def _step(engine, args) -> float:
+    start = time.perf_counter()
+    data = torch.randn(args.micro_batch, args.width, dtype=engine.module[0].weight.dtype)
+    loss = engine(data).float().pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    return time.perf_counter() - start
+
+
+def _measure(engine, variant: str, args, folder: str, tag: str) -> dict:
+    """One save of ``engine`` while it trains: blocking, stall and background seconds. Collective."""
+    import torch.distributed as dist
+
+    baseline = statistics.median(_step(engine, args) for _ in range(_STEPS_BEFORE))
+    dist.barrier()
+    start = time.perf_counter()
+    engine.save_checkpoint(folder, tag=tag)
+    dist.barrier()
+    blocking = time.perf_counter() - start
+    extra, overlapped = 0.0, 0
+    saver = getattr(engine, "_zero_bnb_background", None)
+    while saver is not None and saver.pending and overlapped < args.max_overlap_steps:
+        extra += max(0.0, _step(engine, args) - baseline)  # a step slowed by the background writer
+        overlapped += 1
+    if saver is not None:
+        engine.wait_for_checkpoint()
+    background = saver.last_duration if saver is not None else blocking
+    return {"blocking_s": blocking, "stall_s": blocking + extra, "background_s": background,
+            "overlapped_steps": overlapped, "step_s": baseline}
+
+
+def _writer(folder: str, stop) -> None:
+    """Another process writing to the same disk: 64 MiB blocks, each fsynced, until ``stop`` is set."""
+    block = os.urandom(2**20) * 64
+    path = os.path.join(folder, "contention.bin")
+    while not stop.is_set():
+        with open(path, "wb") as handle:
+            for _ in range(8):
+                handle.write(block)
+                handle.flush()
+                os.fsync(handle.fileno())
+                if stop.is_set():
+                    break
+    os.remove(path)
+
+
+def run(rank: int, world: int, args, workdir: str, result_path: str) -> None:
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    torch.set_num_threads(max(1, args.threads))
+    rows = []
+    for contention in args.contention:
+        stop = writer = None
+        if contention == "disk" and rank == 0:
+            stop = multiprocessing.get_context("fork").Event()
+            writer = multiprocessing.get_context("fork").Process(target=_writer, args=(workdir, stop))
+            writer.start()
+        for round_index in range(args.rounds):
+            for variant in VARIANTS:
+                engine = _build(variant, args, world)
+                folder = os.path.join(workdir, f"{variant}-{contention}-{round_index}")
+                load_before = os.getloadavg()[0]
+                row = _measure(engine, variant, args, folder, "bench")
+                row.update(variant=variant, contention=contention, round=round_index, load_avg=load_before)
+                rows.append(row)
+                engine.destroy()
+                if rank == 0:
+                    shutil.rmtree(folder, ignore_errors=True)
+                    logging.getLogger(__name__).warning("%s", row)
+        if writer is not None:
+            stop.set()
+            writer.join()
+    if rank == 0:
+        with open(result_path, "w") as handle:
+            json.dump(rows, handle)
+
+
+def summarize(rows: list[dict], args) -> str:
+    """A markdown table: per contention and variant, the medians, and the stall as a fraction of stock's save."""
+    lines = [f"# Save stall, {args.params / 1e6:.0f}M parameters, {args.precision}, ZeRO-1, DP={args.dp}", "",
+             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores "
+             f"({_cpu_model()}); torch {torch.__version__}; `{' '.join(sys.argv)}`; load average "
+             f"{min(r['load_avg'] for r in rows):.1f}-{max(r['load_avg'] for r in rows):.1f} during the runs.", "",
+             "| contention | variant | blocking s | stall s | background s | stall / stock's save | rounds |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for contention in args.contention:
+        stock = statistics.median(r["stall_s"] for r in rows if r["contention"] == contention and r["variant"] == "stock")
+        for variant in VARIANTS:
+            mine = [r for r in rows if r["contention"] == contention and r["variant"] == variant]
+            median = {key: statistics.median(r[key] for r in mine) for key in ("blocking_s", "stall_s", "background_s")}
+            lines.append(f"| {contention} | {variant} | {median['blocking_s']:.2f} | {median['stall_s']:.2f} | "
+                         f"{median['background_s']:.2f} | {median['stall_s'] / stock:.2f}x | {len(mine)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            return next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown CPU"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=float, default=59e6)
+    parser.add_argument("--width", type=int, default=3840)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
+    parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=(os.cpu_count() or 2) // 1)
+    parser.add_argument("--max-overlap-steps", type=int, default=200)
+    parser.add_argument("--contention", nargs="+", choices=("none", "disk"), default=["none", "disk"])
+    parser.add_argument("--name", default=None)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = parser.parse_args(argv)
+    from zero_bnb.testing.launch import run_distributed
+
+    workdir = tempfile.mkdtemp(prefix="zero_bnb_async_bench_", dir=os.environ.get("ZERO_BNB_BENCH_DIR"))
+    try:
+        result_path = os.path.join(workdir, "rows.json")
+        run_distributed(run, args.dp, args, workdir, result_path)
+        with open(result_path) as handle:
+            rows = json.load(handle)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    name = args.name or f"async_save-{args.params / 1e6:.0f}m-{args.precision}-dp{args.dp}"
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, name + ".json"), "w") as handle:
+        json.dump({"argv": sys.argv, "rows": rows}, handle, indent=1)
+    table = summarize(rows, args)
+    with open(os.path.join(args.out, name + ".md"), "w") as handle:
+        handle.write(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
