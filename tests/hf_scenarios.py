@@ -81,7 +81,7 @@ MORE_OPTIMS = ("adamw_8bit", "lion_32bit", "paged_adamw_32bit", "paged_lion_8bit
 
 
 def _trainer(workdir, world, *, name="out", optim="adamw_bnb_8bit", max_steps=8, save_steps=4, config=None,
-             accumulation=None, stage3=False, callbacks=None):
+             accumulation=None, stage3=False, callbacks=None, **arguments):
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
@@ -102,6 +102,7 @@ def _trainer(workdir, world, *, name="out", optim="adamw_bnb_8bit", max_steps=8,
         seed=0,
         dataloader_num_workers=0,
         disable_tqdm=True,
+        **arguments,
     )
     # At stage 3 the model is built after TrainingArguments (whose DeepSpeed config is then alive), as
     # from_pretrained would be: under deepspeed.zero.Init.
@@ -391,6 +392,57 @@ def _error_or(fn):
         return f"{type(error).__name__}: {error}"
 
 
+def trainer_async(workdir, world) -> dict:
+    """Trainer saving asynchronously (``zero_checkpoint_async``) every 2 steps with ``save_total_limit=1``: the
+    losses of the synchronous run's first 6 steps, one complete checkpoint left (the older ones deleted only once
+    the newer one was committed)."""
+    trainer = _trainer(workdir, world, name="async", max_steps=6, save_steps=2, save_total_limit=1,
+                       config=ds_config(zero_checkpoint_async=True))
+    trainer.train()
+    trainer.model_wrapped.wait_for_checkpoint()
+    folder = os.path.join(workdir, "async")
+    return {"losses": _losses(trainer), "folders": sorted(n for n in os.listdir(folder) if n.startswith("checkpoint")),
+            "verify": _error_or(lambda: zero_bnb.verify_checkpoint(os.path.join(folder, "checkpoint-6")) and None)}
+
+
+def accelerate_async(workdir, world) -> dict:
+    """Accelerate's save_state with zero_checkpoint_async and ProjectConfiguration(total_limit=1): Accelerate deletes
+    the older checkpoint folders before it saves, so a save still being written (slowed down here) is committed
+    first, then deleted; the newest checkpoint is complete."""
+    import time
+
+    import bitsandbytes as bnb
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin, ProjectConfiguration
+
+    from zero_bnb.format import durable
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    config = ds_config(train_batch_size=GLOBAL_BATCH, train_micro_batch_size_per_gpu=MICRO,
+                       gradient_accumulation_steps=GLOBAL_BATCH // (MICRO * world), gradient_clipping=1.0,
+                       zero_checkpoint_async=True)
+    project = os.path.join(workdir, "accelerate_async")
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), project_config=ProjectConfiguration(
+        project_dir=project, automatic_checkpoint_naming=True, total_limit=1))
+    model = tiny_gpt2()
+    model, optimizer = accelerator.prepare(model, bnb.optim.AdamW8bit(model.parameters(), lr=3e-3))
+    durable.set_io_hook(lambda event, path: time.sleep(0.05) if event == "write" else None)
+    try:
+        losses = _accelerate_steps(accelerator, model, optimizer, 0, 1)
+        accelerator.save_state()
+        pending = model._zero_bnb_background.pending
+        losses += _accelerate_steps(accelerator, model, optimizer, 1, 1)
+        accelerator.save_state()  # deletes checkpoint_0 first: only once it is committed
+        model.wait_for_checkpoint()
+    finally:
+        durable.set_io_hook(None)
+    folder = os.path.join(project, "checkpoints")
+    return {"pending_after_save_state": pending, "folders": sorted(os.listdir(folder)), "losses": losses,
+            "verify": _error_or(lambda: zero_bnb.verify_checkpoint(os.path.join(folder, "checkpoint_1"))
+                                and None)}
+
+
 def hf_dp2(rank, world, workdir):
     """One launch at DP=2: Trainer (zero_bnb and stock), Accelerate, refusals, plain-assignment enabling."""
     out = {}
@@ -405,6 +457,8 @@ def hf_dp2(rank, world, workdir):
                                      config=offload_config())
         out["offload_zero2"] = trainer_run(workdir, world, name="offload_zero2", max_steps=4, save_steps=2,
                                            config=offload_config(stage=2))
+        out["trainer_async"] = trainer_async(workdir, world)
+        out["accelerate_async"] = _error_or(lambda: accelerate_async(workdir, world))
     finally:
         zero_bnb.disable()
         zero_bnb.disable()  # without enable: a no-op

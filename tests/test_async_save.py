@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from async_scenarios import asynchronous
 from scenarios import result
 
+from zero_bnb.checkpoint import background
+from zero_bnb.checkpoint.background import BackgroundSaver, after_pending_saves
 from zero_bnb.core.config import ZeroBnbConfigError, split_config
+from zero_bnb.errors import CheckpointSaveError
 from zero_bnb.testing.launch import run_distributed
 
 
@@ -98,3 +103,34 @@ def test_the_switch_is_read_at_the_top_level_or_inside_zero_optimization():
         split_config({"zero_checkpoint_async": "yes"})
     with pytest.raises(ZeroBnbConfigError, match="zero_checkpoint_async_max_staging_mb must be a non-negative"):
         split_config({"zero_checkpoint_async_max_staging_mb": -1})
+
+
+def _saver_blocked_until(release: threading.Event, fail: bool = False) -> BackgroundSaver:
+    saver = BackgroundSaver()
+    background._SAVERS.add(saver)  # as its first process_group() call registers it
+
+    def work():
+        release.wait(10)
+        if fail:
+            raise OSError(28, "No space left on device")
+
+    saver.start("T", work)
+    return saver
+
+
+def test_a_front_doors_deletion_waits_for_the_commit_and_is_dropped_if_the_save_fails():
+    for fail in (False, True):
+        release, deleted = threading.Event(), []
+        saver = _saver_blocked_until(release, fail)
+        after_pending_saves(lambda: deleted.append("old"), "the test's deletion")
+        assert deleted == []  # not while the newer checkpoint is being written
+        release.set()
+        if fail:
+            with pytest.raises(CheckpointSaveError, match="No space left on device"):
+                saver.wait()
+        else:
+            saver.wait()
+        assert deleted == ([] if fail else ["old"]), (fail, deleted)  # the older checkpoint is kept if the save failed
+        after_pending_saves(lambda: deleted.append("now"), "the test's deletion")  # nothing pending: at once
+        assert deleted[-1] == "now"
+        background._SAVERS.discard(saver)

@@ -68,6 +68,21 @@ def test_trainer_saves_at_2_and_resumes_at_3_processes(hf):
     assert not [m for m in dp3["trainer_log"] if "global batch" in m]
 
 
+def test_trainer_saves_asynchronously_and_deletes_old_checkpoints_only_once_the_new_one_is_committed(hf):
+    _, dp2, _, _ = hf
+    run = dp2["trainer_async"]
+    assert run["losses"] == {step: dp2["trainer"]["losses"][step] for step in range(1, 7)}  # saves did not disturb
+    assert run["folders"] == ["checkpoint-6"] and run["verify"] is None, run
+
+
+def test_accelerate_save_state_with_a_total_limit_commits_a_pending_save_before_deleting_it(hf):
+    _, dp2, _, _ = hf
+    run = dp2["accelerate_async"]
+    assert isinstance(run, dict), run
+    assert run["pending_after_save_state"] is True  # save_state returned while the writer was still busy
+    assert run["folders"] == ["checkpoint_1"] and run["verify"] is None, run
+
+
 def test_trainer_keeps_the_32bit_embedding_override(hf):
     _, dp2, dp3, _ = hf
     for run in (dp2["trainer"], dp3["trainer"]):

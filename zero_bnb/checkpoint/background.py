@@ -33,7 +33,7 @@ import torch.distributed as dist
 from zero_bnb.checkpoint.staging import StagingPool
 from zero_bnb.errors import CheckpointSaveError
 
-__all__ = ["BackgroundSaver"]
+__all__ = ["BackgroundSaver", "after_pending_saves", "wait_for_pending_saves"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,29 @@ def _wait_before_destroy() -> None:
         dist.destroy_process_group = destroy_process_group
 
 
+def after_pending_saves(action: Callable[[], object], what: str) -> None:
+    """Run ``action`` now, or, while an asynchronous save of this process is pending, in its writer thread right
+    after the save is committed; never if the save fails. Local.
+
+    For the front doors' deletions of older checkpoints (Trainer's ``save_total_limit``, Lightning's
+    ``save_top_k``): an older checkpoint is removed only once the newer one is complete.
+    """
+    for saver in list(_SAVERS):
+        with saver._after_lock:
+            if saver._accepting:
+                logger.info("zero_bnb: %s waits until the asynchronous save of checkpoint %r is committed", what,
+                            saver._tag)
+                saver._after.append((action, what))
+                return
+    action()
+
+
+def wait_for_pending_saves() -> None:
+    """Wait for every asynchronous save of this process (:meth:`BackgroundSaver.wait`; a failure is raised). Local."""
+    for saver in list(_SAVERS):
+        saver.wait()
+
+
 class BackgroundSaver:
     """One engine's asynchronous saves: the staging buffers, the writer thread, the last save's outcome.
 
@@ -71,6 +94,9 @@ class BackgroundSaver:
         self._error: BaseException | None = None
         self._group: Any = None
         self._tag = ""
+        self._after: list[tuple[Callable[[], object], str]] = []
+        self._after_lock = threading.Lock()
+        self._accepting = False  # whether after_pending_saves() hands its action to the writer
         #: seconds the last background save took, from its start to its commit (``None`` before one finished)
         self.last_duration: float | None = None
 
@@ -93,6 +119,8 @@ class BackgroundSaver:
         if self.pending:
             raise RuntimeError("BackgroundSaver.start while a save is pending; wait() first")
         self._tag, self._error = tag, None
+        with self._after_lock:
+            self._accepting = True
         began = time.perf_counter()
 
         def run() -> None:
@@ -105,6 +133,19 @@ class BackgroundSaver:
                 logger.error("zero_bnb: the asynchronous save of checkpoint %r failed; the previous checkpoint and "
                              "'latest' are unchanged. The next save_checkpoint, load_checkpoint or "
                              "wait_for_checkpoint raises this error: %s", tag, error)
+            finally:
+                with self._after_lock:
+                    self._accepting = False
+                    after, self._after = self._after, []
+            for action, what in after:
+                if self._error is not None:
+                    logger.warning("zero_bnb: %s did not run: the asynchronous save of checkpoint %r failed, so the "
+                                   "older checkpoints are kept", what, tag)
+                    continue
+                try:
+                    action()
+                except Exception as error:  # noqa: BLE001 - the front door's own deletion; logged like it would be
+                    logger.error("zero_bnb: %s failed after checkpoint %r was committed: %r", what, tag, error)
 
         self._thread = threading.Thread(target=run, name=f"zero_bnb-save-{tag}", daemon=False)
         self._thread.start()

@@ -164,6 +164,22 @@ def _patch(module: ModuleType) -> None:
     keep_client_optimizer._zero_bnb_patch = True
     _ORIGINAL[_TARGET] = original
     setattr(module, _TARGET, keep_client_optimizer)
+    accelerator = getattr(module, "Accelerator", None)
+    if accelerator is not None and not getattr(accelerator.save_state, "_zero_bnb_patch", False):
+        save_state = accelerator.save_state
+
+        @functools.wraps(save_state)
+        def save_state_after_pending(self, *args, **kwargs):
+            from zero_bnb.checkpoint.background import wait_for_pending_saves
+
+            # Accelerate deletes checkpoints beyond ProjectConfiguration(total_limit) before it saves: a pending
+            # asynchronous save (zero_checkpoint_async) is committed first, so the newest complete one survives.
+            wait_for_pending_saves()
+            return save_state(self, *args, **kwargs)
+
+        save_state_after_pending._zero_bnb_patch = True
+        _ORIGINAL["save_state"] = save_state
+        accelerator.save_state = save_state_after_pending
 
 
 def remove_accelerate_patch() -> None:
@@ -176,3 +192,6 @@ def remove_accelerate_patch() -> None:
         module = sys.modules.get(_MODULE)
         if original is not None and module is not None and getattr(getattr(module, _TARGET, None), "_zero_bnb_patch", False):
             setattr(module, _TARGET, original)
+        save_state = _ORIGINAL.pop("save_state", None)
+        if save_state is not None and module is not None and hasattr(module, "Accelerator"):
+            module.Accelerator.save_state = save_state

@@ -1,10 +1,14 @@
 """Hugging Face Trainer glue, installed by :func:`zero_bnb.enable` when a Trainer calls ``deepspeed.initialize``.
 
 ``zero_bnb.enable()`` alone makes Trainer and Accelerate build zero_bnb engines. This module
-adds one thing Trainer needs on resume: Trainer loads its own ``scheduler.pt`` after DeepSpeed's
-checkpoint; one written by a stock DeepSpeed run (which drops bitsandbytes overrides) has
-fewer per-group entries than zero_bnb's optimizer has groups, which
-:func:`zero_bnb.integrations.scheduler_groups.fit_to_groups` repairs right after Trainer loads it.
+adds two things Trainer needs:
+
+* on resume: Trainer loads its own ``scheduler.pt`` after DeepSpeed's checkpoint; one written by a stock
+  DeepSpeed run (which drops bitsandbytes overrides) has fewer per-group entries than zero_bnb's optimizer has
+  groups, which :func:`zero_bnb.integrations.scheduler_groups.fit_to_groups` repairs right after Trainer loads it;
+* with asynchronous saves (``zero_checkpoint_async``): Trainer deletes checkpoints beyond ``save_total_limit``
+  right after a save returns; the deletion is deferred until the new checkpoint is committed
+  (:func:`zero_bnb.checkpoint.background.after_pending_saves`), so the last complete one is never removed first.
 
 Imported only when ``transformers.trainer`` is already loaded. Local, no collectives.
 """
@@ -15,6 +19,7 @@ import functools
 import threading
 from typing import Any
 
+from zero_bnb.checkpoint.background import after_pending_saves
 from zero_bnb.integrations.scheduler_groups import fit_to_groups
 
 __all__ = ["install_trainer_patch", "remove_trainer_patch"]
@@ -30,12 +35,25 @@ def _group_origin(trainer: Any):
 
 
 def install_trainer_patch() -> None:
-    """Wrap ``Trainer._load_optimizer_and_scheduler`` (once) to fit the loaded scheduler to zero_bnb's groups."""
+    """Wrap ``Trainer._load_optimizer_and_scheduler`` (once) to fit the loaded scheduler to zero_bnb's groups, and
+    Trainer's deletion of old checkpoints to wait for a pending asynchronous save."""
+    import transformers.trainer as trainer_module
     from transformers import Trainer
 
     with _LOCK:
         if "load" in _ORIGINAL:
             return
+        # transformers 5 calls the module's rotate_checkpoints(); 4.x the method Trainer._rotate_checkpoints
+        owner, name = ((trainer_module, "rotate_checkpoints") if hasattr(trainer_module, "rotate_checkpoints")
+                       else (Trainer, "_rotate_checkpoints"))
+        rotate = getattr(owner, name)
+
+        @functools.wraps(rotate)
+        def rotate_when_committed(*args, **kwargs):
+            after_pending_saves(lambda: rotate(*args, **kwargs), "Trainer's deletion of checkpoints beyond save_total_limit")
+
+        _ORIGINAL["rotate"] = (owner, name, rotate)
+        setattr(owner, name, rotate_when_committed)
         original = Trainer._load_optimizer_and_scheduler
 
         @functools.wraps(original)
@@ -58,3 +76,7 @@ def remove_trainer_patch() -> None:
             from transformers import Trainer
 
             Trainer._load_optimizer_and_scheduler = original
+        rotation = _ORIGINAL.pop("rotate", None)
+        if rotation is not None:
+            owner, name, rotate = rotation
+            setattr(owner, name, rotate)

@@ -45,6 +45,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 
 import zero_bnb
+from zero_bnb.checkpoint.background import after_pending_saves
 from zero_bnb.integrations.conversions import route_deepspeed_zero_to_fp32, route_lightning_convert
 
 __all__ = ["STRATEGY_NAMES", "ZeroBnbStrategy", "mid_epoch_warning"]
@@ -137,6 +138,12 @@ class ZeroBnbStrategy(DeepSpeedStrategy):
         if message and self.global_rank == 0:
             logger.warning("zero_bnb: %s %s", checkpoint_path, message)
         return checkpoint
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Lightning's removal of an older checkpoint (``save_top_k``), deferred while an asynchronous save
+        (``zero_checkpoint_async``) is pending until that save is committed; never done if it fails. Local."""
+        after_pending_saves(lambda: super(ZeroBnbStrategy, self).remove_checkpoint(filepath),
+                            f"Lightning's removal of {filepath}")
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """DeepSpeed's backward without its second division by the accumulation steps (every rank, every micro-batch)."""
