@@ -191,7 +191,7 @@ class ZeroBnbEngine(DeepSpeedEngine):
         factory = functools.partial(cls, zero_bnb_spec=spec, zero_bnb_rule=self._state_rule(spec))
         try:
             if spec.bitsandbytes:  # CPU 8-bit updates (offload, CPU training) take the fused kernel, and
-                install_cpu_update(optimizer, self.zero_bnb_config.cpu_update)
+                install_cpu_update(optimizer, self.zero_bnb_config.cpu_update, announce=self.global_rank == 0)
                 # partitions above the kernels' 2^31 elements are updated in pieces (DeepSpeed's constructor steps once)
                 optimizer.update_step = ChunkedUpdate(optimizer, spec, self.zero_bnb_config.update_max_numel)
             with swapped_attribute(owner, ds_name, factory):
