@@ -81,3 +81,17 @@ def test_without_a_complete_launcher_environment_enable_leaves_comm_alone_and_sa
     assert "result False" in done.stdout.splitlines(), done.stdout
     assert (f"zero_bnb.enable(): deepspeed.comm not initialised: no process group and no launcher environment "
             f"(missing {missing})") in done.stderr, done.stderr[-4000:]
+
+
+@pytest.mark.parametrize(("given", "named"), [
+    ({"RANK": "abc"}, "RANK='abc'"), ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two'"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK='2' with WORLD_SIZE='2'"), ({"MASTER_PORT": "99999"}, "MASTER_PORT='99999'"),
+])
+def test_launcher_variables_no_rendezvous_can_use_are_named_with_the_fix(given, named):
+    launched = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", **given}
+    done = subprocess.run([sys.executable, "-c", ALONE], env=_environment(**launched), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode != 0 and "Traceback" in done.stderr, done.stdout
+    assert (f"ValueError: zero_bnb.enable(): the launcher's environment cannot start DeepSpeed's communication: {named} "
+            f"(RANK and WORLD_SIZE are integers") in done.stderr, done.stderr[-3000:]
+    assert "unset RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT to run one process" in done.stderr, done.stderr[-3000:]

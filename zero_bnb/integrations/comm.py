@@ -46,11 +46,36 @@ logger = logging.getLogger(__name__)
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+def _check_launcher_environment() -> None:
+    """Refuse launcher variables that no rendezvous can use, naming them (torch would fail on them later, with
+    ``invalid literal for int()``).
+
+    Raises:
+        ValueError: ``RANK``, ``WORLD_SIZE`` or ``MASTER_PORT`` is not a number, or ``RANK`` is not below ``WORLD_SIZE``.
+    """
+    values = {name: os.environ[name].strip() for name in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    wrong = [f"{name}={value!r}" for name, value in values.items() if not value.isdigit()]
+    if not wrong and not int(values["RANK"]) < int(values["WORLD_SIZE"]) > 0:
+        wrong = [f"RANK={values['RANK']!r} with WORLD_SIZE={values['WORLD_SIZE']!r}"]
+    if not wrong and not 0 < int(values["MASTER_PORT"]) < 65536:
+        wrong = [f"MASTER_PORT={values['MASTER_PORT']!r}"]
+    if wrong:
+        raise ValueError(
+            f"zero_bnb.enable(): the launcher's environment cannot start DeepSpeed's communication: "
+            f"{', '.join(wrong)} (RANK and WORLD_SIZE are integers with 0 <= RANK < WORLD_SIZE, MASTER_PORT a TCP "
+            f"port). Launch with torchrun, deepspeed or accelerate launch, which set them, or unset "
+            f"{', '.join(LAUNCHER_VARIABLES)} to run one process"
+        )
+
+
 def join_deepspeed_comm() -> str:
     """Initialise ``deepspeed.comm`` when it can (see the module docstring); return what it did, in words.
 
     Collective only in case 3 (a CPU launch with no group yet): that joins the launcher's rendezvous, so every rank
     must call it (as every rank calls :func:`zero_bnb.enable`); otherwise local.
+
+    Raises:
+        ValueError: in case 3, launcher variables that cannot be used (:func:`_check_launcher_environment`).
     """
     import torch.distributed
     from deepspeed import comm
@@ -76,6 +101,7 @@ def join_deepspeed_comm() -> str:
             what = (f"deepspeed.comm not initialised: no process group and no launcher environment (missing "
                     f"{', '.join(missing)}): a single process, or a launcher zero_bnb does not join (MPI)")
         else:
+            _check_launcher_environment()
             import deepspeed
 
             backend = get_accelerator().communication_backend_name()
