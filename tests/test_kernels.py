@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import json
 import fcntl
 import logging
 import os
@@ -767,3 +768,52 @@ def test_a_file_without_the_kernels_functions_that_is_not_ours_is_refused_not_re
     build.forget()
     _falls_back_and_fused_fails(caplog, path)
     assert open(path, "rb").read() == open(_foreign_library(), "rb").read() and fake_cxx.count() == 1
+
+
+# Which library a run loaded (issue 34, point 10): the cache is reused silently otherwise.
+
+
+def _announced(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "zero_bnb.kernels.build" and r.levelno == logging.INFO
+            and r.getMessage().startswith("zero_bnb: fused CPU 8-bit optimizer update:")]
+
+
+def test_the_first_fused_update_says_which_library_and_quantizer_path_it_loaded_once(fake_cxx, capsys, caplog):
+    fake_cxx()
+    params = [torch.nn.Parameter(torch.randn(5000)) for _ in range(2)]
+    with caplog.at_level(logging.INFO, logger="zero_bnb.kernels.build"):
+        for announce in (False, True, True):  # another rank's optimizer, then rank 0's (twice: one line)
+            optimizer = bnb.optim.Adam8bit(params, lr=1e-3)
+            install_cpu_update(optimizer, "auto", announce=announce)
+            for _ in range(2):
+                for p in params:
+                    p.grad = torch.ones_like(p)
+                optimizer.step()
+            assert optimizer.update_step.fused_steps == 4
+    assert build.prebuild() == 0
+    path, quantizer = capsys.readouterr().out.splitlines()  # what `zero-bnb build-kernels` prints
+    [said] = _announced(caplog)
+    assert said == f"zero_bnb: fused CPU 8-bit optimizer update: built {path} ({quantizer})", said
+    assert quantizer.removeprefix("quantizer: ") in build.QUANTIZER_PATHS and fake_cxx.count() == 1
+    caplog.clear()
+    build.forget()  # as a new process: the library comes from the cache
+    with caplog.at_level(logging.INFO, logger="zero_bnb.kernels.build"):
+        build.load_library(announce=True)
+        build.load_library(announce=True)
+    assert _announced(caplog) == [f"zero_bnb: fused CPU 8-bit optimizer update: loaded the cached build {path} "
+                                  f"({quantizer})"] and fake_cxx.count() == 1
+
+
+def test_only_rank_0_of_an_engine_says_which_kernel_library_it_loaded(tmp_path):
+    import kernel_log_scenarios
+
+    from zero_bnb.testing.launch import run_distributed
+
+    run_distributed(kernel_log_scenarios.train_and_record, 2, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert all(rank["fused_steps"] > 0 for rank in ranks), ranks
+    [said] = [m for m in ranks[0]["messages"] if m.startswith("zero_bnb: fused CPU 8-bit optimizer update:")]
+    assert re.fullmatch(r"zero_bnb: fused CPU 8-bit optimizer update: (built|loaded the cached build) "
+                        r"/\S+/zero_bnb_blockwise_update_[0-9a-f]{16}\.so \(quantizer: (scalar|gather|permute|avx2)\)",
+                        said), said
+    assert not [m for m in ranks[1]["messages"] if m.startswith("zero_bnb: fused CPU")], ranks[1]

@@ -1,4 +1,4 @@
-"""zero_bnb: bitsandbytes 8-bit optimizers under DeepSpeed ZeRO stages 1 and 2, with checkpoints
+"""zero_bnb: bitsandbytes 8-bit optimizers under DeepSpeed ZeRO stages 1, 2 and 3, with checkpoints
 that resume at any data-parallel size, bit for bit.
 
 Quick start::

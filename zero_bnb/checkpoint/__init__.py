@@ -2,7 +2,7 @@
 (``save``), opening, planning and applying a load at any DP size (``load``, ``restore``), DeepSpeed's model file checked before a load applies it (``model_file``), checks
 before saving (``state_checks``), agreement across ranks (``collective``), module weights derived
 from master weights (``derived``) and how a save stores the masters (``masters``), batch geometry (``batch``), regrouping by parameter name
-(``regroup``), stock DeepSpeed checkpoints read into zero_bnb's layout (``stock_import``), whole
+(``regroup``), what a load did to state it could not copy as saved, in words (``precision``), stock DeepSpeed checkpoints read into zero_bnb's layout (``stock_import``), whole
 groups in memory (``whole``), what the protocol needs from an optimizer wrapper (``partitioned``)
 and the ``zero_to_fp32.py`` script written beside checkpoints (``recovery_script``).
 

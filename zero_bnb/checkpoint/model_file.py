@@ -21,10 +21,19 @@ import torch
 
 from zero_bnb.errors import CheckpointFormatError, CheckpointMismatchError
 
-__all__ = ["check_model_states", "plan_trained_weights", "trained_shapes"]
+__all__ = ["check_model_states", "plan_trained_weights", "saved_zero_stage", "trained_shapes"]
 
 #: Counters DeepSpeed sets from the model file on a full load: name -> smallest valid value.
 _COUNTERS = {"global_steps": 0, "skipped_steps": 0, "mp_world_size": 1}
+
+
+def saved_zero_stage(model_states: Any) -> int | None:
+    """The ZeRO stage the model file's run had (DeepSpeed saves its config under ``ds_config``); ``None`` when the
+    file does not say (an edited file, or a writer that drops the config). For messages only: nothing depends on it."""
+    config = model_states.get("ds_config") if isinstance(model_states, dict) else None
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    return stage if type(stage) is int and 0 <= stage <= 3 else None
 
 
 def _check_module(module: torch.nn.Module, saved: Any, model_file: str, strict: bool,

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from zero_bnb.checkpoint.restore import RestorePlan, SavedState, copy_piece_range, master_weights
+from zero_bnb.checkpoint.restore import RestorePlan, SavedState, copy_piece_range, master_weights, saved_dp
 from zero_bnb.checkpoint.whole import FullGroup, gather_full
 from zero_bnb.core import quant
 from zero_bnb.core.kinds import local_range
@@ -101,7 +101,8 @@ def masters_by_name(saved: SavedState, live: list[tuple[ParamEntry, ...]],
                         optimizer_spec=old.optimizer_spec, groups=tuple(entries), shards=("regrouped",),
                         non_finite=old.non_finite, versions=old.versions, batch=old.batch)
     empty = ReplicatedGroup(param_group={}, counters={}, replicated={})
-    state = RegroupedState(manifest, ReplicatedPayload((empty,) * len(live), saved.replicated.wrapper), pieces)
+    state = RegroupedState(manifest, ReplicatedPayload((empty,) * len(live), saved.replicated.wrapper), pieces,
+                           origin_dp=saved_dp(saved), source_dtypes=({},) * len(live))
     state.fresh = frozenset(fresh)
     return state
 
@@ -168,11 +169,17 @@ class RegroupedState:
     """A :class:`~zero_bnb.checkpoint.restore.SavedState` in the running optimizer's grouping (one whole shard per group).
     ``fresh``: live parameters it holds no saved master of (:func:`masters_by_name`)."""
 
-    def __init__(self, manifest: Manifest, replicated: ReplicatedPayload, pieces: dict[tuple[int, str], torch.Tensor]):
+    def __init__(self, manifest: Manifest, replicated: ReplicatedPayload, pieces: dict[tuple[int, str], torch.Tensor],
+                 *, origin_dp: int | None = None, source_dtypes: tuple[dict[str, tuple[str, ...]], ...] | None = None):
         self.manifest = manifest
         self.replicated = replicated
         self._pieces = pieces
         self.fresh: frozenset[str] = frozenset()
+        #: the DP size the checkpoint was saved at (``manifest`` describes one whole shard); ``None``: the manifest's
+        self.origin_dp = origin_dp
+        #: per group, each element-wise key's dtypes in the checkpoint (8-bit moments are held here in fp32);
+        #: ``None``: not regrouped, the manifest's dtypes are the checkpoint's
+        self.source_dtypes = source_dtypes
 
     def piece(self, rank: int, group_index: int, key: str) -> torch.Tensor:
         return self._pieces[(group_index, key)]
@@ -251,7 +258,7 @@ def _regroup(saved: SavedState, live: list[tuple[ParamEntry, ...]], spec: Optimi
     block = saved.manifest.block_size
     source_of: dict[str, int] = {}
     slices: dict[str, dict[str, torch.Tensor]] = {}
-    dtypes, others, records = [], [], []
+    dtypes, others, records, originals = [], [], [], []
     for index, group in enumerate(gather_full(saved)):
         group_slices, group_dtypes, other = _flatten_by_param(group, spec, block)
         slices.update(group_slices)
@@ -259,11 +266,15 @@ def _regroup(saved: SavedState, live: list[tuple[ParamEntry, ...]], spec: Optimi
         dtypes.append(group_dtypes)
         others.append(other)
         records.append(group)
+        originals.append({item.key: str(group.state[item.key].dtype).removeprefix("torch.") for item in group.states
+                          if item.kind is StateKind.ELEMENTWISE})
     pieces: dict[tuple[int, str], torch.Tensor] = {}
-    entries, replicated_groups = [], []
+    entries, replicated_groups, source_dtypes = [], [], []
     for target, params in enumerate(live):
         sources = sorted({source_of[p.name] for p in params})
         first = sources[0]
+        source_dtypes.append({key: tuple(sorted({originals[index][key] for index in sources if key in originals[index]}))
+                              for key in originals[first]})
         hyper = {k: v for k, v in records[first].param_group.items() if k != "params"}
         for other_source in sources[1:]:
             differing = sorted(k for k, v in records[other_source].param_group.items()
@@ -306,7 +317,8 @@ def _regroup(saved: SavedState, live: list[tuple[ParamEntry, ...]], spec: Optimi
     manifest = Manifest(dp_world_size=1, block_size=block, optimizer_class=old.optimizer_class,
                         optimizer_spec=old.optimizer_spec, groups=tuple(entries), shards=("regrouped",),
                         non_finite=old.non_finite, versions=old.versions, batch=old.batch)
-    return RegroupedState(manifest, ReplicatedPayload(tuple(replicated_groups), saved.replicated.wrapper), pieces)
+    return RegroupedState(manifest, ReplicatedPayload(tuple(replicated_groups), saved.replicated.wrapper), pieces,
+                          origin_dp=saved_dp(saved), source_dtypes=tuple(source_dtypes))
 
 
 def _differs(a: Any, b: Any) -> bool:

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from zero_bnb.checkpoint.partitioned import PartitionedOptimizer
+from zero_bnb.checkpoint.precision import Conversion
 from zero_bnb.core import quant
 from zero_bnb.core.kinds import is_partitioned, local_range, saved_length, saved_ranges, whole_length
 from zero_bnb.core.layout import plan_copy
@@ -41,12 +42,19 @@ __all__ = [
     "gather_range",
     "master_weights",
     "plan_restore",
+    "saved_dp",
 ]
 
 logger = logging.getLogger(__name__)
 
 class SavedState(Protocol):
-    """What :func:`plan_restore` reads: a manifest, the replicated payload, and shard pieces."""
+    """What :func:`plan_restore` reads: a manifest, the replicated payload, and shard pieces.
+
+    A state regrouped by parameter name (:class:`~zero_bnb.checkpoint.regroup.RegroupedState`) also has
+    ``origin_dp`` (the DP size the checkpoint was saved at; its ``manifest`` describes one whole shard) and
+    ``source_dtypes`` (per group, each element-wise key's dtypes in the checkpoint, before 8-bit moments were
+    dequantized): what a load's messages report (:func:`saved_dp`, :class:`~zero_bnb.checkpoint.precision.Conversion`).
+    """
 
     manifest: Manifest
     replicated: ReplicatedPayload
@@ -57,6 +65,12 @@ class SavedState(Protocol):
     def copy_range(self, rank: int, group_index: int, key: str, offset: int, out: torch.Tensor) -> None:
         """Elements ``[offset, offset + out.shape[-1])`` (last axis) of :meth:`piece` into ``out``
         (:func:`copy_piece_range`, or straight from what the piece is made of)."""
+
+
+def saved_dp(saved: SavedState) -> int:
+    """The DP size ``saved`` was written at (that of the checkpoint, also when it was regrouped by parameter name)."""
+    origin = getattr(saved, "origin_dp", None)
+    return saved.manifest.dp_world_size if origin is None else origin
 
 
 def copy_piece_range(saved: SavedState, rank: int, group_index: int, key: str, offset: int, out: torch.Tensor) -> None:
@@ -184,6 +198,9 @@ class _GroupRestorer:
         self.geometry = geometry = optimizer.geometry(group_index)
         self.block_size = geometry.block_size
         self.param = optimizer.master_partition(group_index)
+        sources = getattr(saved, "source_dtypes", None)
+        self.regrouped = sources is not None
+        self.sources: dict[str, tuple[str, ...]] = sources[group_index] if sources is not None else {}
 
     def gather(self, kind: StateKind, key: str, out: torch.Tensor) -> None:
         """This rank's range of saved ``key`` (of partitioned ``kind``) into ``out[..., :length]``."""
@@ -218,8 +235,9 @@ class _GroupRestorer:
                                                device=self.param.device)
         return state
 
-    def planned_state(self) -> tuple[dict[str, Any] | None, list[str]]:
-        """The new state (``None``: none) and notes on 8-bit <-> fp32 conversions; the optimizer is not touched."""
+    def planned_state(self) -> tuple[dict[str, Any] | None, list[Conversion]]:
+        """The new state (``None``: none) and the element-wise states loaded in another form than saved (8-bit <->
+        fp32, or regrouped 8-bit moments quantized again); the optimizer is not touched."""
         if not self.entry.states:
             return None, []
         state = self.fresh_state()
@@ -264,17 +282,27 @@ class _GroupRestorer:
                     self._restore_same_dtype(key, current, state, triple)
                 elif triple is not None and saved_dtype == torch.uint8:
                     self._dequantize_into(triple, current)
-                    notes.append(f"{key}: 8-bit -> fp32")
                 elif triple is not None and current.dtype == torch.uint8:
                     self._quantize_into(triple, state)
                     done.add(triple.absmax)
-                    notes.append(f"{key}: fp32 -> 8-bit")
                 else:
                     raise CheckpointMismatchError(
                         f"state {key!r} of group {self.index} was saved as {saved.dtype} but the optimizer holds it "
                         f"as {current.dtype}, and zero_bnb knows no exact conversion"
                     )
+                conversion = self._conversion(key, saved.dtype, current)
+                if conversion is not None:
+                    notes.append(conversion)
         return state, notes
+
+    def _conversion(self, key: str, dtype: str, current: torch.Tensor) -> Conversion | None:
+        """What loading ``key`` (held as ``dtype`` by the saved state read here) into ``current`` did, if it did not
+        copy it as the checkpoint holds it."""
+        now = str(current.dtype).removeprefix("torch.")
+        saved = self.sources.get(key, (dtype,))
+        if saved == (now,) and not (self.regrouped and now == "uint8"):
+            return None  # copied (a regrouped fp32 moment is copied too)
+        return Conversion(key, saved, now, self.regrouped)
 
     def _converted(self, triple, state: dict[str, Any]) -> bool:
         """Whether ``triple``'s codes are saved in one dtype and held in the other."""
@@ -353,7 +381,8 @@ class GroupPlan:
     master: torch.Tensor
     state: dict[str, Any] | None
     hyperparameters: dict[str, Any] | None
-    notes: list[str]
+    #: element-wise states loaded in another form than saved (:mod:`zero_bnb.checkpoint.precision`)
+    conversions: list[Conversion]
 
 
 @dataclass
@@ -364,6 +393,8 @@ class RestorePlan:
     load_optimizer_states: bool
     wrapper: dict[str, Any]
     saved_dp: int
+    #: whether the state was moved between flat groups by parameter name (:mod:`zero_bnb.checkpoint.regroup`)
+    regrouped: bool = False
 
 
 def plan_restore(
@@ -382,7 +413,8 @@ def plan_restore(
     wrapper = {}
     if load_optimizer_states:
         wrapper = dict(saved.replicated.wrapper)  # plain data, checked when read
-    return RestorePlan(groups, load_optimizer_states, wrapper, saved.manifest.dp_world_size)
+    return RestorePlan(groups, load_optimizer_states, wrapper, saved_dp(saved),
+                       getattr(saved, "source_dtypes", None) is not None)
 
 
 def apply_masters(optimizer: PartitionedOptimizer, plan: RestorePlan) -> None:
@@ -422,11 +454,5 @@ def apply_restore(optimizer: PartitionedOptimizer, plan: RestorePlan) -> None:
         if group.state is not None:
             base.state[param] = group.state
         optimizer.base_group(group.index).update(group.hyperparameters or {})
-        if group.notes and optimizer.dp_rank == 0:
-            logger.warning(
-                "zero_bnb: group %d: the optimizer holds partitions of %d elements in another precision than the "
-                "checkpoint (saved at DP=%d, now DP=%d); converted %s",
-                group.index, param.numel(), plan.saved_dp, optimizer.dp_size, ", ".join(group.notes),
-            )
     optimizer.load_wrapper_scalars(plan.wrapper)
     optimizer.relink_state_views()  # else DeepSpeed's views keep the replaced state alive, and read it back

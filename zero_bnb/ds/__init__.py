@@ -8,5 +8,5 @@ and ``testing``; declared exceptions: ``substitute`` imports ``integrations.hf``
 transformers Trainer is the caller (Trainer's scheduler fix on resume), ``integrations.accelerate``
 when it installs the dispatcher (Accelerate's offload swap keeps the user's optimizer), and
 ``integrations.conversions`` (DeepSpeed's ``zero_to_fp32`` functions routed to zero_bnb's export for zero_bnb
-checkpoints).
+checkpoints), and ``integrations.comm`` (``enable()`` initialises ``deepspeed.comm`` before a stage-3 model is built).
 """

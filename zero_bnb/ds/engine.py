@@ -51,6 +51,8 @@ from zero_bnb.checkpoint.masters import (
     plan_masters,
     stage_module_slices,
 )
+from zero_bnb.checkpoint.model_file import saved_zero_stage
+from zero_bnb.checkpoint.precision import describe_conversions
 from zero_bnb.checkpoint.recovery_script import write_recovery_script
 from zero_bnb.checkpoint.restore import apply_masters, apply_restore
 from zero_bnb.checkpoint.save import LocalPayload, manifest_draft, stage_local_payload
@@ -211,7 +213,7 @@ class ZeroBnbEngine(DeepSpeedEngine):
         factory = functools.partial(cls, zero_bnb_spec=spec, zero_bnb_rule=self._state_rule(spec))
         try:
             if spec.bitsandbytes:  # CPU 8-bit updates (offload, CPU training) take the fused kernel, and
-                install_cpu_update(optimizer, self.zero_bnb_config.cpu_update)
+                install_cpu_update(optimizer, self.zero_bnb_config.cpu_update, announce=self.global_rank == 0)
                 # partitions above the kernels' 2^31 elements are updated in pieces (DeepSpeed's constructor steps once)
                 optimizer.update_step = ChunkedUpdate(optimizer, spec, self.zero_bnb_config.update_max_numel)
             with swapped_attribute(owner, ds_name, factory):
@@ -535,26 +537,40 @@ class ZeroBnbEngine(DeepSpeedEngine):
             return list(planned)
         return super()._get_all_ckpt_names(checkpoints_path, tag)
 
+    def _log_load(self, folder: str, plan: LoadPlan) -> None:
+        """Rank 0's account of a load: one INFO line (saved and running DP size and ZeRO stage, what was re-split,
+        the 8-bit state held now), and a WARNING naming the state not loaded as saved (dtypes, direction, why)."""
+        from zero_bnb.ds.describe import describe
+
+        restore, described = plan.optimizer, describe(self)
+        saved_stage, stage = saved_zero_stage(plan.model_states), described["zero_stage"]
+        moved = "mapped by parameter name" if restore.regrouped else ""
+        if saved_stage is not None and saved_stage != stage:
+            layout = f"from ZeRO stage {saved_stage}: every tensor re-split" + (f", {moved}" if moved else "")
+        elif restore.saved_dp == self.optimizer.dp_size and not restore.regrouped:
+            layout = "same partitions"
+        else:
+            layout = "every tensor re-split" + (f", {moved}" if moved else "")
+        logger.info(
+            "zero_bnb: loaded checkpoint %s saved at DP=%d into DP=%d at ZeRO stage %d (%s); %s; rank 0's optimizer "
+            "state 8-bit in %d of %d groups, %.2f B/param",
+            folder, restore.saved_dp, self.optimizer.dp_size, stage, layout,
+            "optimizer state loaded" if restore.load_optimizer_states else "weights only",
+            len(described["eight_bit_groups"]), len(described["groups"]), described["state_bytes_per_param"],
+        )
+        converted = describe_conversions([group.conversions for group in restore.groups])
+        if converted is not None:
+            logger.warning(
+                "zero_bnb: checkpoint %s (saved at DP=%d, ZeRO stage %s; now DP=%d, ZeRO stage %d): %s", folder,
+                restore.saved_dp, "unknown" if saved_stage is None else saved_stage, self.optimizer.dp_size, stage,
+                converted,
+            )
+
     def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
         plan: LoadPlan | None = getattr(self, "_zero_bnb_plan", None)
         if plan is None:
             raise ZeRORuntimeException("zero_bnb loads ZeRO state only through ZeroBnbEngine.load_checkpoint")
         apply_restore(self.optimizer, plan.optimizer)
         if self.global_rank == 0:
-            from zero_bnb.ds.describe import describe
-
-            described = describe(self)
-            notes = sorted({note for group in plan.optimizer.groups for note in group.notes})
-            logger.info(
-                "zero_bnb: loaded checkpoint %s saved at DP=%d into DP=%d at ZeRO stage %d (%s); %s; rank 0's "
-                "optimizer state %s, %.2f B/param%s",
-                os.path.join(load_dir, str(tag)), plan.optimizer.saved_dp, self.optimizer.dp_size,
-                described["zero_stage"],
-                "same partitions" if plan.optimizer.saved_dp == self.optimizer.dp_size else "every tensor re-split",
-                "optimizer state loaded" if plan.optimizer.load_optimizer_states else "weights only",
-                f"8-bit in {len(described['eight_bit_groups'])} of {len(described['groups'])} groups",
-                described["state_bytes_per_param"],
-                f"; converted where a partition changed precision (bitsandbytes' min_8bit_size): {', '.join(notes)}"
-                if notes else "",
-            )
+            self._log_load(os.path.join(load_dir, str(tag)), plan)
         return True

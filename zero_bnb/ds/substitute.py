@@ -28,7 +28,9 @@ How the substitution behaves:
   ``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` read zero_bnb
   checkpoints (:mod:`zero_bnb.integrations.conversions`; it stays after :func:`disable`).
 
-Local: no collectives. Call it on every rank (each process has its own ``deepspeed`` module).
+Call it on every rank (each process has its own ``deepspeed`` module). Local, except that :func:`enable`
+initialises ``deepspeed.comm`` when it can (:mod:`zero_bnb.integrations.comm`: on a CPU launch with no process
+group yet, that joins the launcher's rendezvous).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import deepspeed
+
+from zero_bnb.integrations.comm import join_deepspeed_comm
 
 __all__ = ["calling_deepspeed", "disable", "enable", "enabled", "is_enabled", "underlying_initialize"]
 
@@ -208,10 +212,14 @@ def _uninstall_if_idle() -> None:
 
 
 def enable() -> None:
-    """Route every ``deepspeed.initialize`` call in this process to :func:`zero_bnb.initialize`.
+    """Route every ``deepspeed.initialize`` call in this process to :func:`zero_bnb.initialize`, and initialise
+    DeepSpeed's communication layer when it can (:func:`zero_bnb.integrations.comm.join_deepspeed_comm`).
 
-    Idempotent and thread-safe. Local: call it on every rank, before ``Trainer.train()``,
-    ``Accelerator.prepare()`` or your own ``deepspeed.initialize``.
+    Call it on every rank, **before the model is built**: at ZeRO stage 3 transformers builds the model under
+    ``deepspeed.zero.Init``, which needs ``deepspeed.comm`` initialised to see the real world size (on CPU under
+    ``torchrun``, nothing else initialises it in time). On a CPU launch with no process group yet, the first call
+    joins the launcher's rendezvous (every rank must make it); otherwise it is local. Later calls are no-ops.
+    Thread-safe.
     """
     with _LOCK:
         if _State.global_on:
@@ -220,6 +228,7 @@ def enable() -> None:
         _install()
         _State.global_on = True
         logger.info("zero_bnb: deepspeed.initialize now builds zero_bnb engines")
+    join_deepspeed_comm()
 
 
 def disable() -> None:

@@ -8,7 +8,10 @@ the source, the flags, the compiler's version and the CPU's instruction-set flag
 directory never hands one machine a binary built for another. Pre-build with
 ``python -m zero_bnb.kernels.build`` (or ``zero-bnb build-kernels``).
 
-Each process that uses the kernel calls :func:`load_library`, which builds (or fails) once per process.
+Each process that uses the kernel calls :func:`load_library`, which builds (or fails) once per process; asked to
+(``announce``: zero_bnb's engines ask on global rank 0), it logs at INFO, once per process and library, which
+library file it loaded, whether it was cached or built now, and its quantizer path (what ``zero-bnb build-kernels``
+prints), as DeepSpeed logs its op loads.
 Concurrent builders of one key wait on a ``flock`` in the cache folder, for at most
 ``$ZERO_BNB_KERNEL_LOCK_TIMEOUT`` seconds, so one compiles and the others load its result; where the folder
 cannot be locked each builds privately, still safely (compiled in a private folder, renamed into place). What
@@ -216,20 +219,27 @@ def build_library(force: bool = False) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _attempt(compiler: str, folder: str, march: str) -> ctypes.CDLL | KernelBuildError:
-    """One build-and-load per process for each ``CXX``, cache folder and ``-march``: the library, or why it failed."""
+def _attempt(compiler: str, folder: str, march: str) -> tuple[str, ctypes.CDLL, bool] | KernelBuildError:
+    """One build-and-load per process for each ``CXX``, cache folder and ``-march``: the library's path, the library
+    and whether this process compiled it, or why it failed."""
     try:
         path, library = _build(force=False)
-        return bind(path) if library is None else _declare(path, library)
+        return path, (bind(path) if library is None else _declare(path, library)), library is None
     except KernelBuildError as error:
         return error
 
 
-def load_library() -> ctypes.CDLL:
+#: The library paths :func:`load_library` has announced in this process.
+_ANNOUNCED: set[str] = set()
+
+
+def load_library(*, announce: bool = False) -> ctypes.CDLL:
     """The compiled kernel, built on first use and cached for this process.
 
     A failure is remembered too (per ``CXX`` and cache folder): the build is tried once per process, never at
-    every update. :func:`forget` clears both.
+    every update. :func:`forget` clears both. With ``announce``, the first call that gets a library logs at INFO
+    which file it is, whether it came from the cache or was built now, and its quantizer path (once per process and
+    library; callers pass it on one rank).
 
     Raises:
         KernelBuildError: it could not be built or loaded.
@@ -239,12 +249,20 @@ def load_library() -> ctypes.CDLL:
     result = _attempt(os.environ.get("CXX", ""), cache_dir(), os.environ.get(MARCH_ENV, ""))
     if isinstance(result, KernelBuildError):
         raise type(result)(str(result)) from result.__cause__
-    return result
+    path, library, built = result
+    if announce and path not in _ANNOUNCED:
+        _ANNOUNCED.add(path)
+        logger.info("zero_bnb: fused CPU 8-bit optimizer update: %s %s (quantizer: %s)",
+                    "built" if built else "loaded the cached build", path,
+                    QUANTIZER_PATHS[library.zero_bnb_widest_path()])
+    return library
 
 
 def forget() -> None:
-    """Forget this process's loaded library and remembered build failures (the next use builds again)."""
+    """Forget this process's loaded library, remembered build failures and announcements (the next use builds
+    again)."""
     _attempt.cache_clear()
+    _ANNOUNCED.clear()
 
 
 def bind(path: str) -> ctypes.CDLL:

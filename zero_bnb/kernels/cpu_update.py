@@ -35,11 +35,12 @@ logger = logging.getLogger(__name__)
 _warned = False
 
 
-def _fused_available(mode: str) -> bool:
-    """Whether the kernel can be used; in ``"auto"`` mode a failed build warns once per process."""
+def _fused_available(mode: str, announce: bool = False) -> bool:
+    """Whether the kernel can be used; in ``"auto"`` mode a failed build warns once per process. ``announce``: log
+    which library was loaded (:func:`~zero_bnb.kernels.build.load_library`)."""
     global _warned
     try:
-        load_library()
+        load_library(announce=announce)
         return True
     except KernelBuildError as error:
         # A cache-folder problem names its own fix; otherwise the compiler is what is missing.
@@ -80,14 +81,16 @@ def hyper_for(optimizer_name: str, config: dict[str, Any], step: int) -> UpdateH
 class CpuUpdate:
     """A replacement for a bitsandbytes optimizer's ``update_step`` that fuses CPU 8-bit updates.
 
-    Install with :func:`install_cpu_update`. ``fused_steps`` counts the updates the kernel made.
+    Install with :func:`install_cpu_update`. ``fused_steps`` counts the updates the kernel made. ``announce``: log
+    (once per process) which kernel library the first fused update loaded.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, mode: str = "auto") -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, mode: str = "auto", *, announce: bool = False) -> None:
         if mode not in CPU_UPDATE_MODES:
             raise ValueError(f"zero_cpu_update must be one of {list(CPU_UPDATE_MODES)}, got {mode!r}")
         self.optimizer = optimizer
         self.mode = mode
+        self.announce = announce
         self.original = optimizer.update_step
         self.fused_steps = 0
 
@@ -107,7 +110,7 @@ class CpuUpdate:
         tensors = [value for value in state.values() if isinstance(value, torch.Tensor)]
         if any(value.device.type != "cpu" or getattr(value, "is_paged", False) for value in tensors):
             return False
-        return _fused_available(self.mode)
+        return _fused_available(self.mode, self.announce)
 
     @torch.no_grad()
     def __call__(self, group: dict[str, Any], p: torch.Tensor, gindex: int, pindex: int) -> Any:
@@ -126,16 +129,17 @@ class CpuUpdate:
         return None
 
 
-def install_cpu_update(optimizer: torch.optim.Optimizer, mode: str) -> None:
-    """Replace ``optimizer.update_step`` by a :class:`CpuUpdate` (bitsandbytes optimizers only).
+def install_cpu_update(optimizer: torch.optim.Optimizer, mode: str, *, announce: bool = False) -> None:
+    """Replace ``optimizer.update_step`` by a :class:`CpuUpdate` (bitsandbytes optimizers only). ``announce``: log
+    at INFO which kernel library the first fused update loads (pass it on one rank).
 
     Raises:
         KernelBuildError: ``mode`` is ``"fused"`` and the kernel cannot be built.
     """
     if mode == "fused":
-        _fused_available(mode)
+        _fused_available(mode, announce)
     if not isinstance(optimizer.__dict__.get("update_step"), CpuUpdate):
-        optimizer.update_step = CpuUpdate(optimizer, mode)
+        optimizer.update_step = CpuUpdate(optimizer, mode, announce=announce)
 
 
 def uninstall_cpu_update(optimizer: Any) -> None:

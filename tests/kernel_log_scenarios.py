@@ -1,0 +1,38 @@
+"""Which ranks say which fused CPU kernel library they loaded (issue 34, point 10): a toy zero_bnb engine (ZeRO-2,
+Adam8bit, CPU ranks: every 8-bit update takes the fused kernel) trains 2 steps; each rank writes what
+``zero_bnb.kernels.build`` logged and how many updates the kernel made."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import bitsandbytes as bnb
+
+from zero_bnb.testing.toy import DEFAULT_RUN, build_engine, train_steps
+
+
+class _Log(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def train_and_record(rank, world, folder):
+    handler = _Log()
+    logger = logging.getLogger("zero_bnb.kernels.build")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    engine = build_engine(world, bnb.optim.Adam8bit, zero_optimization={"stage": 2})
+    train_steps(engine, DEFAULT_RUN, 0, 2)
+    second = build_engine(world, bnb.optim.Adam8bit, zero_optimization={"stage": 2})  # a second engine: no new line
+    train_steps(second, DEFAULT_RUN, 0, 1)
+    fused = engine.optimizer.optimizer.update_step
+    while not hasattr(fused, "fused_steps"):  # under zero_bnb's chunked update
+        fused = fused.original
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as handle:
+        json.dump({"messages": handler.messages, "fused_steps": fused.fused_steps}, handle)

@@ -1,0 +1,86 @@
+"""What a load logs when the DP size, the ZeRO stage or a moment's precision changes (issue 34, point 5): a real
+zero_bnb ZeRO-2 checkpoint saved at DP=3 and loaded at DP=2 at stages 3 and 2 (``load_log_scenarios``); the
+sentence itself (:mod:`zero_bnb.checkpoint.precision`) and the saved stage read from a hostile model file."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import load_log_scenarios
+import pytest
+
+from zero_bnb.checkpoint.model_file import saved_zero_stage
+from zero_bnb.checkpoint.precision import Conversion, describe_conversions
+from zero_bnb.testing.launch import run_distributed
+
+ROOT = "zero_bnb: checkpoint {folder} (saved at DP=3, ZeRO stage 2; now DP=2, ZeRO stage {stage}): "
+PRECISION = ("this run keeps it in another precision (bitsandbytes' min_8bit_size, decided per partition at ZeRO "
+             "stages 1/2 and per whole parameter at stage 3, or a 32-bit override)")
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("load_log")
+    run_distributed(load_log_scenarios.save_stage2, 3, str(workdir))
+    run_distributed(load_log_scenarios.load_elsewhere, 2, str(workdir))
+    return json.loads((workdir / "load_log_dp2.json").read_text()), os.path.join(workdir, "stage2", "saved")
+
+
+def _from_engine(records, level):
+    return [message for lev, name, message in records if name == "zero_bnb.ds.engine" and lev == level
+            and "checkpoint" in message]
+
+
+def test_a_stage2_checkpoint_loaded_at_stage3_elsewhere_names_the_real_sizes_stages_and_dtypes(logged):
+    # Issue 34: "... in another precision than the checkpoint (saved at DP=1, now DP=1); converted state1: fp32 ->
+    # 8-bit" for this checkpoint, saved at DP=3 with 8-bit state (the regrouped state's DP and dtype, not the saved).
+    records, folder = logged
+    [info] = _from_engine(records["stage3"], "INFO")
+    assert info.startswith(f"zero_bnb: loaded checkpoint {folder} saved at DP=3 into DP=2 at ZeRO stage 3 (from ZeRO "
+                           f"stage 2: every tensor re-split, mapped by parameter name); optimizer state loaded; "
+                           f"rank 0's optimizer state 8-bit in 3 of 6 groups"), info
+    [warning] = _from_engine(records["stage3"], "WARNING")
+    # stage 3's groups: 0.weight, 2.weight (8-bit when saved, in the first group), the three biases (fp32 both times,
+    # copied: not listed), 4.weight (saved fp32: its DP=3 partition had 2,880 elements; 8-bit now, whole parameter)
+    assert warning == ROOT.format(folder=folder, stage=3) + (
+        "optimizer state of 3 of 6 groups not loaded as saved: state1, state2: 8-bit (uint8) -> 8-bit (uint8) in "
+        "groups 0, 1 (regrouped by parameter name: dequantized, then quantized again once on this run's block grid); "
+        f"state1, state2: fp32 -> 8-bit (uint8) in group 5 (quantized once: {PRECISION}; regrouped by parameter name)"
+    ), warning
+    assert not any("another precision than the checkpoint" in message for *_, message in records["stage3"])
+
+
+def test_the_same_stage_at_another_dp_size_names_the_group_whose_precision_changed(logged):
+    records, folder = logged
+    [info] = _from_engine(records["stage2"], "INFO")
+    assert info.startswith(f"zero_bnb: loaded checkpoint {folder} saved at DP=3 into DP=2 at ZeRO stage 2 (every "
+                           f"tensor re-split); optimizer state loaded; rank 0's optimizer state 8-bit in 2 of 3 "
+                           f"groups"), info
+    [warning] = _from_engine(records["stage2"], "WARNING")
+    assert warning == ROOT.format(folder=folder, stage=2) + (
+        f"optimizer state of 1 of 3 groups not loaded as saved: state1, state2: fp32 -> 8-bit (uint8) in group 2 "
+        f"(quantized once: {PRECISION})"), warning
+
+
+def test_the_sentence_groups_alike_conversions_and_counts_long_lists():
+    assert describe_conversions([[], []]) is None
+    down = [Conversion("state1", ("uint8",), "float32", False), Conversion("state2", ("uint8",), "float32", False)]
+    mixed = [Conversion("state1", ("float32", "uint8"), "uint8", True)]
+    said = describe_conversions([down] * 11 + [[]] + [mixed])
+    assert said == (
+        "optimizer state of 12 of 13 groups not loaded as saved: state1, state2: 8-bit (uint8) -> fp32 in groups 0, 1, "
+        f"2, 3, 4, 5, 6, 7 and 3 more (dequantized (exact): {PRECISION}); state1: fp32 and 8-bit (uint8) -> 8-bit "
+        f"(uint8) in group 12 (quantized once: {PRECISION}; regrouped by parameter name)"), said
+
+
+@pytest.mark.parametrize("model_states", [None, [], {}, {"ds_config": "stage 3"}, {"ds_config": {"zero_optimization": 2}},
+                                          {"ds_config": {"zero_optimization": {"stage": "3"}}},
+                                          {"ds_config": {"zero_optimization": {"stage": True}}},
+                                          {"ds_config": {"zero_optimization": {"stage": 7}}}])
+def test_a_model_file_that_does_not_say_its_stage_gives_none(model_states):
+    assert saved_zero_stage(model_states) is None
+
+
+def test_the_saved_stage_comes_from_deepspeeds_config_in_the_model_file():
+    assert saved_zero_stage({"ds_config": {"zero_optimization": {"stage": 2}}}) == 2
