@@ -61,19 +61,26 @@ def _build(variant: str, args, world: int):
     import zero_bnb
 
     torch.manual_seed(0)
-    model = _model(args.params, args.width)
+    model = _model(args.params, args.width).to(_device(args))
     optimizer = bnb.optim.Adam8bit(model.parameters(), lr=1e-4)
     initialize = deepspeed.initialize if variant == "stock" else zero_bnb.initialize
     engine, *_ = initialize(model=model, optimizer=optimizer, config=_config(args, world, variant))
     return engine
 
 
+def _device(args) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+
+
 def _step(engine, args) -> float:
     start = time.perf_counter()
-    data = torch.randn(args.micro_batch, args.width, dtype=engine.module[0].weight.dtype)
+    weight = engine.module[0].weight
+    data = torch.randn(args.micro_batch, args.width, dtype=weight.dtype, device=weight.device)
     loss = engine(data).float().pow(2).mean()
     engine.backward(loss)
     engine.step()
+    if weight.device.type == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -146,7 +153,8 @@ def run(rank: int, world: int, args, workdir: str, result_path: str) -> None:
 
 def summarize(rows: list[dict], args) -> str:
     """A markdown table: per contention and variant, the medians, and the stall as a fraction of stock's save."""
-    lines = [f"# Save stall, {args.params / 1e6:.0f}M parameters, {args.precision}, ZeRO-1, DP={args.dp}", "",
+    gpu = f"; GPU {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
+    lines = [f"# Save stall, {args.params / 1e6:.0f}M parameters, {args.precision}, ZeRO-1, DP={args.dp}{gpu}", "",
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores "
              f"({_cpu_model()}); torch {torch.__version__}; `{' '.join(sys.argv)}`; load average "
              f"{min(r['load_avg'] for r in rows):.1f}-{max(r['load_avg'] for r in rows):.1f} during the runs.", "",
@@ -180,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=(os.cpu_count() or 2) // 1)
     parser.add_argument("--max-overlap-steps", type=int, default=200)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: rank r on cuda:r (the staging is then pinned host memory)")
     parser.add_argument("--contention", nargs="+", choices=("none", "disk"), default=["none", "disk"])
     parser.add_argument("--name", default=None)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -189,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = tempfile.mkdtemp(prefix="zero_bnb_async_bench_", dir=os.environ.get("ZERO_BNB_BENCH_DIR"))
     try:
         result_path = os.path.join(workdir, "rows.json")
-        run_distributed(run, args.dp, args, workdir, result_path)
+        run_distributed(run, args.dp, args, workdir, result_path, device=args.device)
         with open(result_path) as handle:
             rows = json.load(handle)
     finally:

@@ -96,6 +96,13 @@ def test_staging_buffers_are_reused_and_bounded(ranks):
         assert ranks[rank]["bounded_held"] <= 0.05 * 2**20, ranks[rank]["bounded_held"]
 
 
+def test_deepspeeds_decoupled_writer_makes_saves_asynchronous_and_its_other_writers_are_refused_by_name(ranks):
+    assert result(ranks, "decoupled_async") is True and result(ranks, "decoupled_verify") is None
+    message = result(ranks, "fast_writer")
+    assert message.startswith("ZeRORuntimeException:") and "checkpoint.writer 'FAST'" in message, message
+    assert "remove checkpoint.writer" in message and "zero_checkpoint_async" in message
+
+
 def test_the_switch_is_read_at_the_top_level_or_inside_zero_optimization():
     on, _ = split_config({"zero_optimization": {"stage": 2, "zero_checkpoint_async": True}})
     assert on.checkpoint_async is True and split_config({})[0].checkpoint_async is False

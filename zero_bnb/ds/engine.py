@@ -75,6 +75,9 @@ __all__ = ["DurableCheckpointEngine", "ZeroBnbEngine", "swapped_attribute"]
 logger = logging.getLogger(__name__)
 
 _PATCH_LOCK = threading.RLock()
+#: DeepSpeed's ``checkpoint`` config keys of its writers (``deepspeed.runtime.checkpoint_engine``, 0.17.1+; older
+#: releases have no writer and leave ``checkpoint_config`` without the key)
+CHECKPOINT_WRITER, CHECKPOINT_WRITER_DECOUPLED = "writer", "decoupled"
 
 
 @contextmanager
@@ -244,7 +247,26 @@ class ZeroBnbEngine(DeepSpeedEngine):
         return wrapper
 
     def _configure_checkpointing(self, *args):  # DeepSpeed 0.17.0 passes dist_init_required
-        super()._configure_checkpointing(*args)
+        checkpoint_config = self._config.checkpoint_config
+        writer = checkpoint_config.get(CHECKPOINT_WRITER)
+        if writer is not None and writer.get(CHECKPOINT_WRITER_DECOUPLED):
+            # DeepSpeed's decoupled writer asks for saves in the background: zero_bnb's asynchronous saves
+            # (zero_checkpoint_async), committed by its own writer (DeepSpeed's needs the deepspeed launcher's
+            # CROSS_SIZE and would skip the atomic commit).
+            logger.info("zero_bnb: checkpoint.writer.decoupled is set: saves are asynchronous (zero_checkpoint_async)")
+            self.zero_bnb_config = dataclasses.replace(self.zero_bnb_config, checkpoint_async=True)
+        if writer is not None:
+            checkpoint_config[CHECKPOINT_WRITER] = None  # DeepSpeed builds its torch.save engine, replaced below
+        try:
+            super()._configure_checkpointing(*args)
+        finally:
+            checkpoint_config[CHECKPOINT_WRITER] = writer
+        if writer is not None and not writer.get(CHECKPOINT_WRITER_DECOUPLED):
+            raise ZeRORuntimeException(
+                f"zero_bnb commits checkpoints atomically with its own writer, but the config selects DeepSpeed's "
+                f"checkpoint.writer {writer.get('type', 'fast')!r}; remove checkpoint.writer from the config (or set "
+                f"\"zero_checkpoint_async\": true, or checkpoint.writer.decoupled, for saves in the background)"
+            )
         if type(self.checkpoint_engine) is not TorchCheckpointEngine:
             raise ZeRORuntimeException(
                 f"zero_bnb commits checkpoints atomically with its own writer, but the config selects "
