@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 
@@ -39,9 +40,16 @@ def launch(command: str, folder) -> str:
     command = command.replace(launcher, f"{launcher} {PORT_OPTION[launcher]} {_free_port()}", 1)
     env = {**os.environ, **child_environment_for("cpu"),
            "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(command, shell=True, cwd=folder, env=env, capture_output=True, text=True, timeout=300)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, f"{command} exited {done.returncode}:\n{output[-6000:]}"
+    # A session of its own: on a timeout the launcher and every rank it started are killed, none left behind.
+    process = subprocess.Popen(command, shell=True, cwd=folder, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{command} did not finish in 300 s:\n{output[-6000:]}")
+    assert process.returncode == 0, f"{command} exited {process.returncode}:\n{output[-6000:]}"
     return output
 
 
