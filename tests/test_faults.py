@@ -50,7 +50,7 @@ def test_killing_a_rank_at_any_step_of_a_save_leaves_the_previous_or_the_new_che
     _, results, verified = campaign
     distinct = {(r["mode"], r["victim"], r["index"]) for r in results}
     # Measured 93 distinct points (2026-11-23, 92 before the previous folder was renamed before its removal; the count
-    # follows the save's I/O steps); the README claims at least 70.
+    # follows the save's I/O steps); docs/checkpoints.md claims at least 70.
     assert len(distinct) >= 70, f"only {len(distinct)} kill points"
     killed = [r for r in results if r["status"][str(r["victim"])] == "SIGKILL"]
     assert len(killed) == len(results), [r for r in results if r not in killed][:3]

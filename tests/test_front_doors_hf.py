@@ -29,8 +29,8 @@ from zero_bnb.tools.views import export_fp32
 RESUMED_STEPS = (5, 6, 7, 8)
 #: Resumed losses vs the uninterrupted run (relative); each bound at least 5x the worst figure measured under seven
 #: instruction-set variants (docs/bounds.md, 2026-11-27): worst 1.27e-7 (Trainer at ZeRO-3; the other Trainer
-#: optimizers and Accelerate 1.19e-7 and less): fp32 reduction order at DP=3, about 2 ulps; bound 7e-7, the README's
-#: figure.
+#: optimizers and Accelerate 1.19e-7 and less): fp32 reduction order at DP=3, about 2 ulps; bound 7e-7, the figure of
+#: docs/front-doors.md.
 RESUMED_BOUND = 7e-7
 #: Stock checkpoints resumed by zero_bnb: the first step 0 in every variant (bound: the first-step bound of the other
 #: resumes, whose worst is 9.8e-8); then worst 4.16e-6 (the embeddings now get the fp32 moments Trainer's override

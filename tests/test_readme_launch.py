@@ -56,7 +56,8 @@ def launch(command: str, folder) -> str:
 def test_plain_script_under_torchrun_resumes_under_the_deepspeed_launcher(tmp_path):
     (tmp_path / "train.py").write_text(block("A plain DeepSpeed script"))
     first, later = commands("A plain DeepSpeed script")
-    assert first.startswith("torchrun --nproc_per_node 2 ") and later.startswith("deepspeed --num_gpus 3 "), (first, later)
+    assert first.startswith("torchrun --nproc_per_node 2 "), first
+    assert later.startswith("deepspeed --num_gpus 3 "), later
     assert "step 2 at 2 processes: bitsandbytes.optim.adam.Adam8bit" in launch(first, tmp_path)
     # the resume: 2 more steps at 3 processes, and the 8-bit state survived (train.py asserts it on every rank)
     assert "step 4 at 3 processes: bitsandbytes.optim.adam.Adam8bit" in launch(later, tmp_path)
