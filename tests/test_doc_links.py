@@ -66,3 +66,15 @@ def test_the_checker_catches_a_broken_link_and_a_broken_anchor(tmp_path):
     assert broken_links(str(tmp_path / "a.md")) == [f"b.md: no file {os.path.relpath(tmp_path / 'b.md', ROOT)}",
                                                     f"a.md#nope: no heading with anchor #nope in "
                                                     f"{os.path.relpath(tmp_path / 'a.md', ROOT)}"]
+
+
+def test_readme_python_blocks_compile_and_define_world_size_where_they_use_it():
+    """A reader copies a block as it is: it must parse, and the process count it computes with must be defined in it
+    (the tests that run the blocks in-process would otherwise hide a missing definition)."""
+    text = open(PAGES[0], encoding="utf-8").read()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.M | re.S)
+    assert len(blocks) >= 4, f"README.md has {len(blocks)} python blocks"
+    for code in blocks:
+        compile(code, "README.md", "exec")
+        if re.search(r"\bWORLD_SIZE\b", code):
+            assert re.search(r"^WORLD_SIZE = ", code, re.M), f"WORLD_SIZE used but not defined in:\n{code}"
