@@ -329,32 +329,20 @@ def _gathered(value) -> list:
     return values
 
 
-def readme_accelerate(workdir, world, *, resume: bool) -> dict:
-    """The README's Accelerate example in a fresh Accelerate state, with the README's CPU advice
-    (``PartialState(cpu=True)`` first): set-up, (load_state when resuming), the training loop, save_state.
-
-    Also what Accelerate reports without that advice (the reason the README gives it).
-    """
-    from accelerate import Accelerator, PartialState
+def accelerate_without_cpu_state(world) -> list[int]:
+    """Every process's ``process_index`` when an Accelerator is created on CPU without ``PartialState(cpu=True)``
+    first: the reason the README gives that advice (its Accelerate example, run by ``accelerate launch`` in
+    tests/test_readme_launch.py, creates it and gets one index per process)."""
+    from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.utils import DeepSpeedPlugin
-    from readme_examples import adapt, block, run, segment, segments
 
     AcceleratorState._reset_state(reset_partial_state=True)  # as in a new process
     plugin = DeepSpeedPlugin(hf_ds_config=ds_config(train_batch_size=GLOBAL_BATCH, train_micro_batch_size_per_gpu=MICRO,
                                                      gradient_accumulation_steps=GLOBAL_BATCH // (MICRO * world)))
-    without_advice = _gathered((Accelerator(deepspeed_plugin=plugin).process_index,))
+    indices = _gathered(Accelerator(deepspeed_plugin=plugin).process_index)
     AcceleratorState._reset_state(reset_partial_state=True)
-    parts = segments(block("Accelerate"))
-    code = parts["setup"] + (segment(parts, "# when resuming") if resume else "") + segment(parts, "# training")
-    code = adapt(code, {"accelerator = Accelerator(": "PartialState(cpu=True)\naccelerator = Accelerator("})
-    namespace = run(code, _readme_namespace(world) | {"PartialState": PartialState},
-                    os.path.join(workdir, "readme_accelerate"))
-    engine, first = namespace["model"], next(iter(namespace["loader"]))  # the prepared loader's first micro-batch
-    return {"engine": type(engine).__name__, "global_steps": engine.global_steps,
-            "process_indices": _gathered(namespace["accelerator"].process_index),
-            "first_rows": _gathered(first["input_ids"][:, 0].tolist()),
-            "process_indices_without_advice": [index for (index,) in without_advice]}
+    return indices
 
 
 def _trainer_named_optimizer(workdir, world, name: str, *, load: bool) -> dict:
@@ -476,7 +464,7 @@ def hf_dp2(rank, world, workdir):
     out["readme_trainer_without_use_cpu"] = [  # the README's reason for use_cpu=True, with zero_bnb and stock
         _error(lambda stock=stock: readme_trainer(workdir, world, "# first run", use_cpu=False, stock=stock))
         for stock in (False, True)]
-    out["readme_accelerate"] = readme_accelerate(workdir, world, resume=False)
+    out["accelerate_without_cpu_state"] = accelerate_without_cpu_state(world)
     out["more_optims"] = _more_optims(workdir, world, load=False)
     from hf_stage3_scenarios import accelerate_z3_save, refusals_z3, save_16bit_model_bf16, trainer_z3_save
 
@@ -540,7 +528,6 @@ def hf_dp3(rank, world, workdir):
         out["trainer_batch_warning"] = log.messages
     out["readme_trainer"] = readme_trainer(workdir, world, "# later")
     out["accelerate"] = accelerate_run(workdir, world, resume=True)
-    out["readme_accelerate"] = readme_accelerate(workdir, world, resume=True)
     out["stock_module_only"] = _stock_module_only(workdir)
     out["batch_warning"] = _changed_global_batch(workdir, world)
     out["more_optims"] = _more_optims(workdir, world, load=True)

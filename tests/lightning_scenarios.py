@@ -77,6 +77,7 @@ def _readme_fit(world, epochs, part, checkpoint):
     parts = segments(block("Lightning"))
     code = adapt(parts["setup"] + segment(parts, part), {
         'accelerator="gpu"': 'accelerator="cpu"',
+        "WORLD_SIZE = 2   #": f"WORLD_SIZE = {world}   #",  # the README's first run has 2 processes, its resume 3
         "accumulate_grad_batches=12 // (2 * WORLD_SIZE))": "accumulate_grad_batches=12 // (2 * WORLD_SIZE), "
                                                           f"max_epochs={epochs}, **QUIET)",
         '"run.ckpt"': repr(checkpoint),

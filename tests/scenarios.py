@@ -400,7 +400,7 @@ def result(ranks: list[dict], key: str):
 
 
 def within(label: str, measured: float, bound: float) -> None:
-    """Assert ``measured <= bound`` and print both (``pytest -rP`` lists every figure the README cites; launches that
+    """Assert ``measured <= bound`` and print both (``pytest -rP`` lists every figure the README and docs/ cite; launches that
     share the capture file can hide it, so ``ZERO_BNB_BOUNDS_LOG=path`` also appends each line to ``path``)."""
     line = f"[bound] {label}: measured {measured:.3g}, bound {bound:.3g}"
     print(line)

@@ -29,7 +29,7 @@ DRIFT, SWITCHED_DRIFT, QUANTIZED_DRIFT = 1.5e-3, 4e-3, 7e-3
 #: through the loss: worst 3.35e-4 (2.weight at DP=3, ATen's default kernels; 3.0e-4 natively); bound 2e-3.
 COUPLED_DRIFT = 2e-3
 #: the same requantize-once path as test_convert's rescue: worst 6.22e-5 here, 9.38e-5 there; one bound for the path,
-#: 5e-4.
+#: 5e-4, for the 2 steps after the resume (longer resumes drift further: docs/checkpoints.md).
 REQUANTIZED_LOSS_BOUND = 5e-4
 EIGHT_BIT_CODES = ("state1", "state2")
 

@@ -54,8 +54,8 @@ def test_killing_a_rank_at_any_step_of_a_save_leaves_the_previous_or_the_new_che
     _, results, verified = campaign
     distinct = {(r["mode"], r["victim"], r["index"]) for r in results}
     # Measured 93 distinct points of synchronous saves (2026-11-23, 92 before the previous folder was renamed before
-    # its removal; the count follows the save's I/O steps), and 32 of an asynchronous one (2026-11-27); the README
-    # claims at least 70 and 30.
+    # its removal; the count follows the save's I/O steps), and 32 of an asynchronous one (2026-11-27);
+    # docs/checkpoints.md claims at least 70 and 30.
     assert sum(not mode.startswith("async") for mode, _, _ in distinct) >= 70, f"only {len(distinct)} kill points"
     assert sum(mode.startswith("async") for mode, _, _ in distinct) >= 30, f"only {len(distinct)} kill points"
     killed = [r for r in results if r["status"][str(r["victim"])] == "SIGKILL"]

@@ -21,7 +21,7 @@ from zero_bnb.testing.launch import run_distributed
 # Bounds: each at least 5x the worst figure measured under seven instruction-set variants (docs/bounds.md,
 # 2026-11-27, the fused CPU 8-bit update).
 #: Resumed Lightning losses vs the uninterrupted run (relative): 1.18e-7 natively, worst 4.21e-7 (ATen's default
-#: kernels): fp32 reduction order at DP=3 and what the later steps make of it; bound 2.5e-6, the README's figure.
+#: kernels): fp32 reduction order at DP=3 and what the later steps make of it; bound 2.5e-6, the figure of docs/front-doors.md.
 LIGHTNING_BOUND = 2.5e-6
 #: Stage 2 against stage 1, same run: worst 1.35e-7 (about 2 fp32 ulps: ZeRO-2 sums gradients as they are produced,
 #: stage 1 after the backward pass); bound 7e-7.

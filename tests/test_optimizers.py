@@ -30,7 +30,7 @@ GPU_ONLY = ("fp16 needs 3 CUDA devices: DeepSpeed's CPU accelerator raises 'Type
             "device', and the matrix saves at DP=2 and loads at DP=3, one device per rank")
 
 
-#: Resumed losses against the uninterrupted run (relative), the README's figures. Each bound is at least 5x the worst
+#: Resumed losses against the uninterrupted run (relative), the figures of docs/support.md. Each bound is at least 5x the worst
 #: figure over every CPU row measured under seven instruction-set variants (docs/bounds.md, 2026-11-27). The first
 #: resumed step: worst 9.1e-8 (fp32: 3 ranks sum the same per-sample losses in another order than 2, about 1.5 fp32
 #: ulps; bf16 rows exactly 0), bound 5e-7. The later step: fp32 worst 1.34e-6 (Adam8bit, ATen's default kernels;
