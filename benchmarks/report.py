@@ -76,7 +76,9 @@ def kernel_path() -> dict:
 
 
 def cores_per_rank(ranks_per_node: int) -> int:
-    """The cores a launcher that binds them would give each of ``ranks_per_node`` processes: ``nproc // ranks``."""
+    """The threads a launcher that divides the machine would give each of ``ranks_per_node`` processes:
+    ``nproc // ranks`` (logical CPUs; the ``deepspeed`` launcher's ``--bind_cores_to_rank`` divides physical cores,
+    the same number where each core runs one thread, as on the machines the results come from)."""
     return max(1, (os.cpu_count() or 1) // max(1, ranks_per_node))
 
 

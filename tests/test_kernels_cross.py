@@ -68,6 +68,8 @@ def driver(request, tmp_path_factory) -> tuple[str, list[str]]:
     cross = target.startswith("aarch64") and not AARCH64
     if target.startswith("aarch64"):
         compiler, runner = _aarch64_tools()
+        if AARCH64 and target == "aarch64 armv9-a" and "sve2" not in build._cpu_flags().split():
+            pytest.skip("an armv9-a (SVE2) build cannot run on this aarch64 CPU, which has no sve2")
     else:
         compiler, runner = shlex.split(os.environ.get("CXX", "")) or ["c++"], []
         if shutil.which(compiler[0]) is None:
@@ -77,6 +79,9 @@ def driver(request, tmp_path_factory) -> tuple[str, list[str]]:
     command = [*compiler, *flags, *TARGETS[target], *(["-static"] if cross else []),
                "-I", os.path.dirname(build.SOURCE), DRIVER, "-o", binary]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    missing = [line for line in done.stderr.splitlines() if "cannot find -l" in line]
+    if cross and done.returncode != 0 and missing:
+        pytest.skip(f"{compiler[0]} cannot link a static aarch64 program ({missing[0].strip()}); run: {INSTALL}")
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stderr[-3000:]}"
     return target, [*runner, binary]
 
