@@ -8,8 +8,9 @@ midpoint, its float neighbours and every bucket edge, on random floats of any bi
 zeros, |x| >= 2) and with four maps (one the NEON tables cannot hold); the whole update of every family on seeded
 random partitions (partial last blocks, zero blocks, NaN/Inf/signalling-NaN gradients, every hyper-parameter, 1 and
 3 threads); and the path each build reports. Two aarch64 builds: ``-march=armv8-a`` (NEON, every aarch64 CPU) and
-``-march=armv9-a`` (SVE2, as Grace and Graviton 4 have, which the compiler may use for the portable loops). The same driver built for
-this machine (``native``) runs without an emulator, so the driver itself is checked wherever a compiler is.
+``-march=armv9-a`` (SVE2, as Grace and Graviton 4 have, which the compiler may use for the portable loops). The same
+driver built for this machine (``native``) runs without an emulator, so the driver itself is checked wherever a
+compiler is.
 
 Needs (Debian/Ubuntu): ``apt-get install g++-aarch64-linux-gnu qemu-user`` (or ``$ZERO_BNB_AARCH64_CXX`` naming
 an aarch64 C++ compiler with OpenMP and a static libc, and ``qemu-aarch64`` or ``qemu-aarch64-static`` on PATH);
