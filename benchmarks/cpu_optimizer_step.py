@@ -6,6 +6,7 @@ Reproduce (CPU, from the repository root; DeepSpeedCPUAdam is JIT-built by DeepS
     PYTHONPATH=. python benchmarks/cpu_optimizer_step.py                  # 1M..256M parameters, 1 and 2 threads
     PYTHONPATH=. python benchmarks/cpu_optimizer_step.py --sizes 1 16 --threads 2 --repeats 3
     PYTHONPATH=. python benchmarks/cpu_optimizer_step.py --march x86-64-v3   # as on an AVX2-only machine
+    PYTHONPATH=. python benchmarks/cpu_optimizer_step.py --ranks-per-node 8   # 1 thread and nproc // 8 threads
 
 Every variant steps AdamW (lr 1e-3, weight decay 0.01) on one flat fp32 parameter of ``--sizes`` million
 elements and its gradient (shared by all variants, as a ZeRO partition is): zero_bnb's fused kernel
@@ -16,7 +17,10 @@ and other load hit all alike; the median step is reported in ns/param (wall cloc
 steadier on a shared machine) and in GB/s of the bytes the step must
 move (8-bit: 16 B/param, fp32 Adam: 28 B/param) against this machine's copy bandwidth (measured here at each
 thread count). ``--march`` builds both zero_bnb's kernel and DeepSpeedCPUAdam for another x86-64 level than
-this machine's (DeepSpeed's JIT build in a folder of its own). Memory: the optimizer's steady bytes per parameter (fp32 master + state) and the peak resident
+this machine's (DeepSpeed's JIT build in a folder of its own). Threads: 1 (what ``torchrun`` gives each of several
+processes on a node: ``OMP_NUM_THREADS=1``) and the cores a launcher that binds cores would give each of
+``--ranks-per-node`` ranks (``nproc // ranks``), unless ``--threads`` names others. The results record the CPU's
+model, its instruction-set flags (``/proc/cpuinfo``) and which path of zero_bnb's kernel ran. Memory: the optimizer's steady bytes per parameter (fp32 master + state) and the peak resident
 growth during one step (Linux ``VmHWM`` reset through ``/proc/self/clear_refs``). Last, one step of
 bitsandbytes' CPU path from the same inputs as the reference of bitsandbytes' CUDA kernel
 (``zero_bnb.kernels.reference``): how many codes differ and how far the parameters are.
@@ -31,12 +35,16 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from datetime import datetime, timezone
 
 import bitsandbytes as bnb
 import bitsandbytes.functional as F
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import cores_per_rank, cpu_features, kernel_path
 
 from zero_bnb.kernels.build import MARCH_ENV
 from zero_bnb.kernels.cpu_update import install_cpu_update
@@ -222,6 +230,7 @@ def machine(deepspeed_march: str) -> dict:
             * os.sysconf("SC_PHYS_PAGES") / 2**30, 1), "load_average_at_start": os.getloadavg(),
             "torch": torch.__version__, "deepspeed": deepspeed.__version__, "bitsandbytes": bnb.__version__,
             "zero_bnb_march": os.environ.get(MARCH_ENV) or "native", "deepspeed_march": deepspeed_march,
+            "cpu_flags": cpu_features()["flags"], "kernel": kernel_path(),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -230,7 +239,9 @@ def markdown(result: dict) -> str:
     lines = [f"CPU optimizer step alone (AdamW), {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
              f"deepspeed {info['deepspeed']}, bitsandbytes {info['bitsandbytes']}, {info['date']} (load average at "
              f"start {', '.join(f'{x:.1f}' for x in info['load_average_at_start'])}); built for -march="
-             f"{info['zero_bnb_march']} (zero_bnb), -march={info['deepspeed_march']} (DeepSpeedCPUAdam).", "",
+             f"{info['zero_bnb_march']} (zero_bnb), -march={info['deepspeed_march']} (DeepSpeedCPUAdam); CPU flags: "
+             f"{' '.join(info.get('cpu_flags', [])) or '-'}; zero_bnb's quantizer path: "
+             f"{info.get('kernel', {}).get('quantizer') or '-'}.", "",
              "| params | threads | variant | ns/param | GB/s | of copy bandwidth | vs DeepSpeedCPUAdam | "
              "CPU ns/param (all threads) | CPU time vs DeepSpeedCPUAdam | memory B/param (steady / step peak) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -260,7 +271,10 @@ def markdown(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 16, 64, 256], help="millions of parameters")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--threads", type=int, nargs="+",
+                        help="thread counts (default: 1 and nproc // --ranks-per-node)")
+    parser.add_argument("--ranks-per-node", type=int, default=1,
+                        help="processes a launcher would start on this machine (default 1)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bnb-max-size", type=int, default=16, help="largest size for bitsandbytes' slow CPU path")
     parser.add_argument("--output", default=os.path.join(RESULTS, "cpu_optimizer_step"))
@@ -268,12 +282,18 @@ def main() -> None:
                         help="build zero_bnb's kernel and DeepSpeedCPUAdam for this x86-64 level (default: native, "
                              "or $ZERO_BNB_KERNEL_MARCH for zero_bnb's alone)")
     args = parser.parse_args()
+    if args.ranks_per_node < 1:
+        parser.error(f"--ranks-per-node must be at least 1, got {args.ranks_per_node}")
+    if args.threads and min(args.threads) < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
+    threads = args.threads or sorted({1, cores_per_rank(args.ranks_per_node)})
     if args.march:
         build_for(args.march)
-    result = {"machine": machine(args.march or "native"), "rows": [], "distance": distance_from_reference(),
+    result = {"machine": machine(args.march or "native"), "ranks_per_node": args.ranks_per_node, "rows": [],
+              "distance": distance_from_reference(),
               "quantizer": quantizer_distance()}
     for millions in args.sizes:
-        result["rows"] += bench_size(millions, args.threads, args.repeats, args.bnb_max_size)
+        result["rows"] += bench_size(millions, threads, args.repeats, args.bnb_max_size)
         print(f"{millions}M done", flush=True)
     with open(args.output + ".json", "w", encoding="utf-8") as handle:
         json.dump(result, handle, indent=1)

@@ -5,6 +5,7 @@ about 30 s once, cached in ``~/.cache/torch_extensions``):
 
     python benchmarks/offload_bench.py                       # cpu-small GPT, DP=1, ZeRO-2, fp32, a few minutes
     python benchmarks/offload_bench.py --model gpt-125m --dp 2 --rounds 3
+    python benchmarks/offload_bench.py --threads 1 4 8     # other thread counts per rank
 
 Variants, same model, data, DP size, precision and ZeRO-2 with ``offload_optimizer: {"device": "cpu"}``,
 interleaved round by round in rotating order:
@@ -22,7 +23,14 @@ state, and everything offload keeps on the CPU (fp32 master partition and its gr
 DeepSpeed's offload code (separate fp32 partitions, gradient copies into them, the step on the CPU);
 with a GPU the model trains on the GPU and the gradients and weights cross PCIe.
 
-Writes ``benchmarks/results/offload-<model>-dp<N>.json`` and ``.md``.
+Threads: every variant is measured at 1 thread per rank (what ``torchrun`` and ``accelerate launch`` give each of
+several processes on a node: ``OMP_NUM_THREADS=1``) and at the cores a launcher that binds cores gives each rank
+(``nproc // ranks per node``, as the ``deepspeed`` launcher's ``--bind_cores_to_rank`` does), set in each rank with
+``torch.set_num_threads`` (which DeepSpeedCPUAdam's OpenMP loops and zero_bnb's kernel both follow). The results
+record the CPU's model, its instruction-set flags (``/proc/cpuinfo``) and which path of zero_bnb's kernel ran.
+
+Writes ``benchmarks/results/offload-<model>-dp<N>.json`` and ``.md``: ``rows``/``ratios`` at the first thread count
+(1 by default), ``by_threads`` at every one.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import GPT, PRESETS
-from report import versions
+from report import cores_per_rank, cpu_features, kernel_path, versions
 from train_bench import _device, _state_bytes, _train
 
 VARIANTS = ("stock-cpuadam", "stock-adam8bit", "zero_bnb")
@@ -112,10 +120,22 @@ def _cpu_timed(engine, times: list[float]):
 
 
 def measure(rank, world, args, result_path):
-    """One launch: the three variants, interleaved over ``args.rounds`` rounds."""
+    """One launch: for each of ``args.threads`` (threads per rank), the three variants interleaved over
+    ``args.rounds`` rounds."""
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    by_threads = {}
+    for count in args.threads:
+        torch.set_num_threads(count)
+        by_threads[str(count)] = _measure_threads(rank, world, args)
+    if rank == 0:
+        with open(result_path, "w") as handle:
+            json.dump(by_threads, handle)
+
+
+def _measure_threads(rank, world, args) -> dict:
+    """The three variants at this process's thread count, interleaved over ``args.rounds`` rounds."""
     import gc
 
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     results = {v: {"step_s": [], "optimizer_step_s": [], "optimizer_cpu_s": []} for v in VARIANTS}
     for round_index in range(args.rounds):
         for variant in VARIANTS[round_index % 3:] + VARIANTS[: round_index % 3]:
@@ -132,9 +152,7 @@ def measure(rank, world, args, result_path):
                           threads=torch.get_num_threads())
             engine.destroy()  # del alone does not free a DeepSpeed engine: later variants would share its memory
             del engine
-    if rank == 0:
-        with open(result_path, "w") as handle:
-            json.dump(results, handle)
+    return results
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -212,8 +230,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per variant per round")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--threads", type=int, nargs="+",
+                        help="threads per rank (default: 1 and nproc // --ranks-per-node)")
+    parser.add_argument("--ranks-per-node", type=int,
+                        help="ranks a launcher would start on this machine (default: --dp, all ranks here)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
+    if args.ranks_per_node is not None and args.ranks_per_node < 1:
+        parser.error(f"--ranks-per-node must be at least 1, got {args.ranks_per_node}")
+    if args.threads and min(args.threads) < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
+    launcher_threads = cores_per_rank(args.ranks_per_node or args.dp)
+    args.threads = args.threads or sorted({1, launcher_threads})
 
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
@@ -228,20 +256,31 @@ def main(argv: list[str] | None = None) -> int:
         run_distributed(measure, args.dp, args, result_path, device=device)
         with open(result_path) as handle:
             raw = json.load(handle)
-    summary, markdown = summarise(raw, args)
+    by_threads = {count: summarise(raw[count], args) for count in raw}
+    summary, markdown = by_threads[str(args.threads[0])]
+    for count in list(raw)[1:]:
+        markdown += "\n" + by_threads[count][1]
+    cpu, kernel = cpu_features(), kernel_path()
     report = {
         "benchmark": "offloaded training step: zero_bnb + Adam8bit vs stock ZeRO-Offload + DeepSpeedCPUAdam",
         "revision": _revision(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "load_average_at_start": load_start, "load_average_at_end": os.getloadavg(),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(),
+                    "cpu": cpu["model"], "cpu_flags": cpu["flags"], "cpus": os.cpu_count(),
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+        "kernel": kernel,
+        "launcher_threads_per_rank": launcher_threads,
         "versions": versions(),
         "settings": vars(args) | {"out": None},
         "raw": raw,
         **summary,
+        "by_threads": {count: value[0] for count, value in by_threads.items()},
     }
+    markdown += (f"\nCPU: {cpu['model']}, {os.cpu_count()} logical CPUs, flags {' '.join(cpu['flags']) or '-'}; "
+                 f"zero_bnb's kernel built for -march={kernel['march']}, quantizer path "
+                 f"{kernel['quantizer'] or 'none: ' + kernel.get('error', '')}; a launcher binding cores would give "
+                 f"each of {args.ranks_per_node or args.dp} rank(s) here {launcher_threads} thread(s).\n")
     markdown += (f"\nLoad average (1, 5, 15 min) at start {', '.join(f'{x:.1f}' for x in load_start)}, at end "
                  f"{', '.join(f'{x:.1f}' for x in report['load_average_at_end'])}.\n")
     stem = os.path.join(args.out, f"offload-{args.model}-dp{args.dp}")

@@ -8,7 +8,8 @@ import platform
 import statistics
 from dataclasses import asdict
 
-__all__ = ["TARGETS", "cell", "machine", "percentile", "summarise", "write_reports"]
+__all__ = ["KERNEL_CPU_FLAGS", "TARGETS", "cell", "cores_per_rank", "cpu_features", "kernel_path", "machine",
+           "percentile", "summarise", "write_reports"]
 
 #: (figure, variant compared with, largest allowed ratio zero_bnb / that variant)
 TARGETS = (
@@ -35,6 +36,50 @@ def machine() -> dict:
     except OSError:
         pass
     return {"platform": platform.platform(), "processor": processor or platform.machine(), "cpus": os.cpu_count()}
+
+
+#: ``/proc/cpuinfo`` flags that decide which path the fused kernel builds (and DeepSpeedCPUAdam's SIMD width): x86-64
+#: levels v3 (avx2, fma) and v4 (avx512f/bw/vl), VBMI (the permute quantizer); on aarch64 asimd (NEON), sve, sve2.
+KERNEL_CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512vbmi", "amx_tile",
+                    "asimd", "sve", "sve2")
+
+
+def cpu_features() -> dict:
+    """The CPU a benchmark ran on: its model (``model name``; on aarch64 the implementer and part numbers), the
+    :data:`KERNEL_CPU_FLAGS` it has, and its logical CPU count."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    model = fields.get("model name") or " ".join(
+        f"{key} {fields[key]}" for key in ("CPU implementer", "CPU part") if key in fields) or platform.processor()
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    return {"model": model or platform.machine(), "machine": platform.machine(),
+            "flags": [flag for flag in KERNEL_CPU_FLAGS if flag in flags], "cpus": os.cpu_count()}
+
+
+def kernel_path() -> dict:
+    """Which build of zero_bnb's fused kernel this process loads: its ``-march`` and the quantizer path it takes for
+    bitsandbytes' maps (``zero-bnb build-kernels`` prints the same), or why it could not be built."""
+    from zero_bnb.kernels.build import MARCH_ENV, KernelBuildError, QUANTIZER_PATHS, load_library
+
+    march = os.environ.get(MARCH_ENV) or "native"
+    try:
+        path = QUANTIZER_PATHS[load_library().zero_bnb_widest_path()]
+    except KernelBuildError as error:
+        return {"march": march, "quantizer": None, "error": str(error)}
+    return {"march": march, "quantizer": path}
+
+
+def cores_per_rank(ranks_per_node: int) -> int:
+    """The threads a launcher that divides the machine would give each of ``ranks_per_node`` processes:
+    ``nproc // ranks`` (logical CPUs; the ``deepspeed`` launcher's ``--bind_cores_to_rank`` divides physical cores,
+    the same number where each core runs one thread, as on the machines the results come from)."""
+    return max(1, (os.cpu_count() or 1) // max(1, ranks_per_node))
 
 
 def versions() -> dict:

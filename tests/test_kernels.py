@@ -6,7 +6,8 @@ reference's parameters, codes and absmax bit for bit; it does not depend on the 
 is block-local (a partition split at any block boundary and updated in pieces gives the same bits, so
 an elastic resume stays bit-identical). The quantizer alone is checked at every map midpoint, its float
 neighbours and every bucket edge of the kernel's table. The kernel built for each x86-64 level (v2: plain loops,
-v3: AVX2, v4: AVX-512 without VBMI) and natively passes the update and quantizer checks too. The build and its cache (with a fake compiler that
+v3: AVX2, v4: AVX-512 without VBMI) and natively passes the update and quantizer checks too (aarch64 builds:
+tests/test_kernels_cross.py, under qemu-aarch64). The build and its cache (with a fake compiler that
 copies this machine's build): a failing build is tried once per process, an unusable cache folder or a
 cached library another user could have written is a KernelBuildError naming the fix, a damaged cached
 library is rebuilt, and concurrent builders of one key compile once. The attacks on a shared cache folder: a
@@ -251,6 +252,8 @@ X86 = platform.machine() in ("x86_64", "AMD64")
 
 
 def native_path() -> str:
+    if not X86:
+        return "neon" if platform.machine() in ("aarch64", "arm64") else "scalar"
     flags = _cpu_flags()
     if {"avx512f", "avx512bw", "avx512vbmi"} <= flags:
         return "permute"
@@ -276,10 +279,10 @@ def test_each_build_takes_its_quantizer_path(march_kernel):
     """bitsandbytes' two maps take the build's fastest path; a map whose steps reach far below 1 leaves only the
     permute quantizer (for the 16-bit table's gathers). All give the binary search's codes (tests below)."""
     march, library = march_kernel
-    fast = MARCHES[march] or (native_path() if X86 else "scalar")
+    fast = MARCHES[march] or native_path()
     assert quantizer_path(QMAP1, True, library=library) == fast
     assert quantizer_path(QMAP2, False, library=library) == fast
-    assert quantizer_path(TINY_STEP, True, library=library) == ("gather" if fast == "permute" else fast)
+    assert quantizer_path(TINY_STEP, True, library=library) == {"permute": "gather", "neon": "scalar"}.get(fast, fast)
 
 
 @settings(max_examples=30, deadline=None)

@@ -63,7 +63,9 @@ HEADERS = tuple(os.path.join(os.path.dirname(SOURCE), name) for name in ("quanti
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fPIC",
          "-shared", "-std=c++17")
 #: The instruction set to build for, as gcc's ``-march`` (default ``native``): ``x86-64-v2`` (the scalar path),
-#: ``x86-64-v3`` (AVX2), ``x86-64-v4`` (AVX-512), ... to test or use another path on one machine. Part of the key.
+#: ``x86-64-v3`` (AVX2), ``x86-64-v4`` (AVX-512), ... to test or use another path on one machine; on aarch64
+#: e.g. ``armv8-a`` (NEON, which every aarch64 CPU has) or ``armv9-a``. Part of the key. No other flag depends on
+#: the architecture: the same :data:`FLAGS` build on x86-64 and aarch64.
 MARCH_ENV = "ZERO_BNB_KERNEL_MARCH"
 #: The functions :func:`bind` declares: a library at the kernel's name without all of them is not the kernel.
 SYMBOLS = ("zero_bnb_blockwise_update", "zero_bnb_quantize", "zero_bnb_quantizer_path", "zero_bnb_widest_path")
@@ -83,8 +85,10 @@ def flags() -> tuple[str, ...]:
             f"{MARCH_ENV}={march!r} is not a -march value; use e.g. x86-64-v3, x86-64-v4 or native, or unset it"
         )
     return tuple(f"-march={march}" if flag.startswith("-march=") else flag for flag in FLAGS)
-#: How the kernel finds codes, by what ``zero_bnb_quantizer_path`` and ``zero_bnb_widest_path`` return.
-QUANTIZER_PATHS = ("scalar", "gather", "permute", "avx2")
+#: How the kernel finds codes, by what ``zero_bnb_quantizer_path`` and ``zero_bnb_widest_path`` return: ``permute``
+#: (AVX512-VBMI byte permutes), ``gather`` (AVX-512 gathers), ``avx2`` (AVX2 gathers), ``neon`` (aarch64: NEON table
+#: lookups, ``vqtbl4q_u8``), ``scalar`` (one lookup at a time).
+QUANTIZER_PATHS = ("scalar", "gather", "permute", "avx2", "neon")
 
 
 def _compiler() -> list[str]:

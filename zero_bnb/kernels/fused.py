@@ -94,7 +94,7 @@ def fused_quantize(x: torch.Tensor, qmap: torch.Tensor, signed: bool, library: c
 def quantizer_path(qmap: torch.Tensor, signed: bool, library: ctypes.CDLL | None = None) -> str:
     """How the kernel quantizes with ``qmap`` on this machine: ``"permute"`` (AVX512-VBMI byte permutes over
     tables small enough for registers), ``"gather"`` (AVX-512 gathers from the 16-bit table: a map the permute
-    tables cannot hold, or no VBMI), ``"avx2"`` (AVX2 gathers from that table) or ``"scalar"``. The codes are
-    the same."""
+    tables cannot hold, or no VBMI), ``"avx2"`` (AVX2 gathers from that table), ``"neon"`` (aarch64: the permute
+    tables through NEON's ``vqtbl4q_u8``) or ``"scalar"``. The codes are the same."""
     lib = library or load_library()
     return QUANTIZER_PATHS[lib.zero_bnb_quantizer_path(_check("qmap", qmap, torch.float32, 256), int(signed))]

@@ -18,6 +18,9 @@
 // with a block's four groups of 64 quantized stage by stage (0.53 ns in the requantizations). AVX2 builds
 // (x86-64-v3) gather from the 16-bit table 8 lanes at a time and run Adam in one 8-lane pass that gathers the
 // old moments: 1.24 ns on an Intel Xeon (the scalar path they took before: 10.2 ns), 2026-11-27.
+// aarch64 builds quantize through the permute quantizer's tables with NEON's TBL (vqtbl4q_u8, 16 values at a time)
+// and take absmax with NEON; dequantization and the update loops are the portable ones, which the compiler
+// vectorises. Checked bit for bit under qemu-aarch64 (tests/test_kernels_cross.py); not yet timed on an Arm CPU.
 #include "codec.h"
 
 namespace {
@@ -60,6 +63,16 @@ inline float absmax_of(const float* __restrict__ s) {
         for (int r = 0; r < 4; ++r)  // max_ps gives its second operand when the first is NaN
             m[r] = _mm256_max_ps(abs8(_mm256_loadu_ps(s + j + 8 * r)), m[r]);
     return reduce_max8(_mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3])));
+#elif defined(ZERO_BNB_NEON)
+    // a > m ? a : m, false for any NaN (FMAX returns a NaN operand, FMAXNM a signalling one)
+    float32x4_t m[4];
+    for (int r = 0; r < 4; ++r) m[r] = vdupq_n_f32(-FLT_MAX);
+    for (int j = 0; j < kBlock; j += 16)
+        for (int r = 0; r < 4; ++r) {
+            const float32x4_t a = vabsq_f32(vld1q_f32(s + j + 4 * r));
+            m[r] = vbslq_f32(vcgtq_f32(a, m[r]), a, m[r]);
+        }
+    return vmaxvq_f32(vmaxq_f32(vmaxq_f32(m[0], m[1]), vmaxq_f32(m[2], m[3])));  // none NaN
 #else
     float m = -FLT_MAX;
 #pragma omp simd reduction(max : m)
@@ -348,8 +361,9 @@ void zero_bnb_quantize(const float* qmap, int is_signed, const float* x, int64_t
 }
 
 // The fastest way this build quantizes: 2 through the permute tables (AVX512-VBMI; maps they cannot hold take
-// 1), 1 through the 16-bit table's 16-lane gathers (AVX-512), 3 through its 8-lane gathers (AVX2), 0 through
-// scalar lookups. The numbering is fused.py's QUANTIZER_PATHS.
+// 1), 1 through the 16-bit table's 16-lane gathers (AVX-512), 3 through its 8-lane gathers (AVX2), 4 through the
+// permute tables with NEON's TBL (aarch64; maps they cannot hold take 0), 0 through scalar lookups. The numbering
+// is build.py's QUANTIZER_PATHS.
 int zero_bnb_widest_path() {
 #if defined(__AVX512VBMI__)
     return 2;
@@ -357,6 +371,8 @@ int zero_bnb_widest_path() {
     return 1;
 #elif defined(__AVX2__)
     return 3;
+#elif defined(ZERO_BNB_NEON)
+    return 4;
 #else
     return 0;
 #endif
@@ -366,7 +382,8 @@ int zero_bnb_widest_path() {
 int zero_bnb_quantizer_path(const float* qmap, int is_signed) {
     const Map& map = map_for(qmap, is_signed != 0);
     const int widest = zero_bnb_widest_path();
-    return widest == 2 && !map.steps.usable ? 1 : widest;
+    if (!map.steps.usable && (widest == 2 || widest == 4)) return widest == 2 ? 1 : 0;
+    return widest;
 }
 
 }  // extern "C"

@@ -196,6 +196,87 @@ void quantize_permuted(const Map& map, const float* __restrict__ s, float absmax
 
 #endif
 
+#if defined(ZERO_BNB_NEON)
+// table[index] for 16 byte indices into a 256-byte table: four 64-byte TBL lookups (an index outside a lookup's
+// 64 bytes leaves its lane as the previous one set it).
+inline uint8x16_t table256(const uint8_t* table, uint8x16_t index) {
+    uint8x16_t r = vqtbl4q_u8(vld1q_u8_x4(table), index);
+    r = vqtbx4q_u8(r, vld1q_u8_x4(table + 64), vsubq_u8(index, vdupq_n_u8(64)));
+    r = vqtbx4q_u8(r, vld1q_u8_x4(table + 128), vsubq_u8(index, vdupq_n_u8(128)));
+    return vqtbx4q_u8(r, vld1q_u8_x4(table + 192), vsubq_u8(index, vdupq_n_u8(192)));
+}
+
+// table[row] of a 32-entry 16-bit table (held as 64 bytes) for 8 rows (< 32): one TBL over bytes 2 row, 2 row + 1.
+inline uint16x8_t table32x16(const uint8x16x4_t& table, uint16x8_t row) {
+    const uint16x8_t index = vmlaq_n_u16(vdupq_n_u16(0x0100), row, 0x0202);  // low byte 2 row, high byte 2 row + 1
+    return vreinterpretq_u16_u8(vqtbl4q_u8(table, vreinterpretq_u8_u16(index)));
+}
+
+// quantize_permuted (and permuted_code, its scalar twin) with NEON, 16 values at a time: the same tables (Steps),
+// looked up with TBL instead of AVX512-VBMI's byte permutes. The top 16 bits of x give its row (exponent) and
+// bucket (the row's mantissa bits), the bucket its first code, that code the magnitude where it is left, and one
+// comparison moves the code one step. NaN, Inf, |x| >= 2 and an unsigned map's negative x take the binary search.
+template <bool SIGNED>
+void quantize_neon(const Map& map, const float* __restrict__ s, float absmax, uint8_t* __restrict__ out) {
+    const Steps& t = map.steps;
+    const float32x4_t scale = vdupq_n_f32(absmax);
+    const uint8x16x4_t key_base = vld1q_u8_x4(reinterpret_cast<const uint8_t*>(t.key_base));
+    const uint8x16x4_t key_shift = vld1q_u8_x4(reinterpret_cast<const uint8_t*>(t.key_shift));
+    const uint16x8_t bias = vdupq_n_u16(static_cast<uint16_t>(t.emin - 1)), last_row = vdupq_n_u16(31);
+    const uint8x16_t split = vdupq_n_u8(static_cast<uint8_t>(std::min(t.split, 255)));
+    uint16x8_t largest = vdupq_n_u16(0);
+    for (int j = 0; j < kBlock; j += 16) {
+        uint32x4_t u[4];
+        for (int r = 0; r < 4; ++r) u[r] = vreinterpretq_u32_f32(vdivq_f32(vld1q_f32(s + j + 4 * r), scale));
+        const uint16x8_t top[2] = {vcombine_u16(vshrn_n_u32(u[0], 16), vshrn_n_u32(u[1], 16)),
+                                   vcombine_u16(vshrn_n_u32(u[2], 16), vshrn_n_u32(u[3], 16))};
+        uint16x8_t number[2];
+        for (int h = 0; h < 2; ++h) {
+            const uint16x8_t signed_exponent = vshrq_n_u16(top[h], 7);
+            const uint16x8_t e = SIGNED ? vandq_u16(signed_exponent, vdupq_n_u16(0xff)) : signed_exponent;
+            largest = vmaxq_u16(largest, e);  // >= 128: NaN, Inf, |x| >= 2 (or an unsigned map's x < 0)
+            const uint16x8_t row = vminq_u16(vqsubq_u16(e, bias), last_row);
+            const int16x8_t right = vnegq_s16(vreinterpretq_s16_u16(table32x16(key_shift, row)));
+            number[h] = vaddq_u16(table32x16(key_base, row), vshlq_u16(top[h], right));  // (mod 2^16)
+        }
+        const uint8x16_t low = vcombine_u8(vmovn_u16(number[0]), vmovn_u16(number[1]));
+        // bit 8 of the bucket number: a signed map's is x's sign (it numbers each sign's buckets below 256)
+        const uint8x16_t b8 =
+            SIGNED ? vtstq_u8(vcombine_u8(vshrn_n_u16(top[0], 8), vshrn_n_u16(top[1], 8)), vdupq_n_u8(0x80))
+                   : vtstq_u8(vcombine_u8(vshrn_n_u16(number[0], 8), vshrn_n_u16(number[1], 8)), vdupq_n_u8(1));
+        const uint8x16_t first = vbslq_u8(b8, table256(t.first + 256, low), table256(t.first, low));
+        uint8x16_t b[4];
+        for (int k = 0; k < 4; ++k) b[k] = table256(t.exit[k], first);
+        const uint16x8_t low01 = vreinterpretq_u16_u8(vzip1q_u8(b[0], b[1]));
+        const uint16x8_t high01 = vreinterpretq_u16_u8(vzip2q_u8(b[0], b[1]));
+        const uint16x8_t low23 = vreinterpretq_u16_u8(vzip1q_u8(b[2], b[3]));
+        const uint16x8_t high23 = vreinterpretq_u16_u8(vzip2q_u8(b[2], b[3]));
+        const uint32x4_t leave[4] = {vreinterpretq_u32_u16(vzip1q_u16(low01, low23)),
+                                     vreinterpretq_u32_u16(vzip2q_u16(low01, low23)),
+                                     vreinterpretq_u32_u16(vzip1q_u16(high01, high23)),
+                                     vreinterpretq_u32_u16(vzip2q_u16(high01, high23))};
+        uint32x4_t moved[4];
+        for (int r = 0; r < 4; ++r) moved[r] = vcgeq_u32(u[r], leave[r]);
+        uint8x16_t step = vcombine_u8(vmovn_u16(vcombine_u16(vmovn_u32(moved[0]), vmovn_u32(moved[1]))),
+                                      vmovn_u16(vcombine_u16(vmovn_u32(moved[2]), vmovn_u32(moved[3]))));
+        uint8x16_t codes = first;
+        if (SIGNED) {
+            const uint8x16_t down = vcltq_u8(codes, split);
+            codes = vaddq_u8(codes, vandq_u8(step, down));  // all ones: - 1
+            step = vbicq_u8(step, down);
+        }
+        vst1q_u8(out + j, vsubq_u8(codes, step));  // all ones: + 1
+    }
+    if (vmaxvq_u16(largest) >= 128) {
+        for (int i = 0; i < kBlock; ++i) {
+            const float x = s[i] / absmax;
+            const uint32_t e = bits_of(x) >> 23;
+            if ((SIGNED ? e & 0xff : e) >= 128) out[i] = code_of<SIGNED>(map.code, x, s[i]);
+        }
+    }
+}
+#endif
+
 // Dequantize 256 codes through a 256-entry map and scale by absmax. With AVX512-VBMI the map sits in 16
 // registers as four 256-byte planes (byte k of every value's bits): 64 codes look up each plane with two
 // 128-byte permutes and a blend, and the bytes are interleaved back into floats, about three times
@@ -284,6 +365,9 @@ void quantize(const Map& map, const float* __restrict__ s, float absmax, uint8_t
     }
     search_groups<SIGNED>(map, s, absmax, out, slow, 32);
 #else
+#if defined(ZERO_BNB_NEON)
+    if (map.steps.usable) return quantize_neon<SIGNED>(map, s, absmax, out);
+#endif
     for (int j = 0; j < kBlock; ++j) quantize_slow<SIGNED>(map, s, absmax, out, j);
 #endif
 }

@@ -18,6 +18,10 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__aarch64__) && defined(__ARM_NEON) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#include <arm_neon.h>
+#define ZERO_BNB_NEON 1  // AArch64's Advanced SIMD (every aarch64 CPU has it): the NEON paths of codec.h
+#endif
 #include <cmath>
 #include <cstdint>
 #include <cstring>
