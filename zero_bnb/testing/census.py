@@ -107,6 +107,10 @@ class AllocationTimeline:
         self._in_use: list[frozenset[int]] = []
 
     def __enter__(self) -> AllocationTimeline:
+        if torch._C._autograd._profiler_enabled():
+            raise RuntimeError("AllocationTimeline needs PyTorch's profiler to itself, but a profiler (another "
+                               "timeline, or a torch.profiler.profile) is already running in this thread; end it "
+                               "first, or mark phases with phase() inside one timeline")
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device_type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
