@@ -304,9 +304,10 @@ def phase_peaks(rank, world, args, variant, workdir, result_path):
         _reconciled(timeline)
         with timeline.phase("load"):
             engine.load_checkpoint(folder, tag="bench")
+    torch.distributed.barrier()  # every rank has loaded before the folder goes
     engine.destroy()
-    shutil.rmtree(folder, ignore_errors=True)
     if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
         with open(result_path, "w") as handle:
             json.dump({name: [phase.peak_bytes] for name, phase in timeline.phases().items()}, handle)
 
