@@ -123,19 +123,26 @@ class AllocationTimeline:
 
         torch.UntypedStorage.from_file = classmethod(labelled_from_file)
         self._profile = torch.profiler.profile(activities=activities, profile_memory=True)
-        self._profile.__enter__()
+        try:
+            self._profile.__enter__()
+        except BaseException:
+            self._restore_from_file()
+            raise
         return self
+
+    def _restore_from_file(self) -> None:
+        if self._from_file is None:
+            del torch.UntypedStorage.from_file
+        else:
+            torch.UntypedStorage.from_file = self._from_file
 
     def __exit__(self, *exc_info) -> None:
         assert self._profile is not None
         try:
             self._profile.__exit__(*exc_info)
         finally:
-            if self._from_file is None:
-                del torch.UntypedStorage.from_file
-            else:
-                torch.UntypedStorage.from_file = self._from_file
-        if exc_info[0] is None:
+            self._restore_from_file()
+        if exc_info[0] is None:  # the profiler's event tree (torch._C._profiler), as of torch 2.13
             self._phases = self._tally(self._profile.profiler.kineto_results.experimental_event_tree())
 
     @contextlib.contextmanager
