@@ -45,7 +45,7 @@ def test_zero_bnb_holds_no_more_than_stock_at_any_phase(census, case):
 
 
 #: Phases whose peak is compared. Not the steps: there zero_bnb's bf16 steady-step peak reads +1.8 B/param over
-#: stock's at this size (1.15 MB, in 2 runs of 3, not attributed yet), while at 5.3M parameters
+#: stock's at this size (1.15 MB, in 2 runs of 4, not attributed yet), while at 5.3M parameters
 #: (benchmarks/memory_by_phase.py, which reports the steps) the two are equal in every step phase with sized buckets.
 PEAK_PHASES = ("construction", "save", "load")
 
