@@ -1,7 +1,7 @@
 """Bytes per parameter by phase, stock DeepSpeed + Adam8bit vs zero_bnb + Adam8bit, with DeepSpeed's default
 gradient buckets and with buckets sized to the model.
 
-Reproduce (from the repository root, after ``bash scripts/setup.sh``; about 10 minutes on 2 cores):
+Reproduce (from the repository root, after ``bash scripts/setup.sh``; 20 minutes on 2 busy cores):
 
     PYTHONPATH=. python benchmarks/memory_by_phase.py
 
