@@ -115,6 +115,8 @@ def summarise(raw: dict, *, model: str, config, args: dict, step_bytes_per_param
                                       for phase, values in record.get("memory_bytes_by_phase", {}).items() if values},
             "kept_after_load_bytes": record.get("kept_after_load_bytes"),
             "left_after_destroy_bytes": max(record.get("left_after_destroy_bytes") or [0]),
+            # os.getloadavg() beside each round (1, 5, 15 minutes): how busy the (shared) machine was
+            "loadavg": record.get("loadavg"),
             "state_bytes": record["state_bytes"],
             "parameters": record["parameters"],
             "checkpoint_bytes": record["checkpoint_bytes"],
@@ -182,15 +184,23 @@ def _markdown(report: dict) -> str:
                    ("resume at another DP", "resume_s", "s")]
         if row["copy_bandwidth_bytes_per_s"]:
             figures.append(("optimizer step bandwidth / copy bandwidth", "bandwidth_fraction_of_copy", ""))
+        phases = list(row["variants"]["zero_bnb"].get("memory_bytes_by_phase") or {})
+        figures += [(f"peak allocated: {phase.replace('_', ' ')}", ("memory_bytes_by_phase", phase), "B")
+                    for phase in phases]
         for label, key, unit in figures:
             cells = []
             for variant in ("stock-adamw", "stock-adam8bit", "zero_bnb"):
                 figures_of = row["variants"][variant]
                 if key is None:
                     cells.append(f"{cell(figures_of['step_s_p10'], unit)} - {cell(figures_of['step_s_p90'], unit)}")
+                elif isinstance(key, tuple):
+                    cells.append(cell((figures_of.get(key[0]) or {}).get(key[1]), unit))
                 else:
                     cells.append(cell(figures_of.get(key), unit))
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        loads = [load[0] for variant in row["variants"].values() for load in variant.get("loadavg") or []]
+        if loads:
+            lines.append(f"| load average (1 min) beside the rounds | {min(loads):.2f} - {max(loads):.2f} | | |")
         lines += ["", "| target (zero_bnb / baseline) | baseline | ratio | limit | met |", "| --- | --- | --- | --- | --- |"]
         for figure, target in row["targets"].items():
             met = {True: "yes", False: "**no**", None: "-"}[target["met"]]
@@ -207,7 +217,9 @@ def _plot(report: dict, path: str) -> None:
     rows = report["results"]
     keys = [("step_s", "step time"), ("optimizer_step_s", "optimizer step"), ("state_bytes", "optimizer state"),
             ("checkpoint_bytes", "checkpoint bytes"), ("resume_s", "resume at other DP")]
-    figure, axes = plt.subplots(1, len(rows), figsize=(9 * len(rows), 4.5), squeeze=False)
+    figure, axes = plt.subplots(2, len(rows), figsize=(9 * len(rows), 9), squeeze=False)
+    for axis, row in zip(axes[1], rows):
+        _plot_memory(axis, row, report["mode"])
     for axis, row in zip(axes[0], rows):
         base = row["variants"]["stock-adamw"]
         width = 0.27
@@ -225,6 +237,24 @@ def _plot(report: dict, path: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def _plot_memory(axis, row: dict, mode: str) -> None:
+    """Peak bytes allocated per phase (MiB), one bar per variant."""
+    variants = ("stock-adamw", "stock-adam8bit", "zero_bnb")
+    phases = list(row["variants"]["zero_bnb"].get("memory_bytes_by_phase") or {})
+    if not phases:
+        axis.set_axis_off()
+        return
+    width = 0.27
+    for offset, variant in enumerate(variants):
+        by_phase = row["variants"][variant].get("memory_bytes_by_phase") or {}
+        axis.bar([i + (offset - 1) * width for i in range(len(phases))],
+                 [by_phase.get(phase, float("nan")) / 2**20 for phase in phases], width, label=variant)
+    axis.set_xticks(range(len(phases)), [phase.replace("_", " ") for phase in phases])
+    axis.set_ylabel("peak allocated per rank (MiB)")
+    axis.set_title(f"{row['model']}: peak memory by phase ({mode}; transient buffers included)")
+    axis.legend()
 
 
 def write_reports(report: dict, stem: str) -> str:

@@ -14,7 +14,9 @@ Variants, same model, data, DP size and precision, interleaved round by round in
 
 Per variant: step time (median, p10-p90 over timed steps after warm-up), samples/s, the base
 optimizer's ``step()`` alone, memory per rank (GPU: peak allocated; CPU: RSS growth while the
-engine lives), optimizer-state bytes per rank, checkpoint bytes on disk (and per parameter), save
+engine lives), the peak allocated in each phase (construction, first step, steady steps, save, load; GPU: CUDA's
+allocator; CPU: PyTorch's allocator events in a separate, untimed launch per variant), the load average beside
+each round, optimizer-state bytes per rank, checkpoint bytes on disk (and per parameter), save
 time, load time at the same DP, and resume time at another DP size: DeepSpeed's own path for
 variant 1 (``ds_to_universal`` + ``checkpoint.load_universal``), a direct load for variant 3, "not
 possible" for variant 2. On GPU also the optimizer step's achieved memory bandwidth against the
@@ -32,7 +34,6 @@ import gc
 import json
 import logging
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -43,7 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import GPT, PRESETS, batch
-from report import summarise, versions, write_reports
+from report import machine, summarise, versions, write_reports
 
 from zero_bnb.core.config import ZeroBnbConfig
 
@@ -179,6 +180,7 @@ def measure(rank, world, args, workdir, result_path):
         # Rotate the order every round, so that no variant always runs first or last.
         for variant in VARIANTS[round_index % 3:] + VARIANTS[: round_index % 3]:
             record = results[variant]
+            record.setdefault("loadavg", []).append(os.getloadavg())  # shared machines: how busy, beside each figure
             phases = record.setdefault("memory_bytes_by_phase", {})
             baseline = _fresh_peak()
             engine = _build(variant, args, world)
@@ -270,6 +272,46 @@ def peak_memory(rank, world, args, variant, result_path, build=None):
             json.dump(peak, handle)
 
 
+def _reconciled(timeline) -> None:
+    """After a barrier (no collective in flight), close the blocks a gloo thread released unseen."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    timeline.reconcile()
+
+
+def phase_peaks(rank, world, args, variant, workdir, result_path):
+    """A launch for one variant (CPU): the peak bytes allocated in each phase (construction, first step, steady
+    steps, save, load) over what was allocated before the engine, from PyTorch's allocator events
+    (:class:`zero_bnb.testing.census.AllocationTimeline`, transient buffers included). Profiled, so not timed."""
+    from zero_bnb.testing.census import AllocationTimeline
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    folder = os.path.join(workdir, f"phases-{variant}")
+    with AllocationTimeline("cpu") as timeline:
+        with timeline.phase("construction"):
+            engine = _build(variant, args, world)
+        _reconciled(timeline)
+        with timeline.phase("first_step"):
+            _train(engine, args, rank, 0, 1, None)
+        _reconciled(timeline)
+        with timeline.phase("steady_steps"):
+            for step in range(1, 1 + max(args.warmup, 1)):
+                _train(engine, args, rank, step, 1, None)
+                _reconciled(timeline)
+        with timeline.phase("save"):
+            engine.save_checkpoint(folder, tag="bench")
+        _reconciled(timeline)
+        with timeline.phase("load"):
+            engine.load_checkpoint(folder, tag="bench")
+    torch.distributed.barrier()  # every rank has loaded before the folder goes
+    engine.destroy()
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+        with open(result_path, "w") as handle:
+            json.dump({name: [phase.peak_bytes] for name, phase in timeline.phases().items()}, handle)
+
+
 def resume(rank, world, args, workdir, result_path):
     """A launch at another DP size: variant 1 from its universal conversion, variant 3 directly."""
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -315,6 +357,9 @@ def run_model(args, model: str) -> dict:
                 run_distributed(peak_memory, args.dp, args, variant, result_path)
                 with open(result_path) as handle:
                     raw[variant]["memory_bytes"] = [json.load(handle)]
+                run_distributed(phase_peaks, args.dp, args, variant, workdir, result_path)
+                with open(result_path) as handle:
+                    raw[variant]["memory_bytes_by_phase"] = json.load(handle)
         if args.resume_dp:
             convert_s = convert_to_universal(workdir)
             resume_path = os.path.join(workdir, "resume.json")
@@ -350,14 +395,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--mode gpu needs a CUDA device")
 
     rows = [run_model(args, model) for model in args.models]
-    machine = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-               "cpus": os.cpu_count(),
-               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    where = {**machine(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
     report = {
         "benchmark": "training and checkpoint cost, three variants interleaved",
         "mode": args.mode,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine,
+        "machine": where,
         "versions": versions(),
         "settings": {k: v for k, v in vars(args).items() if k not in ("model", "out")},
         # the zero_bnb variant's config keys: none are set, so every zero_bnb key has its default (masters derived

@@ -1,6 +1,7 @@
 """Stock DeepSpeed + Adam8bit against zero_bnb + Adam8bit, one engine at a time in one launch: live tensor storage
 (:func:`zero_bnb.testing.census.live_storage_bytes`) over the launch's baseline at construction, after the first
-step, after steady steps, after a save and after a load."""
+step, after steady steps, after a save and after a load, and the peak allocated during each of those phases
+(:class:`zero_bnb.testing.census.AllocationTimeline`, transient buffers included)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 import zero_bnb
 from scenarios import _save_result
-from zero_bnb.testing.census import live_storage_bytes
+from zero_bnb.testing.census import AllocationTimeline, live_storage_bytes
 from zero_bnb.testing.toy import DEFAULT_RUN as RUN
 from zero_bnb.testing.toy import IN_FEATURES
 
@@ -44,10 +45,13 @@ def _step(engine, step: int) -> None:
     engine.step()
 
 
-def _held() -> int:
+def _held(timeline: AllocationTimeline | None = None) -> int:
     """Live storage once every collective issued so far has completed: a gloo operation still in flight holds its
-    buffers until it is done (the census measures what is kept, not what is being sent)."""
+    buffers until it is done (the census measures what is kept, not what is being sent). The timeline is reconciled
+    there (a buffer a gloo thread released is never seen freed)."""
     dist.barrier()
+    if timeline is not None:
+        timeline.reconcile()
     return live_storage_bytes()
 
 
@@ -56,25 +60,34 @@ def census_by_phase(rank: int, world: int, workdir: str) -> None:
     for case, extra in CASES.items():
         for variant in ("stock", "zero_bnb"):
             baseline = _held()
-            model = _model()
-            optimizer = bnb.optim.Adam8bit(model.parameters(), lr=1e-3)
-            config = {"train_batch_size": RUN.micro_batch * world, "train_micro_batch_size_per_gpu": RUN.micro_batch,
-                      "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-                      "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 1}, **extra}
-            initialize = zero_bnb.initialize if variant == "zero_bnb" else deepspeed.initialize
-            engine = initialize(model=model, optimizer=optimizer, config=config)[0]  # the rest would keep it alive
-            del model, optimizer
-            phases = {"construction": _held() - baseline}
-            _step(engine, 0)
-            phases["first_step"] = _held() - baseline
-            for step in range(1, 4):
-                _step(engine, step)
-            phases["steady_steps"] = _held() - baseline
-            folder = os.path.join(workdir, f"{case}-{variant}")
-            engine.save_checkpoint(folder, tag="a")
-            phases["save"] = _held() - baseline
-            engine.load_checkpoint(folder, tag="a")
-            phases["load"] = _held() - baseline
+            with AllocationTimeline("cpu") as timeline:
+                with timeline.phase("construction"):
+                    model = _model()
+                    optimizer = bnb.optim.Adam8bit(model.parameters(), lr=1e-3)
+                    config = {"train_batch_size": RUN.micro_batch * world,
+                              "train_micro_batch_size_per_gpu": RUN.micro_batch, "gradient_accumulation_steps": 1,
+                              "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
+                              "zero_optimization": {"stage": 1}, **extra}
+                    initialize = zero_bnb.initialize if variant == "zero_bnb" else deepspeed.initialize
+                    engine = initialize(model=model, optimizer=optimizer, config=config)[0]  # the rest keeps it alive
+                    del model, optimizer
+                phases = {"construction": _held(timeline) - baseline}
+                with timeline.phase("first_step"):
+                    _step(engine, 0)
+                phases["first_step"] = _held(timeline) - baseline
+                with timeline.phase("steady_steps"):
+                    for step in range(1, 4):
+                        _step(engine, step)
+                        _held(timeline)
+                phases["steady_steps"] = _held(timeline) - baseline
+                folder = os.path.join(workdir, f"{case}-{variant}")
+                with timeline.phase("save"):
+                    engine.save_checkpoint(folder, tag="a")
+                phases["save"] = _held(timeline) - baseline
+                with timeline.phase("load"):
+                    engine.load_checkpoint(folder, tag="a")
+                phases["load"] = _held(timeline) - baseline
+            phases["peak"] = {name: phase.peak_bytes for name, phase in timeline.phases().items()}
             phases["parameters"] = sum(p.numel() for p in engine.module.parameters())
             engine.destroy()
             del engine
