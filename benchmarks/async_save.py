@@ -84,11 +84,12 @@ def _step(engine, args) -> float:
     return time.perf_counter() - start
 
 
-def _measure(engine, variant: str, args, folder: str, tag: str) -> dict:
-    """One save of ``engine`` while it trains: blocking, stall and background seconds. Collective."""
+def save_stall(engine, folder: str, tag: str, step, baseline: float, max_overlap_steps: int = 200) -> dict:
+    """One save of ``engine`` while it trains: the seconds ``save_checkpoint`` blocks (barrier to barrier), the
+    stall (that plus each overlapping ``step()``'s seconds beyond ``baseline``, the median step time), and the
+    seconds until an asynchronous save was committed (the blocking seconds for a synchronous one). Collective."""
     import torch.distributed as dist
 
-    baseline = statistics.median(_step(engine, args) for _ in range(_STEPS_BEFORE))
     dist.barrier()
     start = time.perf_counter()
     engine.save_checkpoint(folder, tag=tag)
@@ -96,14 +97,20 @@ def _measure(engine, variant: str, args, folder: str, tag: str) -> dict:
     blocking = time.perf_counter() - start
     extra, overlapped = 0.0, 0
     saver = getattr(engine, "_zero_bnb_background", None)
-    while saver is not None and saver.pending and overlapped < args.max_overlap_steps:
-        extra += max(0.0, _step(engine, args) - baseline)  # a step slowed by the background writer
+    while saver is not None and saver.pending and overlapped < max_overlap_steps:
+        extra += max(0.0, step() - baseline)  # a step slowed by the background writer
         overlapped += 1
     if saver is not None:
         engine.wait_for_checkpoint()
     background = saver.last_duration if saver is not None else blocking
     return {"blocking_s": blocking, "stall_s": blocking + extra, "background_s": background,
             "overlapped_steps": overlapped, "step_s": baseline}
+
+
+def _measure(engine, variant: str, args, folder: str, tag: str) -> dict:
+    """One save of ``engine`` while it trains: blocking, stall and background seconds. Collective."""
+    baseline = statistics.median(_step(engine, args) for _ in range(_STEPS_BEFORE))
+    return save_stall(engine, folder, tag, lambda: _step(engine, args), baseline, args.max_overlap_steps)
 
 
 def _writer(folder: str, stop) -> None:

@@ -31,10 +31,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import logging
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -43,6 +45,7 @@ from datetime import datetime, timezone
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from async_save import save_stall
 from models import GPT, PRESETS, batch
 from report import machine, summarise, versions, write_reports
 
@@ -215,6 +218,17 @@ def measure(rank, world, args, workdir, result_path):
                     phases.setdefault("load", []).append(torch.cuda.max_memory_allocated() - baseline)
                     record["kept_after_load_bytes"] = torch.cuda.memory_allocated() - before_load
                 if not args.resume_dp:  # kept for the resume launch; else one variant's checkpoint on disk at a time
+                    shutil.rmtree(folder, ignore_errors=True)
+            if variant == "zero_bnb":  # the same engine saving asynchronously while it trains on
+                engine.zero_bnb_config = dataclasses.replace(engine.zero_bnb_config, checkpoint_async=True)
+                steps = itertools.count(args.warmup + args.steps)
+                folder = os.path.join(workdir, "async")
+                record.setdefault("async_save", []).append(save_stall(
+                    engine, folder, f"round{round_index}",
+                    lambda engine=engine: _train(engine, args, rank, next(steps), 1, None)[0],
+                    statistics.median(record["step_s"][-args.steps:])))
+                dist.barrier()
+                if rank == 0:
                     shutil.rmtree(folder, ignore_errors=True)
             # del does not free a DeepSpeed engine (ZeRO's per-parameter hooks hold the optimizer): every later
             # reading would include it. destroy() does; what is still allocated afterwards is recorded.
