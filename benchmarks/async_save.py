@@ -6,7 +6,9 @@ trained with bitsandbytes' Adam8bit under ZeRO-1. Per variant and round:
 * **blocking**: the seconds ``save_checkpoint`` blocks (barrier to barrier);
 * **stall**: blocking plus the extra time of the steps that overlap the background write (each step's time minus
   the median step time measured just before the save); for a synchronous save, the stall is the blocking time;
-* **background**: the seconds from the call until the asynchronous save is committed.
+* **background**: the seconds from the call until the asynchronous save is committed;
+* **control**: the same count of steps run right after, with no save pending, summed the same way: the stall a
+  noisy machine adds to as many steps by itself (scaled to the overlapped count; 0 for synchronous saves).
 
 ``--contention disk`` runs another process writing (and fsyncing) 64 MiB blocks to the same disk throughout, as
 on a shared node. Results (with the machine's load average while it ran) go to ``--out``.
@@ -103,8 +105,11 @@ def save_stall(engine, folder: str, tag: str, step, baseline: float, max_overlap
     if saver is not None:
         engine.wait_for_checkpoint()
     background = saver.last_duration if saver is not None else blocking
+    # The control: as many steps again with no save pending, counted the same way (the noise of the machine).
+    control = sum(max(0.0, step() - baseline) for _ in range(max(overlapped, 4)))
     return {"blocking_s": blocking, "stall_s": blocking + extra, "background_s": background,
-            "overlapped_steps": overlapped, "step_s": baseline}
+            "overlapped_steps": overlapped, "step_s": baseline,
+            "control_extra_s": control * overlapped / max(overlapped, 4)}
 
 
 def _measure(engine, variant: str, args, folder: str, tag: str) -> dict:
@@ -165,15 +170,17 @@ def summarize(rows: list[dict], args) -> str:
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores "
              f"({_cpu_model()}); torch {torch.__version__}; `{' '.join(sys.argv)}`; load average "
              f"{min(r['load_avg'] for r in rows):.1f}-{max(r['load_avg'] for r in rows):.1f} during the runs.", "",
-             "| contention | variant | blocking s | stall s | background s | stall / stock's save | rounds |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| contention | variant | blocking s | stall s | control s | background s | stall / stock's save | rounds |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for contention in args.contention:
         stock = statistics.median(r["stall_s"] for r in rows if r["contention"] == contention and r["variant"] == "stock")
         for variant in VARIANTS:
             mine = [r for r in rows if r["contention"] == contention and r["variant"] == variant]
-            median = {key: statistics.median(r[key] for r in mine) for key in ("blocking_s", "stall_s", "background_s")}
+            median = {key: statistics.median(r[key] for r in mine)
+                      for key in ("blocking_s", "stall_s", "control_extra_s", "background_s")}
             lines.append(f"| {contention} | {variant} | {median['blocking_s']:.2f} | {median['stall_s']:.2f} | "
-                         f"{median['background_s']:.2f} | {median['stall_s'] / stock:.2f}x | {len(mine)} |")
+                         f"{median['control_extra_s']:.2f} | {median['background_s']:.2f} | "
+                         f"{median['stall_s'] / stock:.2f}x | {len(mine)} |")
     return "\n".join(lines) + "\n"
 
 
