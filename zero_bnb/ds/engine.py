@@ -35,27 +35,20 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
 )
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
-import torch
 
 from zero_bnb.bnb.chunked import ChunkedUpdate, uninstall_chunked_update
-from zero_bnb.checkpoint.background import BackgroundSaver
+from zero_bnb.checkpoint.background import BackgroundSaver, StagedSave
 from zero_bnb.checkpoint.batch import batch_of, warn_if_batch_changed
 from zero_bnb.checkpoint.collective import agree
 from zero_bnb.checkpoint.commit import SaveTransaction
 from zero_bnb.checkpoint.derived import DERIVED_PARAMS_KEY, derived_entries
 from zero_bnb.checkpoint.load import LoadPlan, apply_module_weights, open_for_load, plan_load
-from zero_bnb.checkpoint.masters import (
-    MasterPlan,
-    decide_masters,
-    master_candidates,
-    plan_masters,
-    stage_module_slices,
-)
+from zero_bnb.checkpoint.masters import MasterPlan, master_candidates, plan_masters, stage_module_slices
 from zero_bnb.checkpoint.model_file import saved_zero_stage
 from zero_bnb.checkpoint.precision import describe_conversions
 from zero_bnb.checkpoint.recovery_script import write_recovery_script
 from zero_bnb.checkpoint.restore import apply_masters, apply_restore
-from zero_bnb.checkpoint.save import LocalPayload, manifest_draft, stage_local_payload
+from zero_bnb.checkpoint.save import manifest_draft, stage_local_payload
 from zero_bnb.checkpoint.staging import StagingLimitError, StagingPool
 from zero_bnb.checkpoint.state_checks import find_non_finite, verify_replicated_state
 from zero_bnb.core.config import ZeroBnbConfig
@@ -283,11 +276,14 @@ class ZeroBnbEngine(DeepSpeedEngine):
         state is verified across ranks and master weights and state are scanned for NaN/Inf
         (``zero_nonfinite_check``). Files go to a hidden staging folder, are fsynced and
         checksummed, and the folder is renamed to ``save_dir/tag`` only when every rank has
-        succeeded; ``latest`` is replaced after that.
+        succeeded; ``latest`` is replaced after that. With ``zero_checkpoint_async`` it returns once
+        every tensor it writes is staged in host memory; the rest runs in a background writer
+        (:mod:`zero_bnb.checkpoint.background`), whose failure the next save, load or
+        :meth:`wait_for_checkpoint` raises.
 
         Raises:
             zero_bnb.errors.CheckpointError: on every rank; the previous checkpoint and
-                ``latest`` are then unchanged.
+                ``latest`` are then unchanged (also: a pending asynchronous save that failed).
         """
         if not save_dir or not isinstance(save_dir, (str, os.PathLike)):
             raise CheckpointUsageError(f"save_dir must be a non-empty path, got {save_dir!r}")
@@ -329,12 +325,14 @@ class ZeroBnbEngine(DeepSpeedEngine):
             self.checkpoint_engine.pool = self.checkpoint_engine.deferred = None
             self._zero_bnb_masters = None
 
-        def finish(masters: list[MasterPlan]) -> None:
-            transaction.commit(lambda files: dataclasses.replace(draft(files, masters), batch=batch),
-                               after_publish=lambda: write_recovery_script(save_dir))  # DeepSpeed's zero_to_fp32.py habit
+        def manifest(files, masters: list[MasterPlan]):
+            return dataclasses.replace(draft(files, masters), batch=batch)
+
+        def after_publish() -> None:
+            write_recovery_script(save_dir)  # DeepSpeed's zero_to_fp32.py habit
 
         if saver is None:
-            finish(masters)
+            transaction.commit(lambda files: manifest(files, masters), after_publish=after_publish)
             return True
         try:  # after DeepSpeed's model file: where this rank staged it, its weights are views of that copy
             slices = stage_module_slices(self.optimizer, candidates, weights, self.param_names, saver.pool.view_or_copy)
@@ -342,28 +340,8 @@ class ZeroBnbEngine(DeepSpeedEngine):
             logger.warning("zero_bnb: %s; this save stores the fp32 master weights whole", error)
             slices = {}
         saver.pool.trim()
-        copies = saver.pool.copies_done()
-        payloads = [staged for _, staged in deferred if isinstance(staged, LocalPayload)]
-
-        def inputs(index: int) -> tuple[torch.Tensor, torch.Tensor]:
-            if index not in slices or not payloads:
-                raise StagingLimitError("the module weights or the masters were not staged "
-                                        "(zero_checkpoint_async_max_staging_mb)")
-            return payloads[0].shard.groups[index].fp32, slices[index]
-
-        def write_and_commit() -> None:
-            with transaction.guard():
-                if copies is not None:
-                    copies.synchronize()
-            # Collective on the writers' group: every rank decides, even after an error (commit() then reports it).
-            decided = decide_masters(self.optimizer, candidates, self.param_names, inputs, group=transaction.group)
-            with transaction.guard():  # an error here is agreed on by commit(), so no rank waits for another
-                for path, staged in deferred:  # DeepSpeed's files by path; the optimizer payload into its tag folder
-                    transaction.add(staged.with_masters(decided).write(path) if isinstance(staged, LocalPayload)
-                                    else [save_torch(staged, path, root=transaction.staging_folder)])
-            finish(decided)
-
-        saver.start(tag, write_and_commit)
+        saver.start(tag, StagedSave(transaction, self.optimizer, self.param_names, candidates, slices, deferred,
+                                    manifest, after_publish, saver.pool.copies_done()).run)
         return True
 
     def wait_for_checkpoint(self) -> None:
