@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from zero_bnb.checkpoint.partitioned import PartitionedOptimizer
-from zero_bnb.core.residual import rounds_to
+from zero_bnb.core.residual import rounds_to, split_rounded_bf16
 from zero_bnb.format.masters import FULL, MODULE, MODULE_LOW16, DerivedMasters, derive, module_slice
 
 __all__ = ["MasterPlan", "plan_masters"]
@@ -65,9 +65,15 @@ def _derive_local(optimizer: PartitionedOptimizer, index: int, weights: Mapping[
     master = optimizer.master_partition(index).detach()[: end - start].to("cpu")
     by_name = {p.name: weights[p.name].detach() for p in params}
     weight = module_slice(params, by_name, start, end)
-    if not rounds_to(master, weight):
+    residual = None
+    if storage == MODULE_LOW16:  # the rounding checked and the residual made in one pass
+        residual = split_rounded_bf16(master, weight) if master.dtype == torch.float32 and \
+            weight.dtype == torch.bfloat16 and master.shape == weight.shape else None
+        if residual is None:
+            return None, 0, _NOT_ROUNDING
+    elif not rounds_to(master, weight):
         return None, 0, _NOT_ROUNDING
-    derived = derive(storage, master, weight, params, start, end)
+    derived = derive(storage, master, weight, params, start, end, residual=residual)
     return derived, 0 if derived.residual is None else derived.residual.index.numel(), ""
 
 

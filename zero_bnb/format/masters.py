@@ -125,13 +125,18 @@ def _span(pieces: list[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((offset - first.storage_offset(),), (1,))
 
 
-def derive(storage: str, master: torch.Tensor, weight: torch.Tensor, params, start: int, end: int) -> DerivedMasters:
+def derive(storage: str, master: torch.Tensor, weight: torch.Tensor, params, start: int, end: int, *,
+           residual: Residual | None = None) -> DerivedMasters:
     """What a shard stores for the masters ``master`` (1-D fp32, CPU, the range ``[start, end)``) of a group
     stored as ``storage`` (:data:`MODULE` or :data:`MODULE_LOW16`), beside its module weights ``weight``
     (:func:`module_slice` of them: each parameter's piece is hashed from it, no second copy). The caller has
-    checked that the weights are the masters' rounding (``core.residual.rounds_to``)."""
+    checked that the weights are the masters' rounding (``core.residual.rounds_to``), and may pass the
+    :data:`MODULE_LOW16` ``residual`` it made while checking (``core.residual.split_rounded_bf16``); else it is
+    made here."""
     digests = {p.name: piece_digest(weight[lo - start : hi - start]) for p, lo, hi in _overlaps(params, start, end)}
-    return DerivedMasters(digests, None if storage == MODULE else split_bf16(master, weight))
+    if storage == MODULE:
+        return DerivedMasters(digests)
+    return DerivedMasters(digests, split_bf16(master, weight) if residual is None else residual)
 
 
 def check_module(storage: str, derived: DerivedMasters, params, module: Mapping[str, Any], start: int, end: int, *,
