@@ -183,6 +183,7 @@ def install(profile: PhaseProfile) -> None:
     patch(cmasters, "rounds_to", "masters: rounding check")
     patch(cmasters, "derive", "masters: plan")
     patch(fmasters, "split_bf16", "masters: residual split")
+    patch(cmasters, "split_rounded_bf16", "masters: residual split")  # rounding check and split in one pass
     patch(fmasters, "piece_digest", "SHA-256 (module pieces)")
     patch(save, "_valid_slice", "device copy")
     patch(engine.DurableCheckpointEngine, "save", "model file")
@@ -263,6 +264,8 @@ def measure(rank, world, layers, precision, rounds, conditions, workdir, result_
     install(profile)
     engines = {variant: _engine(variant, layers, precision, world) for variant in VARIANTS}
     parameters = sum(p.numel() for p in engines["stock"].module.parameters())
+    for variant in VARIANTS:  # untimed: the first save of a process pays one-off costs (imports, page faults)
+        engines[variant].save_checkpoint(os.path.join(workdir, variant), tag="warmup")
     records = []
     for condition in conditions:
         dist.barrier()
@@ -334,7 +337,7 @@ def _summary(records: list[dict], variant: str) -> dict:
 
 
 def _markdown(report: dict) -> str:
-    lines = [f"# {report['benchmark']}", "",
+    lines = [f"# {report['benchmark']}", "", f"zero_bnb: {report['zero_bnb_path']} {report['settings']['label']}", "",
              f"Machine: {report['machine']['processor']}, {report['machine']['cpus']} CPUs ({report['machine']['platform']}); "
              f"{report['date']}; versions {report['versions']}.", "",
              "Seconds per save, median of the rounds (wall: rank 0, barrier to barrier; CPU: summed over ranks). "
@@ -370,33 +373,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 9], help="4096x4096 layers (4: 67M, 9: 151M)")
     parser.add_argument("--dp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--precision", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
+    parser.add_argument("--configs", nargs="+", default=None, metavar="LAYERS:DP:PRECISION",
+                        help="measure these instead of every combination of --layers, --dp and --precision")
     parser.add_argument("--conditions", nargs="+", choices=CONDITIONS, default=list(CONDITIONS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workdir", default=None, help="where checkpoints go (default: a new folder in /tmp)")
     parser.add_argument("--name", default="save_profile")
+    parser.add_argument("--label", default="", help="what code this run measured (recorded in the report)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
+    import zero_bnb
+
+    configs = [(int(c.split(":")[0]), int(c.split(":")[1]), c.split(":")[2]) for c in args.configs] if args.configs \
+        else [(layers, dp, precision) for layers in args.layers for dp in args.dp for precision in args.precision]
     rows = []
-    for layers in args.layers:
-        for dp in args.dp:
-            for precision in args.precision:
-                workdir = tempfile.mkdtemp(prefix="zero_bnb_save_profile_", dir=args.workdir)
-                try:
-                    print(f"{layers} layers, DP={dp}, {precision}", flush=True)
-                    result_path = os.path.join(workdir, "result.json")
-                    run_distributed(measure, dp, layers, precision, args.rounds, args.conditions, workdir, result_path)
-                    with open(result_path) as handle:
-                        raw = json.load(handle)
-                finally:
-                    shutil.rmtree(workdir, ignore_errors=True)
-                for condition in args.conditions:
-                    records = [r for r in raw["records"] if r["condition"] == condition]
-                    rows.append({"parameters": raw["parameters"], "layers": layers, "dp": dp, "precision": precision,
-                                 "condition": condition, **{v: _summary(records, v) for v in VARIANTS},
-                                 "raw": records})
+    for layers, dp, precision in configs:
+        workdir = tempfile.mkdtemp(prefix="zero_bnb_save_profile_", dir=args.workdir)
+        try:
+            print(f"{layers} layers, DP={dp}, {precision}", flush=True)
+            result_path = os.path.join(workdir, "result.json")
+            run_distributed(measure, dp, layers, precision, args.rounds, args.conditions, workdir, result_path)
+            with open(result_path) as handle:
+                raw = json.load(handle)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        for condition in args.conditions:
+            records = [r for r in raw["records"] if r["condition"] == condition]
+            rows.append({"parameters": raw["parameters"], "layers": layers, "dp": dp, "precision": precision,
+                         "condition": condition, **{v: _summary(records, v) for v in VARIANTS},
+                         "raw": records})
     report = {"benchmark": "checkpoint save by phase: stock DeepSpeed + Adam8bit vs zero_bnb + Adam8bit, ZeRO-1",
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
-              "versions": versions(), "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
+              "versions": versions(), "zero_bnb_path": os.path.dirname(zero_bnb.__file__), "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
               "results": rows}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as handle:
