@@ -77,6 +77,9 @@ _FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | ge
 _CLAIM_ATTEMPTS = 5
 #: Writes at least this long are hashed on a helper thread while they are written (shorter ones inline).
 _PARALLEL_HASH_BYTES = 1 << 20
+#: The helper thread hashes in pieces this long: they stay in the L2 cache (about 15% less CPU than 1 MiB pieces on
+#: the 2-core Xeon of benchmarks/results/save_profile.md).
+_HASH_PIECE = 1 << 15
 
 
 _published: list[str] | None = None
@@ -139,7 +142,7 @@ class _HashingWriter:
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        hashing = self._hasher.submit(self.hash.update, view) if (
+        hashing = self._hasher.submit(self._update_in_pieces, view) if (
             self._hasher is not None and view.nbytes >= _PARALLEL_HASH_BYTES) else None
         try:
             _event("write", self._path)
@@ -156,6 +159,10 @@ class _HashingWriter:
             hashing.result()
         self.size += written
         return written
+
+    def _update_in_pieces(self, view: memoryview) -> None:
+        for start in range(0, view.nbytes, _HASH_PIECE):
+            self.hash.update(view[start : start + _HASH_PIECE])
 
     def flush(self) -> None:
         self._handle.flush()
