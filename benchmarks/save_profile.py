@@ -4,6 +4,7 @@ Reproduce (CPU, from the repository root, after ``bash scripts/setup.sh``):
 
     PYTHONPATH=$PWD python benchmarks/save_profile.py                       # 67M and 151M, DP 1 and 2, fp32 and bf16
     PYTHONPATH=$PWD python benchmarks/save_profile.py --layers 4 --dp 1 --precision bf16 --rounds 3 --name quick
+    python benchmarks/save_profile.py --compare before.json after.json   # a table of several reports, side by side
 
 For each model size (an MLP of ``--layers`` 4096x4096 linear layers: 4 -> 67M parameters, 9 -> 151M), DP size
 (1: one process; 2: two gloo processes through ``zero_bnb.testing.launch.run_distributed``) and precision, every
@@ -366,8 +367,34 @@ def _markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compare(paths: list[str]) -> str:
+    """A markdown table of several reports of this benchmark (the same configs), one column group per report."""
+    reports = []
+    for path in paths:
+        with open(path) as handle:
+            reports.append(json.load(handle))
+    header = "| params | DP | precision | condition | " + " | ".join(
+        f"{r['settings']['label'] or r['settings']['name']}: stock wall / CPU | zero_bnb wall / CPU | - fsync | ratio"
+        for r in reports) + " |"
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for index, row in enumerate(reports[0]["results"]):
+        cells = []
+        for report in reports:
+            other = report["results"][index]
+            s, z = other["stock"], other["zero_bnb"]
+            cells.append(f"{s['wall_s']:.2f} / {s['cpu_s']:.2f} | {z['wall_s']:.2f} / {z['cpu_s']:.2f} | "
+                         f"{z['wall_minus_fsync_s']:.2f} | {z['wall_minus_fsync_s'] / s['wall_s']:.2f}x")
+        lines.append(f"| {row['parameters'] / 1e6:.0f}M | {row['dp']} | {row['precision']} | {row['condition']} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     from zero_bnb.testing.launch import run_distributed
+
+    if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--compare":
+        print(compare(sys.argv[2:]))
+        return 0
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 9], help="4096x4096 layers (4: 67M, 9: 151M)")
