@@ -11,6 +11,10 @@ import torch
 from zero_bnb.format import durable
 
 
+#: The tree whose zero_bnb these tests import (for a child process).
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(durable.__file__))))
+
+
 def _payload() -> dict:
     generator = torch.Generator().manual_seed(0)
     return {"big": torch.randn(3 << 20, generator=generator),  # 12 MiB: written (and hashed) in large pieces
@@ -79,3 +83,25 @@ def test_an_error_in_a_large_write_reaches_the_caller_with_its_cause(tmp_path, e
     assert len(writes) == large > 1 and torch.serialization.get_crc32_options() == crc_before
     if isinstance(error, OSError):
         assert "no space left on device" in str(raised.value)
+
+
+def test_a_thread_still_saving_while_the_interpreter_exits_writes_its_file(tmp_path):
+    """A save a (non-daemon) thread finishes after the main thread returned, as a background checkpoint writer
+    would: the thread pool refuses new work then, so the large writes are hashed inline instead of failing."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, threading, time, torch\n"
+        "from zero_bnb.format import durable\n"
+        "def late():\n"
+        "    time.sleep(1.0)\n"
+        f"    record = durable.save_torch({{'big': torch.ones(1 << 20)}}, {str(tmp_path / 'late.pt')!r}, "
+        f"root={str(tmp_path)!r})\n"
+        "    print(record.sha256)\n"
+        "threading.Thread(target=late).start()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": _ROOT})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [durable.digest_file(str(tmp_path / "late.pt"))[1]]

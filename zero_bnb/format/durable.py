@@ -142,8 +142,12 @@ class _HashingWriter:
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        hashing = self._hasher.submit(self._update_in_pieces, view) if (
-            self._hasher is not None and view.nbytes >= _PARALLEL_HASH_BYTES) else None
+        hashing = None
+        if self._hasher is not None and view.nbytes >= _PARALLEL_HASH_BYTES:
+            try:
+                hashing = self._hasher.submit(self._update_in_pieces, view)
+            except RuntimeError:  # the interpreter is exiting (a save a thread finishes then): no new threads
+                self._hasher = None
         try:
             _event("write", self._path)
             written = self._handle.write(view)
