@@ -105,3 +105,36 @@ def test_a_thread_still_saving_while_the_interpreter_exits_writes_its_file(tmp_p
                           env={**os.environ, "PYTHONPATH": _ROOT})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == [durable.digest_file(str(tmp_path / "late.pt"))[1]]
+
+
+def test_overlapping_saves_in_threads_put_the_crc32_switch_back(tmp_path):
+    """Two threads saving at once (a background checkpoint writer beside the training thread): however their
+    starts and ends interleave, the process-wide switch ends as it was, and both files are whole."""
+    import threading
+
+    crc_before = torch.serialization.get_crc32_options()
+    started, release = threading.Barrier(2), threading.Event()
+
+    def hold(event, path):  # both saves are inside their CRC-32 block before either finishes
+        if event == "write" and not release.is_set():
+            started.wait(timeout=30)
+            release.set()
+
+    records = {}
+
+    def save(name: str) -> None:
+        records[name] = durable.save_torch(_payload(), str(tmp_path / name), root=str(tmp_path))
+
+    previous = durable.set_io_hook(hold)
+    try:
+        threads = [threading.Thread(target=save, args=(name,)) for name in ("a.pt", "b.pt")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    finally:
+        durable.set_io_hook(previous)
+    assert torch.serialization.get_crc32_options() == crc_before
+    for name, record in records.items():
+        assert (record.size, record.sha256) == durable.digest_file(str(tmp_path / name))
+    assert sorted(records) == ["a.pt", "b.pt"]

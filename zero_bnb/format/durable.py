@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -202,22 +203,35 @@ def _durable_write(path: str, root: str, fill: Callable[[_HashingWriter], None])
     return FileRecord(os.path.relpath(path, root), writer.size, writer.hash.hexdigest())
 
 
+_crc32_lock = threading.Lock()
+_crc32_users = 0
+_crc32_previous = True
+
+
 @contextmanager
 def _without_zip_crc32() -> Iterator[None]:
     """``torch.save`` inside the block computes no CRC-32 per zip record (``torch.load`` never checks it; the
-    manifest's SHA-256 covers every byte). The switch is process-wide, so a ``torch.save`` another thread runs
-    meanwhile writes no CRC-32 either; it loads all the same."""
+    manifest's SHA-256 covers every byte). The switch is process-wide: a ``torch.save`` another thread runs meanwhile
+    writes no CRC-32 either (it loads all the same); the first of overlapping blocks (threads) turns it off, the last
+    puts back what it found."""
+    global _crc32_users, _crc32_previous
     get = getattr(torch.serialization, "get_crc32_options", None)
     set_ = getattr(torch.serialization, "set_crc32_options", None)
     if get is None or set_ is None:
         yield
         return
-    previous = get()
-    set_(False)
+    with _crc32_lock:
+        if _crc32_users == 0:
+            _crc32_previous = get()
+            set_(False)
+        _crc32_users += 1
     try:
         yield
     finally:
-        set_(previous)
+        with _crc32_lock:
+            _crc32_users -= 1
+            if _crc32_users == 0:
+                set_(_crc32_previous)
 
 
 def save_torch(obj: Any, path: str, *, root: str) -> FileRecord:
