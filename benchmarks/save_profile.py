@@ -62,6 +62,31 @@ from report import machine, versions
 
 WIDTH = 4096
 VARIANTS = ("stock", "zero_bnb")
+#: With --ablate: zero_bnb's engine saving with this branch's three speed-ups undone (zip CRC-32 on, file hashing
+#: inline, bf16 rounding check and residual split as two functions), in the same processes as the others.
+ABLATED = "zero_bnb-undone"
+
+
+@contextmanager
+def undone_speedups():
+    """Undo, for the block, this branch's save speed-ups (benchmark processes only; see :data:`ABLATED`)."""
+    import zero_bnb.checkpoint.masters as cmasters
+    import zero_bnb.format.durable as durable
+    from zero_bnb.core.residual import rounds_to, split_bf16
+
+    saved = (durable._without_zip_crc32, durable._PARALLEL_HASH_BYTES, cmasters.split_rounded_bf16)
+
+    @contextmanager
+    def crc_on():
+        yield
+
+    durable._without_zip_crc32 = crc_on
+    durable._PARALLEL_HASH_BYTES = 1 << 62
+    cmasters.split_rounded_bf16 = lambda master, weight: split_bf16(master, weight) if rounds_to(master, weight) else None
+    try:
+        yield
+    finally:
+        durable._without_zip_crc32, durable._PARALLEL_HASH_BYTES, cmasters.split_rounded_bf16 = saved
 CONDITIONS = ("quiet", "disk")
 
 
@@ -232,6 +257,11 @@ def _engine(variant: str, layers: int, precision: str, world: int):
     return engine
 
 
+@contextmanager
+def _nothing():
+    yield
+
+
 def _folder_bytes(folder: str) -> int:
     return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(folder) for name in names)
 
@@ -256,7 +286,7 @@ def _disk_writer(folder: str, enabled: bool):
             os.remove(target)
 
 
-def measure(rank, world, layers, precision, rounds, conditions, workdir, result_path):
+def measure(rank, world, layers, precision, rounds, conditions, workdir, result_path, variants=VARIANTS):
     import torch.distributed as dist
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -264,8 +294,10 @@ def measure(rank, world, layers, precision, rounds, conditions, workdir, result_
     profile = PhaseProfile()
     install(profile)
     engines = {variant: _engine(variant, layers, precision, world) for variant in VARIANTS}
+    if ABLATED in variants:
+        engines[ABLATED] = engines["zero_bnb"]
     parameters = sum(p.numel() for p in engines["stock"].module.parameters())
-    for variant in VARIANTS:  # untimed: the first save of a process pays one-off costs (imports, page faults)
+    for variant in variants:  # untimed: the first save of a process pays one-off costs (imports, page faults)
         engines[variant].save_checkpoint(os.path.join(workdir, variant), tag="warmup")
     records = []
     for condition in conditions:
@@ -273,14 +305,15 @@ def measure(rank, world, layers, precision, rounds, conditions, workdir, result_
         with _disk_writer(workdir, condition == "disk" and rank == 0):
             dist.barrier()
             for round_index in range(rounds):
-                order = VARIANTS if round_index % 2 == 0 else VARIANTS[::-1]
+                shift = round_index % len(variants)  # rotating order: 1 2 3, 2 3 1, 3 1 2
+                order = variants[shift:] + variants[:shift]
                 for variant in order:
                     folder = os.path.join(workdir, variant)
                     tag = f"r{round_index}-{condition}"
                     dist.barrier()
                     if rank == 0:
                         for name in os.listdir(workdir):
-                            if name in VARIANTS:
+                            if name in variants:
                                 shutil.rmtree(os.path.join(workdir, name))
                         os.sync()
                     dist.barrier()
@@ -288,7 +321,7 @@ def measure(rank, world, layers, precision, rounds, conditions, workdir, result_
                     profile.reset()
                     profile.active = True
                     start, start_cpu = time.perf_counter(), time.process_time()
-                    with profile.phase("other"):
+                    with profile.phase("other"), (undone_speedups() if variant == ABLATED else _nothing()):
                         engines[variant].save_checkpoint(folder, tag=tag)
                         dist.barrier()
                     wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
@@ -353,12 +386,23 @@ def _markdown(report: dict) -> str:
                      f"{min(loads):.1f}-{max(loads):.1f} | {s['wall_s']:.2f} | {s['cpu_s']:.2f} | {z['wall_s']:.2f} | "
                      f"{z['cpu_s']:.2f} | {z['fsync_wall_s']:.2f} | {z['wall_minus_fsync_s']:.2f} | "
                      f"{z['wall_minus_fsync_s'] / s['wall_s']:.2f}x | {s['bytes'] / 1e6:.0f} / {z['bytes'] / 1e6:.0f} |")
-    names = sorted({name for row in report["results"] for v in VARIANTS for name in row[v]["phases"]})
+    variants = report["settings"].get("variants", VARIANTS)
+    if ABLATED in variants:
+        lines += ["", f"`{ABLATED}`: the same zero_bnb engine, saving with this branch's speed-ups undone, in the same "
+                  "rounds (rotating order).", "",
+                  "| params | DP | precision | condition | undone wall | undone CPU | undone - fsync | / stock | "
+                  "zero_bnb CPU / undone CPU |", "|---|---|---|---|---|---|---|---|---|"]
+        for row in report["results"]:
+            s, z, u = row["stock"], row["zero_bnb"], row[ABLATED]
+            lines.append(f"| {row['parameters'] / 1e6:.0f}M | {row['dp']} | {row['precision']} | {row['condition']} | "
+                         f"{u['wall_s']:.2f} | {u['cpu_s']:.2f} | {u['wall_minus_fsync_s']:.2f} | "
+                         f"{u['wall_minus_fsync_s'] / s['wall_s']:.2f}x | {z['cpu_s'] / u['cpu_s']:.2f} |")
+    names = sorted({name for row in report["results"] for v in variants for name in row[v]["phases"]})
     lines += ["", "zero_bnb's save by phase (wall s / CPU s, mean over ranks, median over rounds); stock's beside it.", ""]
     header = "| params | DP | precision | condition | variant | " + " | ".join(names) + " | threads |"
     lines += [header, "|" + "---|" * (header.count("|") - 1)]
     for row in report["results"]:
-        for variant in VARIANTS:
+        for variant in variants:
             p = row[variant]["phases"]
             cells = [f"{p[n]['wall_s']:.2f} / {p[n]['cpu_s']:.2f}" if n in p else "" for n in names]
             threads = ", ".join(f"{k} {v:.2f}" for k, v in row[variant]["threads"].items())
@@ -404,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure these instead of every combination of --layers, --dp and --precision")
     parser.add_argument("--conditions", nargs="+", choices=CONDITIONS, default=list(CONDITIONS))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ablate", action="store_true",
+                        help=f"also save zero_bnb's engine with this branch's speed-ups undone ({ABLATED!r})")
     parser.add_argument("--workdir", default=None, help="where checkpoints go (default: a new folder in /tmp)")
     parser.add_argument("--name", default="save_profile")
     parser.add_argument("--label", default="", help="what code this run measured (recorded in the report)")
@@ -413,13 +459,16 @@ def main(argv: list[str] | None = None) -> int:
 
     configs = [(int(c.split(":")[0]), int(c.split(":")[1]), c.split(":")[2]) for c in args.configs] if args.configs \
         else [(layers, dp, precision) for layers in args.layers for dp in args.dp for precision in args.precision]
+    variants = (*VARIANTS, ABLATED) if args.ablate else VARIANTS
+    args.variants = variants
     rows = []
     for layers, dp, precision in configs:
         workdir = tempfile.mkdtemp(prefix="zero_bnb_save_profile_", dir=args.workdir)
         try:
             print(f"{layers} layers, DP={dp}, {precision}", flush=True)
             result_path = os.path.join(workdir, "result.json")
-            run_distributed(measure, dp, layers, precision, args.rounds, args.conditions, workdir, result_path)
+            run_distributed(measure, dp, layers, precision, args.rounds, args.conditions, workdir, result_path,
+                            variants)
             with open(result_path) as handle:
                 raw = json.load(handle)
         finally:
@@ -427,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         for condition in args.conditions:
             records = [r for r in raw["records"] if r["condition"] == condition]
             rows.append({"parameters": raw["parameters"], "layers": layers, "dp": dp, "precision": precision,
-                         "condition": condition, **{v: _summary(records, v) for v in VARIANTS},
+                         "condition": condition, **{v: _summary(records, v) for v in variants},
                          "raw": records})
     report = {"benchmark": "checkpoint save by phase: stock DeepSpeed + Adam8bit vs zero_bnb + Adam8bit, ZeRO-1",
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
