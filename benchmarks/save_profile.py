@@ -62,8 +62,8 @@ from report import machine, versions
 
 WIDTH = 4096
 VARIANTS = ("stock", "zero_bnb")
-#: With --ablate: zero_bnb's engine saving with this branch's three speed-ups undone (zip CRC-32 on, file hashing
-#: inline, bf16 rounding check and residual split as two functions), in the same processes as the others.
+#: With --ablate: zero_bnb's engine saving with this branch's speed-ups undone (zip CRC-32 on, file hashing inline,
+#: bf16 rounding check and residual split as two functions, module pieces hashed after them), in the same processes.
 ABLATED = "zero_bnb-undone"
 
 
@@ -74,7 +74,8 @@ def undone_speedups():
     import zero_bnb.format.durable as durable
     from zero_bnb.core.residual import rounds_to, split_bf16
 
-    saved = (durable._without_zip_crc32, durable._PARALLEL_HASH_BYTES, cmasters.split_rounded_bf16)
+    saved = (durable._without_zip_crc32, durable._PARALLEL_HASH_BYTES, cmasters.split_rounded_bf16,
+             getattr(cmasters, "_HASH_BESIDE_SPLIT", False))
 
     @contextmanager
     def crc_on():
@@ -82,11 +83,13 @@ def undone_speedups():
 
     durable._without_zip_crc32 = crc_on
     durable._PARALLEL_HASH_BYTES = 1 << 62
+    cmasters._HASH_BESIDE_SPLIT = False
     cmasters.split_rounded_bf16 = lambda master, weight: split_bf16(master, weight) if rounds_to(master, weight) else None
     try:
         yield
     finally:
-        durable._without_zip_crc32, durable._PARALLEL_HASH_BYTES, cmasters.split_rounded_bf16 = saved
+        (durable._without_zip_crc32, durable._PARALLEL_HASH_BYTES, cmasters.split_rounded_bf16,
+         cmasters._HASH_BESIDE_SPLIT) = saved
 CONDITIONS = ("quiet", "disk")
 
 
