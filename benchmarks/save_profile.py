@@ -5,6 +5,7 @@ Reproduce (CPU, from the repository root, after ``bash scripts/setup.sh``):
     PYTHONPATH=$PWD python benchmarks/save_profile.py                       # 67M and 151M, DP 1 and 2, fp32 and bf16
     PYTHONPATH=$PWD python benchmarks/save_profile.py --layers 4 --dp 1 --precision bf16 --rounds 3 --name quick
     python benchmarks/save_profile.py --compare before.json after.json   # a table of several reports, side by side
+    PYTHONPATH=$PWD python benchmarks/save_profile.py --configs 4:1:bf16 --conditions quiet --ablate   # + speed-ups undone
 
 For each model size (an MLP of ``--layers`` 4096x4096 linear layers: 4 -> 67M parameters, 9 -> 151M), DP size
 (1: one process; 2: two gloo processes through ``zero_bnb.testing.launch.run_distributed``) and precision, every
