@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_bnb.core.residual import CHUNK, join_bf16, rounds_to, split_bf16
+from zero_bnb.core.residual import CHUNK, join_bf16, rounds_to, split_bf16, split_rounded_bf16
 from zero_bnb.errors import CheckpointFormatError
 from zero_bnb.format.manifest import ParamEntry
 from zero_bnb.format.masters import (FULL, MODULE, MODULE_LOW16, casts_like_masters, check_module, derive,
@@ -118,6 +118,46 @@ def test_chunk_boundaries_change_nothing():
     late = master.to(torch.bfloat16)
     late[n - 1] = late[n - 2] if late[n - 2] != late[n - 1] else -late[n - 1]
     assert not rounds_to(master, late)
+
+
+def _same_residual(a, b) -> bool:
+    return (torch.equal(a.low, b.low) and torch.equal(a.index, b.index)
+            and torch.equal(a.value.view(torch.int32), b.value.view(torch.int32)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_PATTERNS, min_size=0, max_size=64), st.lists(st.integers(0, 63), max_size=3))
+def test_split_rounded_is_split_when_the_weight_is_the_rounding_and_none_when_it_is_not(bits, wrong):
+    """The one-pass split gives split_bf16's residual for every bit pattern (ties, NaN, Inf, overflow) whose weight
+    is its rounding, and None as soon as one weight is not, as rounds_to says."""
+    master = _floats(bits)
+    weight = master.to(torch.bfloat16)
+    assert _same_residual(split_rounded_bf16(master, weight), split_bf16(master, weight))
+    for at in (i for i in wrong if i < len(bits)):
+        weight.view(torch.int16)[at] ^= 1
+    fused = split_rounded_bf16(master, weight)
+    assert (fused is None) == (not rounds_to(master, weight))
+    if fused is not None:
+        assert _same_residual(fused, split_bf16(master, weight))
+
+
+def test_split_rounded_finds_the_exceptions_of_every_chunk():
+    """Ties that carried in every chunk (found among the ties), NaN in one chunk (compared whole, its ties not
+    counted twice), and a sum that overflows without any NaN: the residual of split_bf16, indices increasing."""
+    n = 3 * CHUNK + 77
+    torch.manual_seed(2)
+    master = torch.randn(n) * 0.02
+    bits = master.view(torch.int32)
+    bits[::5003] = (bits[::5003] & ~0xFFFF) | 0x8000
+    master[CHUNK + 3] = float("nan")
+    master[2 * CHUNK : 2 * CHUNK + 4] = 3e38  # finite, but their sum is not
+    weight = master.to(torch.bfloat16)
+    fused = split_rounded_bf16(master, weight)
+    assert _same_residual(fused, split_bf16(master, weight))
+    assert fused.index.numel() > 10 and fused.index.tolist() == sorted(set(fused.index.tolist()))
+    assert torch.equal(join_bf16(weight, fused).view(torch.int32), bits)
+    weight[n - 1] = weight[n - 1] * 2 + 1  # the last, partial chunk
+    assert split_rounded_bf16(master, weight) is None
 
 
 def _group():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from zero_bnb.checkpoint.partitioned import PartitionedOptimizer
-from zero_bnb.core.residual import rounds_to
-from zero_bnb.format.masters import FULL, MODULE, MODULE_LOW16, DerivedMasters, derive, module_slice
+from zero_bnb.core.residual import rounds_to, split_rounded_bf16
+from zero_bnb.format.masters import FULL, MODULE, MODULE_LOW16, DerivedMasters, derive, module_slice, piece_digests
 
 __all__ = ["MasterPlan", "decide_masters", "master_candidates", "plan_masters", "stage_module_slices"]
 
@@ -29,6 +30,8 @@ logger = logging.getLogger(__name__)
 _STORAGE_BY_DTYPE = {torch.float32: MODULE, torch.bfloat16: MODULE_LOW16}
 #: Exceptions (12 bytes each) beyond one in this many elements cost more than storing the masters whole.
 _MAX_EXCEPTION_RATIO = 6
+#: Hash the module-weight pieces on a helper thread beside the rounding check and split (off: in turn, after them).
+_HASH_BESIDE_SPLIT = True
 _NOT_ROUNDING = ("its module weights are not its master weights rounded to their dtype (weights loaded or changed "
                  "after the last optimizer step?)")
 
@@ -68,11 +71,32 @@ def _inputs(optimizer: PartitionedOptimizer, index: int, weights: Mapping[str, t
 
 def _derive_local(optimizer: PartitionedOptimizer, index: int, names: dict, storage: str, master: torch.Tensor,
                   weight: torch.Tensor) -> tuple[DerivedMasters | None, int, str]:
-    """This rank's derived part of group ``index`` (``None`` and why when its weights are not the rounded masters)."""
-    if not rounds_to(master, weight):
-        return None, 0, _NOT_ROUNDING
+    """This rank's derived part of group ``index`` (``None`` and why when its weights are not the rounded masters).
+
+    The module-weight pieces are hashed on a helper thread while this one checks the rounding and splits the
+    residual (both outside the GIL): on a free core the hashing costs no time.
+    """
     start, end = optimizer.geometry(index).element_ranges()[optimizer.dp_rank]
-    derived = derive(storage, master, weight, optimizer.param_entries(index, names), start, end)
+    params = optimizer.param_entries(index, names)
+    # A pool per call: one kept between saves would not survive a fork; at interpreter exit it refuses work.
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            digests = pool.submit(piece_digests, params, weight, start, end) if _HASH_BESIDE_SPLIT else None
+        except RuntimeError:
+            digests = None
+        residual = None
+        if storage == MODULE_LOW16:  # the rounding checked and the residual made in one pass
+            residual = split_rounded_bf16(master, weight) if master.dtype == torch.float32 and \
+                weight.dtype == torch.bfloat16 and master.shape == weight.shape else None
+            rounding = residual is not None
+        else:
+            rounding = rounds_to(master, weight)
+        if not rounding:
+            if digests is not None:
+                digests.cancel()
+            return None, 0, _NOT_ROUNDING
+        derived = derive(storage, master, weight, params, start, end, residual=residual,
+                         digests=None if digests is None else digests.result())
     return derived, 0 if derived.residual is None else derived.residual.index.numel(), ""
 
 

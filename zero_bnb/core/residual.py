@@ -19,13 +19,16 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+import numpy
 import torch
 
-__all__ = ["CHUNK", "Residual", "join_bf16", "rounds_to", "split_bf16"]
+__all__ = ["CHUNK", "Residual", "join_bf16", "rounds_to", "split_bf16", "split_rounded_bf16"]
 
 #: Elements processed at once (the temporaries stay in the cache).
 CHUNK = 1 << 18
 _HALF = 0x8000
+#: ``0x8000`` as an int16: the bottom half of a tie, the one element whose carry :func:`join_bf16` cannot tell.
+_TIE = _HALF - 0x10000
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +93,44 @@ def split_bf16(master: torch.Tensor, weight: torch.Tensor) -> Residual:
         if wrong.any():
             index_parts.append(torch.nonzero(wrong).flatten().add_(start))
     index = torch.cat(index_parts)
+    return Residual(low, index, bits[index].view(torch.float32))
+
+
+def split_rounded_bf16(master: torch.Tensor, weight: torch.Tensor) -> Residual | None:
+    """:func:`split_bf16` of a ``weight`` checked, in the same pass, to be ``master``'s rounding: ``None`` where it
+    is not (:func:`rounds_to` false), else the same :class:`Residual` as :func:`split_bf16`, for about a third of
+    the work of both.
+
+    Where the weight is the master's rounding, ``join_bf16`` rebuilds every element exactly except a tie (bottom
+    half ``0x8000``) that carried, and a NaN (the rounding makes it canonical). So per chunk one cast and one
+    comparison check the rounding and a sum that is finite rules out NaN; then only the ties are joined and
+    compared. A chunk whose sum is not finite (NaN, Inf, or finite values overflowing) is compared element by
+    element, as :func:`split_bf16` does.
+    """
+    _check(master, weight)
+    values = master.contiguous()
+    bits = values.view(torch.int32)
+    weight_bits = weight.contiguous().view(torch.int16)
+    low = torch.from_numpy(bits.numpy().astype(numpy.int16))  # the bottom halves: int32 -> int16 wraps
+    rounded = torch.empty(min(CHUNK, bits.numel()), dtype=torch.bfloat16)
+    index_parts, irregular = [torch.empty(0, dtype=torch.int64)], []
+    for start in range(0, bits.numel(), CHUNK):
+        chunk = values[start : start + CHUNK]
+        end = start + chunk.numel()
+        if not torch.equal(rounded[: chunk.numel()].copy_(chunk).view(torch.int16), weight_bits[start:end]):
+            return None
+        if not bool(torch.isfinite(chunk.sum())):
+            irregular.append(start // CHUNK)
+            join = _join_chunk(torch.empty(chunk.numel(), dtype=torch.int32), weight_bits[start:end], low[start:end],
+                               torch.empty(chunk.numel(), dtype=torch.int32))
+            index_parts.append(torch.nonzero(join != bits[start:end]).flatten().add_(start))
+    ties = torch.from_numpy(numpy.flatnonzero(low.numpy() == _TIE)).to(torch.int64)
+    if irregular:  # those chunks were compared whole
+        ties = ties[~torch.isin(ties // CHUNK, torch.tensor(irregular, dtype=torch.int64))]
+    join = _join_chunk(torch.empty(ties.numel(), dtype=torch.int32), weight_bits[ties], low[ties],
+                       torch.empty(ties.numel(), dtype=torch.int32))
+    index_parts.append(ties[join != bits[ties]])
+    index = torch.cat(index_parts).sort().values
     return Residual(low, index, bits[index].view(torch.float32))
 
 

@@ -29,7 +29,7 @@ from zero_bnb.core.residual import Residual, join_bf16, split_bf16
 from zero_bnb.errors import CheckpointFormatError
 
 __all__ = ["FULL", "MODULE", "MODULE_BYTES", "MODULE_LOW16", "SHARD_BYTES", "STORAGES", "DerivedMasters", "casts_like_masters",
-           "check_module", "derive", "derived_problems", "module_dtype", "module_slice", "piece_digest", "rebuild",
+           "check_module", "derive", "derived_problems", "module_dtype", "module_slice", "piece_digest", "piece_digests", "rebuild",
            "rebuild_into"]
 
 FULL = "fp32"
@@ -125,13 +125,24 @@ def _span(pieces: list[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((offset - first.storage_offset(),), (1,))
 
 
-def derive(storage: str, master: torch.Tensor, weight: torch.Tensor, params, start: int, end: int) -> DerivedMasters:
+def piece_digests(params, weight: torch.Tensor, start: int, end: int) -> dict[str, str]:
+    """:func:`piece_digest` of each parameter's piece of ``weight`` (:func:`module_slice` of the range ``[start, end)``),
+    by name: what a derived shard group records."""
+    return {p.name: piece_digest(weight[lo - start : hi - start]) for p, lo, hi in _overlaps(params, start, end)}
+
+
+def derive(storage: str, master: torch.Tensor, weight: torch.Tensor, params, start: int, end: int, *,
+           residual: Residual | None = None, digests: Mapping[str, str] | None = None) -> DerivedMasters:
     """What a shard stores for the masters ``master`` (1-D fp32, CPU, the range ``[start, end)``) of a group
     stored as ``storage`` (:data:`MODULE` or :data:`MODULE_LOW16`), beside its module weights ``weight``
     (:func:`module_slice` of them: each parameter's piece is hashed from it, no second copy). The caller has
-    checked that the weights are the masters' rounding (``core.residual.rounds_to``)."""
-    digests = {p.name: piece_digest(weight[lo - start : hi - start]) for p, lo, hi in _overlaps(params, start, end)}
-    return DerivedMasters(digests, None if storage == MODULE else split_bf16(master, weight))
+    checked that the weights are the masters' rounding (``core.residual.rounds_to``), and may pass what it made
+    meanwhile: the :data:`MODULE_LOW16` ``residual`` (``core.residual.split_rounded_bf16``) and the
+    :func:`piece_digests`; what it does not pass is made here."""
+    digests = piece_digests(params, weight, start, end) if digests is None else dict(digests)
+    if storage == MODULE:
+        return DerivedMasters(digests)
+    return DerivedMasters(digests, split_bf16(master, weight) if residual is None else residual)
 
 
 def check_module(storage: str, derived: DerivedMasters, params, module: Mapping[str, Any], start: int, end: int, *,

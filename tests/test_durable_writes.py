@@ -1,0 +1,140 @@
+"""format/durable.py's writers: one-pass SHA-256 (large writes hashed on a helper thread), no zip CRC-32, errors kept."""
+
+from __future__ import annotations
+
+import os
+import zipfile
+
+import pytest
+import torch
+
+from zero_bnb.format import durable
+
+
+#: The tree whose zero_bnb these tests import (for a child process).
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(durable.__file__))))
+
+
+def _payload() -> dict:
+    generator = torch.Generator().manual_seed(0)
+    return {"big": torch.randn(3 << 20, generator=generator),  # 12 MiB: written (and hashed) in large pieces
+            "small": torch.arange(7, dtype=torch.int16), "text": "x" * 100, "groups": [{"lr": 0.1}]}
+
+
+def test_a_saved_file_has_the_sha256_and_size_of_its_bytes_and_loads_without_crc32(tmp_path):
+    payload = _payload()
+    crc_before = torch.serialization.get_crc32_options()
+    record = durable.save_torch(payload, str(tmp_path / "a.pt"), root=str(tmp_path))
+    assert torch.serialization.get_crc32_options() == crc_before  # the process-wide switch is put back
+    assert (record.path, (record.size, record.sha256)) == ("a.pt", durable.digest_file(str(tmp_path / "a.pt")))
+    assert record.size == os.path.getsize(tmp_path / "a.pt")
+    with zipfile.ZipFile(tmp_path / "a.pt") as archive:  # the zip's CRC-32 fields are left empty ...
+        assert {info.CRC for info in archive.infolist()} == {0}
+    for mmap in (False, True):  # ... and torch.load, which never checks them, reads the file all the same
+        loaded = torch.load(tmp_path / "a.pt", weights_only=True, mmap=mmap)
+        assert torch.equal(loaded["big"], payload["big"]) and torch.equal(loaded["small"], payload["small"])
+        assert loaded["text"] == payload["text"] and loaded["groups"] == payload["groups"]
+
+
+def test_copies_hashed_on_the_helper_thread_match_a_second_reading(tmp_path):
+    source = tmp_path / "source.bin"
+    source.write_bytes(os.urandom(5 * (1 << 20) + 123))  # whole 1 MiB chunks (threaded) and a short tail (inline)
+    record = durable.copy_file(str(source), str(tmp_path / "copy.bin"), root=str(tmp_path))
+    assert (record.size, record.sha256) == durable.digest_file(str(source))
+    assert (tmp_path / "copy.bin").read_bytes() == source.read_bytes()
+
+
+def _first_large_write(payload: dict) -> int:
+    """1-based number of the first write of ``torch.save(payload)`` that is hashed on the helper thread."""
+    sizes = []
+
+    class Counting:
+        def write(self, data) -> int:
+            sizes.append(memoryview(data).nbytes)
+            return sizes[-1]
+
+        def flush(self) -> None:
+            pass
+
+    torch.save(payload, Counting())
+    return next(n for n, size in enumerate(sizes, 1) if size >= durable._PARALLEL_HASH_BYTES)
+
+
+@pytest.mark.parametrize("error", [OSError(28, "injected: no space left on device"), KeyboardInterrupt()])
+def test_an_error_in_a_large_write_reaches_the_caller_with_its_cause(tmp_path, error):
+    """The hook fails the first large write (its hash already runs on the helper thread, and is waited for); the
+    caller gets that error, not torch's generic one, and the CRC-32 switch is put back."""
+    large = _first_large_write(_payload())
+    writes = []
+
+    def fail(event, path):
+        if event == "write":
+            writes.append(path)
+            if len(writes) == large:
+                raise error
+
+    crc_before = torch.serialization.get_crc32_options()
+    previous = durable.set_io_hook(fail)
+    try:
+        with pytest.raises(type(error)) as raised:
+            durable.save_torch(_payload(), str(tmp_path / "b.pt"), root=str(tmp_path))
+    finally:
+        durable.set_io_hook(previous)
+    assert len(writes) == large > 1 and torch.serialization.get_crc32_options() == crc_before
+    if isinstance(error, OSError):
+        assert "no space left on device" in str(raised.value)
+
+
+def test_a_thread_still_saving_while_the_interpreter_exits_writes_its_file(tmp_path):
+    """A save a (non-daemon) thread finishes after the main thread returned, as a background checkpoint writer
+    would: the thread pool refuses new work then, so the large writes are hashed inline instead of failing."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, threading, time, torch\n"
+        "from zero_bnb.format import durable\n"
+        "def late():\n"
+        "    time.sleep(1.0)\n"
+        f"    record = durable.save_torch({{'big': torch.ones(1 << 20)}}, {str(tmp_path / 'late.pt')!r}, "
+        f"root={str(tmp_path)!r})\n"
+        "    print(record.sha256)\n"
+        "threading.Thread(target=late).start()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": _ROOT})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [durable.digest_file(str(tmp_path / "late.pt"))[1]]
+
+
+def test_overlapping_saves_in_threads_put_the_crc32_switch_back(tmp_path):
+    """Two threads saving at once (a background checkpoint writer beside the training thread): however their
+    starts and ends interleave, the process-wide switch ends as it was, and both files are whole."""
+    import threading
+
+    crc_before = torch.serialization.get_crc32_options()
+    started, release = threading.Barrier(2), threading.Event()
+
+    def hold(event, path):  # both saves are inside their CRC-32 block before either finishes
+        if event == "write" and not release.is_set():
+            started.wait(timeout=30)
+            release.set()
+
+    records = {}
+
+    def save(name: str) -> None:
+        records[name] = durable.save_torch(_payload(), str(tmp_path / name), root=str(tmp_path))
+
+    previous = durable.set_io_hook(hold)
+    try:
+        threads = [threading.Thread(target=save, args=(name,)) for name in ("a.pt", "b.pt")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    finally:
+        durable.set_io_hook(previous)
+    assert torch.serialization.get_crc32_options() == crc_before
+    for name, record in records.items():
+        assert (record.size, record.sha256) == durable.digest_file(str(tmp_path / name))
+    assert sorted(records) == ["a.pt", "b.pt"]
