@@ -138,3 +138,15 @@ def test_overlapping_saves_in_threads_put_the_crc32_switch_back(tmp_path):
     for name, record in records.items():
         assert (record.size, record.sha256) == durable.digest_file(str(tmp_path / name))
     assert sorted(records) == ["a.pt", "b.pt"]
+
+
+def test_a_background_writer_keeps_the_zip_crc32_and_leaves_the_switch_alone(tmp_path):
+    """An asynchronous save's writer runs beside the user's code, whose own torch.save must keep its CRC-32."""
+    with durable.keeping_zip_crc32():
+        durable.save_torch({"w": torch.arange(4096.0)}, str(tmp_path / "kept.pt"), root=str(tmp_path))
+        assert torch.serialization.get_crc32_options() is True  # never switched off meanwhile
+    with zipfile.ZipFile(tmp_path / "kept.pt") as archive:
+        assert archive.testzip() is None  # every record's CRC-32 present and right
+    durable.save_torch({"w": torch.arange(4096.0)}, str(tmp_path / "plain.pt"), root=str(tmp_path))
+    with zipfile.ZipFile(tmp_path / "plain.pt") as archive:
+        assert archive.testzip() is not None  # outside the block: left empty, as a synchronous save writes

@@ -41,6 +41,7 @@ import torch
 from zero_bnb.format.lock import try_flock
 
 __all__ = [
+    "keeping_zip_crc32",
     "TEMP_SUFFIX",
     "FileRecord",
     "IoHook",
@@ -206,6 +207,20 @@ def _durable_write(path: str, root: str, fill: Callable[[_HashingWriter], None])
 _crc32_lock = threading.Lock()
 _crc32_users = 0
 _crc32_previous = True
+_crc32_kept = threading.local()
+
+
+@contextmanager
+def keeping_zip_crc32() -> Iterator[None]:
+    """``save_torch`` calls of this thread inside the block leave torch's CRC-32 switch alone: a background writer
+    (asynchronous saves) runs while the user's own code may ``torch.save`` files zero_bnb does not own, which must be
+    written as torch writes them."""
+    previous = getattr(_crc32_kept, "on", False)
+    _crc32_kept.on = True
+    try:
+        yield
+    finally:
+        _crc32_kept.on = previous
 
 
 @contextmanager
@@ -217,7 +232,7 @@ def _without_zip_crc32() -> Iterator[None]:
     global _crc32_users, _crc32_previous
     get = getattr(torch.serialization, "get_crc32_options", None)
     set_ = getattr(torch.serialization, "set_crc32_options", None)
-    if get is None or set_ is None:
+    if get is None or set_ is None or getattr(_crc32_kept, "on", False):
         yield
         return
     with _crc32_lock:
