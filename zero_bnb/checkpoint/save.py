@@ -38,14 +38,21 @@ __all__ = ["LocalPayload", "Stage", "build_manifest", "copy_to_cpu", "manifest_d
            "write_local_files"]
 
 
-#: How a save copies a tensor it will write out of training's reach: into a fresh CPU tensor (a synchronous save),
-#: or into a reused staging buffer (:meth:`zero_bnb.checkpoint.staging.StagingPool.tensor`, an asynchronous one).
+#: How a save takes a tensor it will write: as a compact CPU tensor written before training goes on (a synchronous
+#: save), or copied into a reused staging buffer (:meth:`zero_bnb.checkpoint.staging.StagingPool.tensor`, an
+#: asynchronous one).
 Stage = Callable[[torch.Tensor], torch.Tensor]
 
 
 def copy_to_cpu(value: torch.Tensor) -> torch.Tensor:
-    """A compact CPU copy of ``value`` (the :data:`Stage` of a synchronous save)."""
-    return value.detach().to("cpu", copy=True).contiguous()
+    """``value`` as a compact CPU tensor (the :data:`Stage` of a synchronous save, which writes it before training
+    goes on): itself where it is a CPU tensor filling its own storage (``torch.save`` would write nothing more),
+    else a copy."""
+    value = value.detach()
+    if (value.device.type == "cpu" and value.is_contiguous() and value.storage_offset() == 0
+            and value.untyped_storage().nbytes() == value.numel() * value.element_size()):
+        return value
+    return value.to("cpu", copy=True).contiguous()
 
 
 def _hyperparameters(optimizer: PartitionedOptimizer, group_index: int) -> dict[str, Any]:
