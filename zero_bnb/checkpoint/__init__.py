@@ -1,10 +1,12 @@
 """The save and load protocol: staged atomic commit (``commit``), writing an optimizer's partitions
-(``save``), opening, planning and applying a load at any DP size (``load``, ``restore``), DeepSpeed's model file checked before a load applies it (``model_file``), checks
-before saving (``state_checks``), agreement across ranks (``collective``), module weights derived
-from master weights (``derived``) and how a save stores the masters (``masters``), batch geometry (``batch``), regrouping by parameter name
-(``regroup``), what a load did to state it could not copy as saved, in words (``precision``), stock DeepSpeed checkpoints read into zero_bnb's layout (``stock_import``), whole
-groups in memory (``whole``), what the protocol needs from an optimizer wrapper (``partitioned``)
-and the ``zero_to_fp32.py`` script written beside checkpoints (``recovery_script``).
+(``save``), asynchronous saves' host staging (``staging``) and background writer (``background``), opening,
+planning and applying a load at any DP size (``load``, ``restore``), DeepSpeed's model file checked before a load
+applies it (``model_file``), checks before saving (``state_checks``), agreement across ranks (``collective``),
+module weights derived from master weights (``derived``) and how a save stores the masters (``masters``), batch
+geometry (``batch``), regrouping by parameter name (``regroup``), what a load did to state it could not copy as
+saved, in words (``precision``), stock DeepSpeed checkpoints read into zero_bnb's layout (``stock_import``), whole
+groups in memory (``whole``), what the protocol needs from an optimizer wrapper (``partitioned``) and the
+``zero_to_fp32.py`` script written beside checkpoints (``recovery_script``).
 
 May import: torch (and torch.distributed), ``zero_bnb.errors``, ``zero_bnb.versions``,
 ``zero_bnb.core``, ``zero_bnb.format``. Never DeepSpeed: it reaches the optimizer wrapper through
