@@ -1,11 +1,17 @@
-"""Asynchronous saves (``zero_checkpoint_async``, issue 35): one real DP=2 launch (tests/async_scenarios.py)."""
+"""Asynchronous saves (``zero_checkpoint_async``, issue 35): two real DP=2 launches (tests/async_scenarios.py, the
+break-it probe tests/async_probe_scenarios.py) and two real ``torchrun`` scripts (tests/async_torchrun_scenarios.py)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
 import torch
+from async_probe_scenarios import CASES, probe
 from async_scenarios import asynchronous
 from scenarios import result
 
@@ -13,7 +19,11 @@ from zero_bnb.checkpoint import background
 from zero_bnb.checkpoint.background import BackgroundSaver, after_pending_saves
 from zero_bnb.core.config import ZeroBnbConfigError, split_config
 from zero_bnb.errors import CheckpointSaveError
+import zero_bnb
+import zero_bnb.testing.launch as launch
 from zero_bnb.testing.launch import run_distributed
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +151,133 @@ def test_a_front_doors_deletion_waits_for_the_commit_and_is_dropped_if_the_save_
         after_pending_saves(lambda: deleted.append("now"), "the test's deletion")  # nothing pending: at once
         assert deleted[-1] == "now"
         background._SAVERS.discard(saver)
+
+
+def test_a_front_doors_deletion_is_dropped_when_the_save_failed_before_it_asked():
+    # Trainer asks for its rotation after save_checkpoint returned and its own files are written; a background
+    # save that failed quickly (a full disk at the first file) has finished by then, its error not raised yet.
+    deleted = []
+    saver = BackgroundSaver()
+    background._SAVERS.add(saver)
+    try:
+        saver.start("T", lambda: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+        saver._thread.join()  # finished, failed; the error waits for the next call
+        after_pending_saves(lambda: deleted.append("old"), "the test's deletion")
+        assert deleted == []  # the older checkpoint is the newest complete one: kept
+        with pytest.raises(CheckpointSaveError, match="No space left on device"):
+            saver.wait()
+    finally:
+        background._SAVERS.discard(saver)
+
+
+# -- the break-it probe: one DP=2 launch (tests/async_probe_scenarios.py) ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("async_probe")
+    run_distributed(probe, 2, str(workdir))
+    return torch.load(workdir / "async_probe.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_nothing_done_after_the_call_leaks_at_stage_2_3_with_offload_and_bf16_optimizer(probed, case):
+    assert result(probed, f"pending:{case}") is True
+    assert result(probed[:1], f"differences:{case}") == []  # masters, 8-bit state, absmax, counters
+    assert result(probed, f"scheduler:{case}") is True  # the LR scheduler's state at the call
+    assert result(probed, f"client:{case}") == ({"seen": [1, 2]}, [0.0, 1.0, 2.0, 3.0], 2)
+    assert result(probed, f"verify:{case}") is None
+
+
+def test_a_second_engine_saving_into_the_same_folder_waits_for_the_pending_save(probed):
+    # It failed with "another job is writing into ...: .zero_bnb.lock is held by ... pid <this process>"
+    assert result(probed, "second_engine_pending") is True
+    assert result(probed, "second_engine_save") is None
+    assert result(probed, "first_engine_wait") is None
+    assert result(probed, "two_engines_listing") == (["first", "latest", "second", "zero_to_fp32.py"], "second")
+
+
+@pytest.mark.parametrize("label", ["mid", "below_rank1"])
+def test_a_staging_limit_the_ranks_hit_at_different_points_keeps_the_state_at_the_call(probed, label):
+    staged = result(probed, "unbounded_staged")
+    assert staged[0] > staged[1] > 0, staged  # rank 0 stages DeepSpeed's model file too
+    assert result(probed, f"limit_save:{label}") is None and result(probed, f"limit_wait:{label}") is None
+    assert result(probed[:1], f"limit_differences:{label}") == []
+    for rank in (0, 1):
+        assert probed[rank][f"limit_held:{label}:{rank}"] is True, rank
+
+
+def test_the_save_folder_removed_while_the_writer_runs_fails_that_save_only(probed):
+    assert result(probed, "removed_save") is None
+    message = result(probed, "removed_wait")
+    assert message.startswith("CheckpointSaveError: saving checkpoint 'during'") and "unchanged" in message, message
+    assert result(probed, "removed_exists") is False
+    assert result(probed, "removed_again") is None
+    assert result(probed, "removed_listing") == (["after", "latest", "zero_to_fp32.py"], "after")
+
+
+def test_an_exception_in_a_step_while_a_save_is_pending_does_not_touch_the_save(probed):
+    assert result(probed, "raising_step").startswith("RuntimeError: mat1 and mat2 shapes cannot be multiplied")
+    assert result(probed, "raising_train_after") is None and result(probed, "raising_wait") is None
+    assert result(probed[:1], "raising_differences") == []
+
+
+def test_the_same_tag_twice_holds_the_second_state_and_destroy_twice_is_harmless(probed):
+    assert result(probed, "twice_listing") == (["X", "latest", "zero_to_fp32.py"], "X")
+    assert result(probed[:1], "twice_differences") == []
+    assert result(probed, "destroy_first") is None and result(probed, "destroy_second") is None
+    assert result(probed, "destroyed_verify") is None
+
+
+# -- real torchrun scripts: a script that ends with a save pending; ranks that disagree on the switch ---------------
+
+
+@pytest.fixture(scope="module")
+def torchrun(tmp_path_factory):
+    """Both scripts at once (``python -m torch.distributed.run --standalone``, 2 ranks each); per scenario its return
+    code, output tail, folder and each rank's JSON."""
+    runs = {}
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(launch.child_environment_for("cpu"),
+               PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH")])))
+    for scenario in ("exit", "mixed"):
+        folder = tmp_path_factory.mktemp(f"async_{scenario}")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+             os.path.join(HERE, "async_torchrun_scenarios.py"), scenario, str(folder)],
+            env=env, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        runs[scenario] = (process, folder)
+    done = {}
+    for scenario, (process, folder) in runs.items():
+        try:
+            output, _ = process.communicate(timeout=240)  # a rank waiting for a group nobody joins waits 30 min
+        except subprocess.TimeoutExpired:
+            process.kill()
+            output, _ = process.communicate()
+        ranks = [json.loads((folder / f"rank{rank}.json").read_text()) if (folder / f"rank{rank}.json").exists()
+                 else None for rank in (0, 1)]
+        done[scenario] = (process.returncode, output[-4000:], folder, ranks)
+    return done
+
+
+def test_a_script_that_ends_with_a_save_pending_waits_for_its_commit(torchrun):
+    code, output, folder, ranks = torchrun["exit"]
+    assert code == 0, output
+    assert ranks == [{"pending_at_exit": True}] * 2, output  # the script's last line ran before the commit
+    with open(folder / "ckpt" / "latest") as handle:
+        assert handle.read() == "at_exit"
+    zero_bnb.verify_checkpoint(str(folder / "ckpt"))
+
+
+def test_ranks_that_disagree_on_the_switch_get_a_clear_error_instead_of_a_hang(torchrun):
+    code, output, folder, ranks = torchrun["mixed"]
+    assert code == 0, output  # it waited for rank 1 in the creation of the writers' group (30 minutes)
+    for rank, record in enumerate(ranks):
+        assert record is not None, output
+        message = record["raised"]
+        assert message == ("CheckpointUsageError: zero_checkpoint_async is true on rank(s) [0] and false on rank(s) "
+                           "[1]: every rank must save the same way (the asynchronous writers commit together on a "
+                           "process group every rank joins at the first asynchronous save). Nothing was written. "
+                           "Give every rank the same DeepSpeed config"), (rank, message)
+    assert not os.path.exists(folder / "ckpt" / "mixed")

@@ -14,7 +14,8 @@ What this changes for a user:
   ``latest`` as they were; it is logged at once and raised by the next ``save_checkpoint``,
   ``load_checkpoint`` or :meth:`BackgroundSaver.wait` (``engine.wait_for_checkpoint()``);
 * a second save, a load, ``engine.destroy()``, ``torch.distributed.destroy_process_group()`` and the end of the
-  process wait for a pending save (the writer is a non-daemon thread; ``destroy_process_group`` is wrapped once, at
+  process wait for a pending save; so does another engine's save into the same folder (:func:`join_saves_into`: the
+  pending save holds the folder's lock until it commits) (the writer is a non-daemon thread; ``destroy_process_group`` is wrapped once, at
   the first asynchronous save, to wait for every pending save first: the commit needs the process group).
 """
 
@@ -43,7 +44,7 @@ from zero_bnb.errors import CheckpointSaveError
 from zero_bnb.format.durable import keeping_zip_crc32, save_torch
 from zero_bnb.format.manifest import Manifest
 
-__all__ = ["BackgroundSaver", "StagedSave", "after_pending_saves", "wait_for_pending_saves"]
+__all__ = ["BackgroundSaver", "StagedSave", "after_pending_saves", "join_saves_into", "wait_for_pending_saves"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,26 @@ def after_pending_saves(action: Callable[[], object], what: str) -> None:
                             saver._tag)
                 saver._after.append((action, what))
                 return
+            if saver._error is not None:  # it failed before the front door asked, and is not raised yet
+                logger.warning("zero_bnb: %s did not run: the asynchronous save of checkpoint %r failed, so the "
+                               "older checkpoints are kept", what, saver._tag)
+                return
     action()
+
+
+def join_saves_into(save_dir: str) -> None:
+    """Block until every pending asynchronous save of this process into ``save_dir`` is finished; its outcome is
+    left for its own engine's next call to raise. Local.
+
+    Called before a save takes ``save_dir``'s lock, which a pending save of another engine holds until its commit.
+    """
+    folder = os.path.realpath(save_dir)
+    for saver in list(_SAVERS):
+        thread = saver._thread
+        if thread is not None and thread.is_alive() and saver._folder == folder:
+            logger.info("zero_bnb: waiting for the asynchronous save of checkpoint %r into %s (another engine's) to "
+                        "release the folder", saver._tag, save_dir)
+            thread.join()
 
 
 def wait_for_pending_saves() -> None:
@@ -163,6 +183,7 @@ class BackgroundSaver:
         self._error: BaseException | None = None
         self._group: Any = None
         self._tag = ""
+        self._folder = ""  # the real path of the save folder of the last save
         self._after: list[tuple[Callable[[], object], str]] = []
         self._after_lock = threading.Lock()
         self._accepting = False  # whether after_pending_saves() hands its action to the writer
@@ -183,11 +204,13 @@ class BackgroundSaver:
             _SAVERS.add(self)
         return self._group
 
-    def start(self, tag: str, work: Callable[[], None]) -> None:
-        """Run ``work`` (the rest of the save of ``tag``) in the writer thread. Local; call after :meth:`wait`."""
+    def start(self, tag: str, work: Callable[[], None], save_dir: str = "") -> None:
+        """Run ``work`` (the rest of the save of ``tag`` into ``save_dir``) in the writer thread. Local; call after
+        :meth:`wait`."""
         if self.pending:
             raise RuntimeError("BackgroundSaver.start while a save is pending; wait() first")
         self._tag, self._error = tag, None
+        self._folder = os.path.realpath(save_dir) if save_dir else ""
         with self._after_lock:
             self._accepting = True
         began = time.perf_counter()

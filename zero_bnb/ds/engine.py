@@ -35,9 +35,10 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
 )
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
+import torch.distributed as dist
 
 from zero_bnb.bnb.chunked import ChunkedUpdate, uninstall_chunked_update
-from zero_bnb.checkpoint.background import BackgroundSaver, StagedSave
+from zero_bnb.checkpoint.background import BackgroundSaver, StagedSave, join_saves_into
 from zero_bnb.checkpoint.batch import batch_of, warn_if_batch_changed
 from zero_bnb.checkpoint.collective import agree
 from zero_bnb.checkpoint.commit import SaveTransaction
@@ -288,7 +289,9 @@ class ZeroBnbEngine(DeepSpeedEngine):
         if not save_dir or not isinstance(save_dir, (str, os.PathLike)):
             raise CheckpointUsageError(f"save_dir must be a non-empty path, got {save_dir!r}")
         self.wait_for_checkpoint()  # one save at a time; a failed asynchronous save is raised here
+        self._agree_on_async_saves()
         save_dir = os.fspath(save_dir)
+        join_saves_into(save_dir)  # another engine's pending save holds the folder's lock until it commits
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         transaction = SaveTransaction(save_dir, tag, save_latest=save_latest)  # refuses unsafe tags on every rank
         verify_replicated_state(self.optimizer)
@@ -341,7 +344,7 @@ class ZeroBnbEngine(DeepSpeedEngine):
             slices = {}
         saver.pool.trim()
         saver.start(tag, StagedSave(transaction, self.optimizer, self.param_names, candidates, slices, deferred,
-                                    manifest, after_publish, saver.pool.copies_done()).run)
+                                    manifest, after_publish, saver.pool.copies_done()).run, save_dir)
         return True
 
     def wait_for_checkpoint(self) -> None:
@@ -357,6 +360,29 @@ class ZeroBnbEngine(DeepSpeedEngine):
         saver = getattr(self, "_zero_bnb_background", None)
         if saver is not None:
             saver.wait()
+
+    def _agree_on_async_saves(self) -> None:
+        """At this engine's first save, check that every rank has the same ``zero_checkpoint_async``. Collective.
+
+        The asynchronous writers commit on a process group of their own, created by every rank at the first
+        asynchronous save; a rank saving synchronously would never join it, and the others would wait for it.
+
+        Raises:
+            CheckpointUsageError: on every rank, naming the ranks of each setting; nothing was written.
+        """
+        if getattr(self, "_zero_bnb_async_agreed", False):
+            return
+        flags: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, bool(self.zero_bnb_config.checkpoint_async))
+        if len(set(flags)) > 1:
+            on = [rank for rank, flag in enumerate(flags) if flag]
+            off = [rank for rank, flag in enumerate(flags) if not flag]
+            raise CheckpointUsageError(
+                f"zero_checkpoint_async is true on rank(s) {on} and false on rank(s) {off}: every rank must save the "
+                f"same way (the asynchronous writers commit together on a process group every rank joins at the "
+                f"first asynchronous save). Nothing was written. Give every rank the same DeepSpeed config"
+            )
+        self._zero_bnb_async_agreed = True
 
     def _zero_bnb_saver(self) -> BackgroundSaver | None:
         """The asynchronous saver (created at the first asynchronous save), or ``None`` for synchronous saves."""
