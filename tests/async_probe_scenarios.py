@@ -199,6 +199,55 @@ def _same_tag_twice_and_destroy_twice(c, out):
     out["destroyed_verify"] = _error(lambda: zero_bnb.verify_checkpoint(folder, "Y"))
 
 
+def _trainer_rotation_while_pending(c, out):
+    """Trainer with save_total_limit=1 saving every 2 steps, the writer slower than 2 steps: at every moment after the
+    first commit some checkpoint folder is complete (its ``latest`` written, which the commit does last), and the
+    last folder holds everything Trainer wrote into it. Trainer writes the model weights into its next checkpoint
+    folder before DeepSpeed's save waits for the pending one; the rotation deferred to that pending save's commit
+    (sorted by modification time, which the commit renews) deleted that newer folder with the weights in it."""
+    import threading
+    import time
+
+    from hf_scenarios import _trainer, ds_config
+
+    run_dir = os.path.join(c["workdir"], "rotation")
+    gaps, stop, committed = [], threading.Event(), [False]
+
+    def complete() -> list[str]:
+        names = os.listdir(run_dir) if os.path.isdir(run_dir) else []
+        return [name for name in names if os.path.isfile(os.path.join(run_dir, name, "latest"))]
+
+    def watch() -> None:
+        while not stop.is_set():
+            if complete():
+                committed[0] = True
+            elif committed[0]:
+                gaps.append(sorted(os.listdir(run_dir)))
+            time.sleep(0.002)
+
+    zero_bnb.enable()
+    watcher = threading.Thread(target=watch, daemon=True)
+    try:
+        trainer = _trainer(c["workdir"], c["world"], name="rotation", max_steps=6, save_steps=2, save_total_limit=1,
+                           config=ds_config(zero_checkpoint_async=True))
+        if c["rank"] == 0:
+            watcher.start()
+        durable.set_io_hook(_slow_writes(0.03))
+        trainer.train()
+        trainer.model_wrapped.wait_for_checkpoint()
+    finally:
+        durable.set_io_hook(None)
+        stop.set()
+        zero_bnb.disable()
+    if c["rank"] == 0:
+        watcher.join()
+        out["rotation_gaps"] = gaps[:3]
+        out["rotation_committed"] = committed[0]
+        out["rotation_last_files"] = sorted(os.listdir(os.path.join(run_dir, "checkpoint-6")))
+        out["rotation_folders"] = sorted(name for name in os.listdir(run_dir) if name.startswith("checkpoint"))
+    out["rotation_verify"] = _error(lambda: zero_bnb.verify_checkpoint(os.path.join(run_dir, "checkpoint-6")))
+
+
 def probe(rank, world, workdir):
     out: dict = {}
     engine = make_engine(world, zero_checkpoint_async=True)
@@ -206,7 +255,7 @@ def probe(rank, world, workdir):
     context = {"rank": rank, "world": world, "workdir": workdir, "engine": engine}
     run_phases(out, context, _nothing_after_the_call_leaks, _second_engine_same_folder,
                _limit_the_ranks_hit_differently, _folder_removed_while_writing, _exception_while_pending,
-               _same_tag_twice_and_destroy_twice)
+               _same_tag_twice_and_destroy_twice, _trainer_rotation_while_pending)
     durable.set_io_hook(None)
     _error(engine.wait_for_checkpoint)
     gathered = [None] * world

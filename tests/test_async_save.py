@@ -229,6 +229,18 @@ def test_the_same_tag_twice_holds_the_second_state_and_destroy_twice_is_harmless
     assert result(probed, "destroyed_verify") is None
 
 
+def test_trainer_rotation_while_a_save_is_pending_keeps_the_newer_folders_files(probed):
+    # Trainer writes model.safetensors into checkpoint-4 while checkpoint-2 is being committed; the deletion of
+    # checkpoints beyond save_total_limit=1, deferred to checkpoint-2's commit, sorts by mtime and took
+    # checkpoint-4 for the older one: checkpoint-4 and -6 then lacked the model weights and config.json
+    assert result(probed[:1], "rotation_committed") is True
+    assert result(probed[:1], "rotation_gaps") == []  # always a complete checkpoint after the first commit
+    assert result(probed[:1], "rotation_folders") == ["checkpoint-6"]
+    files = result(probed[:1], "rotation_last_files")
+    assert {"model.safetensors", "config.json", "trainer_state.json", "latest", "global_step6"} <= set(files), files
+    assert result(probed, "rotation_verify") is None
+
+
 # -- real torchrun scripts: a script that ends with a save pending; ranks that disagree on the switch ---------------
 
 

@@ -9,6 +9,9 @@ adds two things Trainer needs:
 * with asynchronous saves (``zero_checkpoint_async``): Trainer deletes checkpoints beyond ``save_total_limit``
   right after a save returns; the deletion is deferred until the new checkpoint is committed
   (:func:`zero_bnb.checkpoint.background.after_pending_saves`), so the last complete one is never removed first.
+  Trainer's next save waits for a pending one before it writes anything: it writes the model weights into its new
+  ``checkpoint-N`` folder before DeepSpeed's save would wait, and the deferred deletion, which sorts the folders by
+  modification time (renewed by the pending save's commit), would take that newer folder for an older one.
 
 Imported only when ``transformers.trainer`` is already loaded. Local, no collectives.
 """
@@ -19,7 +22,7 @@ import functools
 import threading
 from typing import Any
 
-from zero_bnb.checkpoint.background import after_pending_saves
+from zero_bnb.checkpoint.background import after_pending_saves, wait_for_pending_saves
 from zero_bnb.integrations.scheduler_groups import fit_to_groups
 
 __all__ = ["install_trainer_patch", "remove_trainer_patch"]
@@ -36,7 +39,7 @@ def _group_origin(trainer: Any):
 
 def install_trainer_patch() -> None:
     """Wrap ``Trainer._load_optimizer_and_scheduler`` (once) to fit the loaded scheduler to zero_bnb's groups, and
-    Trainer's deletion of old checkpoints to wait for a pending asynchronous save."""
+    Trainer's checkpoint saves and deletion of old checkpoints to wait for a pending asynchronous save."""
     import transformers.trainer as trainer_module
     from transformers import Trainer
 
@@ -66,6 +69,15 @@ def install_trainer_patch() -> None:
 
         _ORIGINAL["load"] = original
         Trainer._load_optimizer_and_scheduler = load_optimizer_and_scheduler
+        save = Trainer._save_checkpoint
+
+        @functools.wraps(save)
+        def save_checkpoint_after_pending(self, *args, **kwargs):
+            wait_for_pending_saves()  # a failed asynchronous save is raised here, before anything is written
+            return save(self, *args, **kwargs)
+
+        _ORIGINAL["save"] = save
+        Trainer._save_checkpoint = save_checkpoint_after_pending
 
 
 def remove_trainer_patch() -> None:
@@ -76,6 +88,7 @@ def remove_trainer_patch() -> None:
             from transformers import Trainer
 
             Trainer._load_optimizer_and_scheduler = original
+            Trainer._save_checkpoint = _ORIGINAL.pop("save")
         rotation = _ORIGINAL.pop("rotate", None)
         if rotation is not None:
             owner, name, rotate = rotation
