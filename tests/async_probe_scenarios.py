@@ -78,7 +78,8 @@ def _nothing_after_the_call_leaks(c, out):
 
 def _second_engine_same_folder(c, out):
     """Two engines of one run save into one folder (different tags): the second save does not fail because the
-    first engine's asynchronous save still holds the folder's lock."""
+    first engine's asynchronous save still holds the folder's lock; the second engine loading the folder right after
+    the first one's save returned loads that checkpoint."""
     world, workdir, engine = c["world"], c["workdir"], c["engine"]
     folder = os.path.join(workdir, "two_engines")
     other = make_engine(world)
@@ -92,6 +93,19 @@ def _second_engine_same_folder(c, out):
     finally:
         durable.set_io_hook(None)
     out["two_engines_listing"] = _listing(folder) if os.path.isfile(os.path.join(folder, "latest")) else None
+    # the other engine loads the folder right after this engine's save returned: the checkpoint just saved, as a
+    # synchronous save would give it
+    at_call = consolidated_state(engine)
+    durable.set_io_hook(_slow_writes(0.02))
+    try:
+        engine.save_checkpoint(folder, tag="third")
+        out["other_load"] = _error(lambda: other.load_checkpoint(folder))
+    finally:
+        durable.set_io_hook(None)
+    loaded = consolidated_state(other)
+    if c["rank"] == 0:
+        out["other_load_differences"] = state_differences(at_call, loaded)[1]
+    out["other_load_wait"] = _error(engine.wait_for_checkpoint)
     other.destroy()
 
 

@@ -197,6 +197,13 @@ def test_a_second_engine_saving_into_the_same_folder_waits_for_the_pending_save(
     assert result(probed, "two_engines_listing") == (["first", "latest", "second", "zero_to_fp32.py"], "second")
 
 
+def test_another_engine_loading_the_folder_right_after_the_save_returned_loads_that_save(probed):
+    # It loaded 'second', the checkpoint 'latest' named before the pending save of 'third' was committed
+    assert result(probed, "other_load") is None
+    assert result(probed[:1], "other_load_differences") == []
+    assert result(probed, "other_load_wait") is None
+
+
 @pytest.mark.parametrize("label", ["mid", "below_rank1"])
 def test_a_staging_limit_the_ranks_hit_at_different_points_keeps_the_state_at_the_call(probed, label):
     staged = result(probed, "unbounded_staged")

@@ -14,8 +14,8 @@ What this changes for a user:
   ``latest`` as they were; it is logged at once and raised by the next ``save_checkpoint``,
   ``load_checkpoint`` or :meth:`BackgroundSaver.wait` (``engine.wait_for_checkpoint()``);
 * a second save, a load, ``engine.destroy()``, ``torch.distributed.destroy_process_group()`` and the end of the
-  process wait for a pending save; so does another engine's save into the same folder (:func:`join_saves_into`: the
-  pending save holds the folder's lock until it commits) (the writer is a non-daemon thread; ``destroy_process_group`` is wrapped once, at
+  process wait for a pending save; so do another engine's save into the same folder (the pending save holds the
+  folder's lock until it commits) and its load from that folder (:func:`join_saves_into`) (the writer is a non-daemon thread; ``destroy_process_group`` is wrapped once, at
   the first asynchronous save, to wait for every pending save first: the commit needs the process group).
 """
 
@@ -94,7 +94,8 @@ def join_saves_into(save_dir: str) -> None:
     """Block until every pending asynchronous save of this process into ``save_dir`` is finished; its outcome is
     left for its own engine's next call to raise. Local.
 
-    Called before a save takes ``save_dir``'s lock, which a pending save of another engine holds until its commit.
+    Called before a save takes ``save_dir``'s lock, which a pending save of another engine holds until its commit,
+    and before a load reads ``save_dir``: in program order, that other engine's save came first.
     """
     folder = os.path.realpath(save_dir)
     for saver in list(_SAVERS):

@@ -484,6 +484,7 @@ class ZeroBnbEngine(DeepSpeedEngine):
             ``load_dir`` has no ``latest`` file.
         """
         self.wait_for_checkpoint()  # a pending asynchronous save is committed first (its failure raised here)
+        join_saves_into(load_dir)  # and another engine's into this folder (its outcome left to that engine)
         if self.load_universal_checkpoint():
             raise ZeRORuntimeException(
                 "checkpoint.load_universal is set, but zero_bnb engines load their own checkpoints at any DP size; "
