@@ -170,6 +170,57 @@ def test_a_front_doors_deletion_is_dropped_when_the_save_failed_before_it_asked(
         background._SAVERS.discard(saver)
 
 
+def test_wait_for_checkpoint_from_another_thread_never_hides_a_pending_save():
+    # A thread calling wait() in a loop (a monitoring callback) set the saver's thread to None after the main thread
+    # had started the next save: the engine then saw no pending save, and its next save would have restaged the
+    # buffers the writer was still reading; it also raised "cannot join thread before it is started".
+    saver, stop, problems = BackgroundSaver(), threading.Event(), []
+
+    def poll():
+        while not stop.is_set():
+            try:
+                saver.wait(raise_error=False)
+            except Exception as error:  # noqa: BLE001 - recorded for the assertion
+                problems.append(repr(error))
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    hidden = 0
+    try:
+        for _ in range(300):
+            release = threading.Event()
+            saver.start("T", lambda release=release: release.wait(10))
+            hidden += not saver.pending  # its work is blocked: it is pending
+            release.set()
+            saver.wait()
+    finally:
+        stop.set()
+        poller.join()
+    assert hidden == 0 and problems == [], (hidden, problems[:3])
+
+
+def test_a_background_failure_is_raised_once_when_two_threads_wait():
+    release, outcomes = threading.Event(), []
+    saver = _saver_blocked_until(release, fail=True)
+    background._SAVERS.discard(saver)
+
+    def wait():
+        try:
+            saver.wait()
+            outcomes.append(None)
+        except CheckpointSaveError as error:
+            outcomes.append(str(error))
+
+    waiters = [threading.Thread(target=wait) for _ in range(2)]
+    for waiter in waiters:
+        waiter.start()
+    release.set()
+    for waiter in waiters:
+        waiter.join()
+    assert outcomes.count(None) == 1, outcomes  # one waiter raised it, the other returned
+    assert "No space left on device" in next(outcome for outcome in outcomes if outcome is not None), outcomes
+
+
 # -- the break-it probe: one DP=2 launch (tests/async_probe_scenarios.py) ------------------------------------------
 
 

@@ -187,6 +187,7 @@ class BackgroundSaver:
         self._folder = ""  # the real path of the save folder of the last save
         self._after: list[tuple[Callable[[], object], str]] = []
         self._after_lock = threading.Lock()
+        self._state_lock = threading.Lock()  # start() and the end of wait(): which save a wait() reports on
         self._accepting = False  # whether after_pending_saves() hands its action to the writer
         #: seconds the last background save took, from its start to its commit (``None`` before one finished)
         self.last_duration: float | None = None
@@ -208,8 +209,12 @@ class BackgroundSaver:
     def start(self, tag: str, work: Callable[[], None], save_dir: str = "") -> None:
         """Run ``work`` (the rest of the save of ``tag`` into ``save_dir``) in the writer thread. Local; call after
         :meth:`wait`."""
-        if self.pending:
-            raise RuntimeError("BackgroundSaver.start while a save is pending; wait() first")
+        with self._state_lock:
+            if self.pending:
+                raise RuntimeError("BackgroundSaver.start while a save is pending; wait() first")
+            self._start(tag, work, save_dir)
+
+    def _start(self, tag: str, work: Callable[[], None], save_dir: str) -> None:
         self._tag, self._error = tag, None
         self._folder = os.path.realpath(save_dir) if save_dir else ""
         with self._after_lock:
@@ -241,14 +246,15 @@ class BackgroundSaver:
                 except Exception as error:  # noqa: BLE001 - the front door's own deletion; logged like it would be
                     logger.error("zero_bnb: %s failed after checkpoint %r was committed: %r", what, tag, error)
 
-        self._thread = threading.Thread(target=run, name=f"zero_bnb-save-{tag}", daemon=False)
-        self._thread.start()
+        thread = threading.Thread(target=run, name=f"zero_bnb-save-{tag}", daemon=False)
+        thread.start()
+        self._thread = thread  # only once started: another thread's wait() may join it at once
 
     def wait(self, *, raise_error: bool = True) -> None:
-        """Block until the pending save (if any) is committed or failed. Local.
+        """Block until the pending save (if any) is committed or failed. Local; any thread may call it.
 
         Raises:
-            zero_bnb.errors.CheckpointSaveError: the last asynchronous save failed (raised once; with
+            zero_bnb.errors.CheckpointSaveError: the last asynchronous save failed (raised once, by one caller; with
                 ``raise_error=False`` it is only logged, as it was when it happened).
         """
         thread = self._thread
@@ -256,8 +262,11 @@ class BackgroundSaver:
             if thread.is_alive():
                 logger.info("zero_bnb: waiting for the asynchronous save of checkpoint %r", self._tag)
             thread.join()
+        with self._state_lock:
+            if self._thread is not thread:  # another caller reported this save, or a newer save started meanwhile
+                return
             self._thread = None
-        error, self._error = self._error, None
+            error, self._error = self._error, None
         if error is not None and raise_error:
             if isinstance(error, CheckpointSaveError):
                 raise error
