@@ -385,7 +385,8 @@ class SaveTransaction:
         if missing:
             raise CheckpointSaveError(
                 f"files the ranks reported are missing or differ in rank 0's staging folder {self.staging_folder}: "
-                f"{missing[:5]}; every rank must save into the same shared folder"
+                f"{missing[:5]}; every rank must save into the same shared folder, and nothing else may remove or "
+                f"change the staging folder while the save runs"
             )
         write_manifest(manifest, os.path.join(self.staging_folder, SUBDIR), root=self.staging_folder)
         _publish(self.save_dir, self.tag, self.staging_folder, self.latest_name)

@@ -80,7 +80,8 @@ class StagingPool:
         if self.limit_bytes is not None and self._staged_bytes + nbytes > self.limit_bytes:
             raise StagingLimitError(
                 f"this save stages more than zero_checkpoint_async_max_staging_mb allows "
-                f"({self.limit_bytes / 2**20:.1f} MiB): at least {(self._staged_bytes + nbytes) / 2**20:.1f} MiB")
+                f"({self.limit_bytes / 2**20:.4g} MiB, {self.limit_bytes} bytes): at least "
+                f"{(self._staged_bytes + nbytes) / 2**20:.4g} MiB ({self._staged_bytes + nbytes} bytes)")
         buffer = self._buffers[self._cursor] if self._cursor < len(self._buffers) else None
         if buffer is None or buffer.dtype != dtype or tuple(buffer.shape) != shape or buffer.is_pinned() != pin:
             buffer = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
