@@ -208,14 +208,15 @@ def install(profile: PhaseProfile) -> None:
     patch(engine, "verify_replicated_state", "verify replicated")
     patch(engine, "find_non_finite", "non-finite scan")
     patch(engine, "plan_masters", "masters: plan")
-    patch(engine, "write_local_files", "shard files")
-    patch(engine, "build_manifest", "manifest")
+    patch(engine, "stage_local_payload", "shard files")  # the copies; the writes are timed by the I/O phases
+    patch(save.LocalPayload, "write", "shard files")
+    patch(engine, "manifest_draft", "manifest")
     patch(cmasters, "rounds_to", "masters: rounding check")
     patch(cmasters, "derive", "masters: plan")
     patch(fmasters, "split_bf16", "masters: residual split")
     patch(cmasters, "split_rounded_bf16", "masters: residual split")  # rounding check and split in one pass
     patch(fmasters, "piece_digest", "SHA-256 (module pieces)")
-    patch(save, "_valid_slice", "device copy")
+    patch(save, "copy_to_cpu", "device copy")
     patch(engine.DurableCheckpointEngine, "save", "model file")
     patch(commit.SaveTransaction, "begin", "begin")
     patch(commit.SaveTransaction, "commit", "commit")

@@ -179,6 +179,28 @@ def _failures(c, out):
     out["final_listing"] = _listing(folder)
 
 
+def _slices_fail(c, out):
+    """Staging the module weights fails on rank 1 (any error, not only the staging limit): the save goes on with
+    the masters stored whole on every rank, and the save folder's lock is not left held."""
+    import zero_bnb.ds.engine as engine_module
+
+    workdir, engine, rank = c["workdir"], c["engine"], c["rank"]
+    folder = os.path.join(workdir, "slices_fail")
+    original = engine_module.stage_module_slices
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("injected: pinned memory exhausted")
+
+    if rank == 1:
+        engine_module.stage_module_slices = failing
+    try:
+        out["slices_fail_save"] = _error(lambda: (engine.save_checkpoint(folder, tag="s1"), engine.wait_for_checkpoint()))
+    finally:
+        engine_module.stage_module_slices = original
+    out["slices_fail_next_save"] = _error(lambda: (engine.save_checkpoint(folder, tag="s2"), engine.wait_for_checkpoint()))
+    out["slices_fail_verify"] = [_error(lambda tag=tag: zero_bnb.verify_checkpoint(folder, tag)) for tag in ("s1", "s2")]
+
+
 def _deepspeed_writer(c, out):
     """DeepSpeed's checkpoint.writer.decoupled (its KeyError 'CROSS_SIZE' outside the deepspeed launcher) makes
     saves asynchronous; its other writers are refused with the fix, not with DeepSpeed's KeyError."""
@@ -232,7 +254,7 @@ def asynchronous(rank, world, workdir):
     train_steps(engine, RUN, 0, 2)
     train_steps(twin, RUN, 0, 2)
     context = {"rank": rank, "world": world, "workdir": workdir, "engine": engine, "twin": twin}
-    run_phases(out, context, _same_as_sync, _bf16, _waits, _failures, _deepspeed_writer, _memory)
+    run_phases(out, context, _same_as_sync, _bf16, _waits, _failures, _slices_fail, _deepspeed_writer, _memory)
     engine.wait_for_checkpoint()
     gathered = [None] * world
     dist.all_gather_object(gathered, out)

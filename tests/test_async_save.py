@@ -106,6 +106,12 @@ def test_staging_buffers_are_reused_and_bounded(ranks):
         assert ranks[rank]["bounded_held"] <= 0.05 * 2**20, ranks[rank]["bounded_held"]
 
 
+def test_a_failure_staging_the_module_weights_stores_the_masters_whole_and_leaves_no_lock(ranks):
+    assert result(ranks, "slices_fail_save") is None
+    assert result(ranks, "slices_fail_next_save") is None  # the lock was released
+    assert result(ranks, "slices_fail_verify") == [None, None]
+
+
 def test_deepspeeds_decoupled_writer_makes_saves_asynchronous_and_its_other_writers_are_refused_by_name(ranks):
     assert result(ranks, "decoupled_async") is True and result(ranks, "decoupled_verify") is None
     message = result(ranks, "fast_writer")
@@ -351,3 +357,19 @@ def test_ranks_that_disagree_on_the_switch_get_a_clear_error_instead_of_a_hang(t
                            "process group every rank joins at the first asynchronous save). Nothing was written. "
                            "Give every rank the same DeepSpeed config"), (rank, message)
     assert not os.path.exists(folder / "ckpt" / "mixed")
+
+
+def test_a_staged_storage_freed_by_its_owner_is_not_mistaken_for_a_new_tensor_at_the_same_address():
+    """The review's finding: a snapshotted temporary, freed, let a new tensor take its address, and view_or_copy
+    returned the old copy. The pool now keeps each staged source until the staging ends."""
+    from zero_bnb.checkpoint.staging import StagingPool
+
+    pool = StagingPool()
+    for _ in range(20):  # the allocator hands a freed block of the same size straight back
+        pool.begin()
+        temporary = torch.full((4096,), 1.0)
+        pool.snapshot({"client": temporary})
+        del temporary
+        fresh = torch.full((4096,), 2.0)
+        assert torch.equal(pool.view_or_copy(fresh), fresh)
+        pool.trim()

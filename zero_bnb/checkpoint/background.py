@@ -149,16 +149,20 @@ class StagedSave:
     def run(self) -> None:
         """Decide, write, commit. Collective over the writers' group: every rank's writer must run it."""
         transaction = self.transaction
-        with transaction.guard():
-            if self.copies is not None:
-                self.copies.synchronize()
-        # Every rank decides, even after an error (commit() then reports it), so that no writer waits for another.
-        masters = decide_masters(self.optimizer, self.candidates, self.names, self._inputs, group=transaction.group)
-        with transaction.guard(), keeping_zip_crc32():  # the user's own torch.save may run meanwhile
-            for path, staged in self.deferred:  # DeepSpeed's files by path; the optimizer payload into its tag folder
-                transaction.add(staged.with_masters(masters).write(path) if isinstance(staged, LocalPayload)
-                                else [save_torch(staged, path, root=transaction.staging_folder)])
-        transaction.commit(lambda files: self.manifest(files, masters), after_publish=self.after_publish)
+        try:
+            with transaction.guard():
+                if self.copies is not None:
+                    self.copies.synchronize()
+            # Every rank decides, even after an error (commit() then reports it), so no writer waits for another.
+            masters = decide_masters(self.optimizer, self.candidates, self.names, self._inputs, group=transaction.group)
+            with transaction.guard(), keeping_zip_crc32():  # the user's own torch.save may run meanwhile
+                for path, staged in self.deferred:  # DeepSpeed's files by path; the optimizer payload into its folder
+                    transaction.add(staged.with_masters(masters).write(path) if isinstance(staged, LocalPayload)
+                                    else [save_torch(staged, path, root=transaction.staging_folder)])
+            transaction.commit(lambda files: self.manifest(files, masters), after_publish=self.after_publish)
+        except BaseException:
+            transaction.abort()  # a collective that failed (a dead peer, a timeout): leave no lock or staging folder
+            raise
 
 
 def _lowest_cpu_priority() -> None:
@@ -233,22 +237,29 @@ class BackgroundSaver:
                              "'latest' are unchanged. The next save_checkpoint, load_checkpoint or "
                              "wait_for_checkpoint raises this error: %s", tag, error)
             finally:
-                with self._after_lock:
-                    self._accepting = False
-                    after, self._after = self._after, []
-            for action, what in after:
-                if self._error is not None:
-                    logger.warning("zero_bnb: %s did not run: the asynchronous save of checkpoint %r failed, so the "
-                                   "older checkpoints are kept", what, tag)
-                    continue
-                try:
-                    action()
-                except Exception as error:  # noqa: BLE001 - the front door's own deletion; logged like it would be
-                    logger.error("zero_bnb: %s failed after checkpoint %r was committed: %r", what, tag, error)
+                self._run_after(tag)
 
         thread = threading.Thread(target=run, name=f"zero_bnb-save-{tag}", daemon=False)
         thread.start()
         self._thread = thread  # only once started: another thread's wait() may join it at once
+
+    def _run_after(self, tag: str) -> None:
+        """Run the deletions the front doors handed over (in order, until none is left; skipped if the save failed),
+        then stop accepting more. Called by the writer thread once its save ended."""
+        while True:
+            with self._after_lock:
+                if not self._after:
+                    self._accepting = False  # only now: a deletion arriving meanwhile is queued behind the others
+                    return
+                action, what = self._after.pop(0)
+            if self._error is not None:
+                logger.warning("zero_bnb: %s did not run: the asynchronous save of checkpoint %r failed, so the "
+                               "older checkpoints are kept", what, tag)
+                continue
+            try:
+                action()
+            except Exception as error:  # noqa: BLE001 - the front door's own deletion; logged like it would be
+                logger.error("zero_bnb: %s failed after checkpoint %r was committed: %r", what, tag, error)
 
     def wait(self, *, raise_error: bool = True) -> None:
         """Block until the pending save (if any) is committed or failed. Local; any thread may call it.
@@ -266,12 +277,12 @@ class BackgroundSaver:
             if self._thread is not thread:  # another caller reported this save, or a newer save started meanwhile
                 return
             self._thread = None
-            error, self._error = self._error, None
+            error, self._error, tag = self._error, None, self._tag
         if error is not None and raise_error:
             if isinstance(error, CheckpointSaveError):
                 raise error
             raise CheckpointSaveError(
-                f"the asynchronous save of checkpoint {self._tag!r} failed in the background: "
+                f"the asynchronous save of checkpoint {tag!r} failed in the background: "
                 f"{type(error).__name__}: {error}; the previous checkpoint and 'latest' are unchanged"
             ) from error
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from zero_bnb.format.manifest import Manifest
 
-__all__ = ["FRONT_DOORS", "FrontDoor", "batch_of", "warn_if_batch_changed", "with_batch"]
+__all__ = ["FRONT_DOORS", "FrontDoor", "batch_of", "warn_if_batch_changed"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +64,6 @@ def batch_of(engine: Any) -> dict[str, int]:
         "accumulation": int(engine.gradient_accumulation_steps()),
         "dp": int(engine.optimizer.dp_size),
     }
-
-
-def with_batch(manifest: Manifest, engine: Any) -> Manifest:
-    """``manifest`` recording ``engine``'s batch geometry."""
-    return dataclasses.replace(manifest, batch=batch_of(engine))
 
 
 def _describe(batch: dict[str, int]) -> str:

@@ -1,8 +1,8 @@
 """Write a :class:`~zero_bnb.checkpoint.partitioned.PartitionedOptimizer` optimizer as DP-independent files.
 
-:func:`write_local_files` is local (each rank writes its own shard, rank 0 also the
-replicated file); :func:`build_manifest` describes the whole checkpoint and is called on
-rank 0 once every rank has reported its files. Publishing the folder is
+:func:`stage_local_payload` takes what this rank writes (its shard, on rank 0 also the replicated file) out of
+training's reach, :meth:`LocalPayload.write` writes it (local); :func:`manifest_draft` describes the whole
+checkpoint at the call and is completed on rank 0 once every rank has reported its files. Publishing the folder is
 :mod:`zero_bnb.checkpoint.commit`'s job.
 """
 
@@ -34,8 +34,7 @@ from zero_bnb.format.payload import (
     write_shard,
 )
 
-__all__ = ["LocalPayload", "Stage", "build_manifest", "copy_to_cpu", "manifest_draft", "stage_local_payload",
-           "write_local_files"]
+__all__ = ["LocalPayload", "Stage", "copy_to_cpu", "manifest_draft", "stage_local_payload"]
 
 
 #: How a save takes a tensor it will write: as a compact CPU tensor written before training goes on (a synchronous
@@ -121,11 +120,6 @@ def stage_local_payload(optimizer: PartitionedOptimizer, masters: Sequence[Maste
     return LocalPayload(shard, replicated_payload)
 
 
-def write_local_files(optimizer: PartitionedOptimizer, tag_folder: str, masters: Sequence[MasterPlan]) -> list[FileRecord]:
-    """Write this rank's shard, and on rank 0 the replicated-state file, durably (a synchronous save). Local."""
-    return stage_local_payload(optimizer, masters).write(tag_folder)
-
-
 def manifest_draft(
     optimizer: PartitionedOptimizer,
     names: dict[torch.nn.Parameter, str],
@@ -162,17 +156,3 @@ def manifest_draft(
                                module_file=MODEL_STATES if any(plan.storage != FULL for plan in masters) else "")
 
     return complete
-
-
-def build_manifest(
-    optimizer: PartitionedOptimizer,
-    names: dict[torch.nn.Parameter, str],
-    files: list[FileRecord],
-    non_finite: dict[str, list[str]],
-    masters: Sequence[MasterPlan],
-) -> Manifest:
-    """The manifest of a checkpoint whose files (of all ranks) are ``files``, its masters stored as ``masters``.
-
-    Local (see :func:`manifest_draft`).
-    """
-    return manifest_draft(optimizer, names, non_finite)(files, masters)

@@ -32,8 +32,9 @@ class StagingLimitError(RuntimeError):
 
 
 def _pinnable(tensor: torch.Tensor) -> bool:
-    """Whether a host copy of ``tensor`` should be pinned: it lives on an accelerator that can use pinned memory."""
-    return tensor.device.type not in ("cpu", "meta") and torch.cuda.is_available()
+    """Whether a host copy of ``tensor`` should be pinned: it lives on a CUDA device (whose copies
+    :meth:`StagingPool.copies_done` waits for with a CUDA event)."""
+    return tensor.device.type == "cuda"
 
 
 @dataclass
@@ -46,11 +47,12 @@ class StagingPool:
     """
 
     limit_bytes: int | None = None
-    _buffers: list[torch.Tensor] = field(default_factory=list)
-    _cursor: int = 0
-    _staged_bytes: int = 0
-    _shared: dict[tuple, torch.Tensor] = field(default_factory=dict)
-    _device_copies: bool = False
+    _buffers: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
+    _cursor: int = field(default=0, init=False, repr=False)
+    _staged_bytes: int = field(default=0, init=False, repr=False)
+    #: (device, storage address, bytes) -> (the staged copy, the source, kept so its address stays taken)
+    _shared: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, init=False, repr=False)
+    _device_copies: bool = field(default=False, init=False, repr=False)
 
     @property
     def held_bytes(self) -> int:
@@ -109,10 +111,10 @@ class StagingPool:
         already (no second copy of the same bytes), else :meth:`tensor`'s compact copy."""
         value = value.detach()
         storage = value.untyped_storage()
-        copied = self._shared.get((value.device, storage.data_ptr(), storage.nbytes()))
-        if copied is None:
+        entry = self._shared.get((value.device, storage.data_ptr(), storage.nbytes()))
+        if entry is None:
             return self.tensor(value)
-        return torch.empty(0, dtype=value.dtype).set_(copied.untyped_storage(), value.storage_offset(),
+        return torch.empty(0, dtype=value.dtype).set_(entry[0].untyped_storage(), value.storage_offset(),
                                                       value.shape, value.stride())
 
     def _same_storage(self, value: torch.Tensor) -> torch.Tensor:
@@ -121,13 +123,15 @@ class StagingPool:
         value = value.detach()
         storage = value.untyped_storage()
         key = (value.device, storage.data_ptr(), storage.nbytes())
-        copied = self._shared.get(key)
-        if copied is None:
+        entry = self._shared.get(key)
+        if entry is None:
             pin = _pinnable(value)
             copied = self._buffer((storage.nbytes(),), torch.uint8, pin)
             source = torch.empty(0, dtype=torch.uint8, device=value.device).set_(storage)
             copied.copy_(source, non_blocking=pin)
-            self._shared[key] = copied
+            # The source is kept until the staging ends: a freed one's address could be reused by a new tensor.
+            entry = self._shared[key] = (copied, value)
+        copied = entry[0]
         return torch.empty(0, dtype=value.dtype).set_(copied.untyped_storage(), value.storage_offset(),
                                                       value.shape, value.stride())
 
@@ -151,8 +155,10 @@ class StagingPool:
         return copy.deepcopy(obj)
 
     def trim(self) -> None:
-        """Drop buffers the last save did not use (a model that shrank between saves)."""
+        """End this save's staging: drop buffers it did not use (a model that shrank between saves) and the
+        references to the staged sources."""
         del self._buffers[self._cursor:]
+        self._shared = {}
 
     def copies_done(self) -> Any:
         """A marker of this save's queued device-to-host copies, recorded on the current stream: the writer calls

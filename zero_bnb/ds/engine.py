@@ -243,24 +243,24 @@ class ZeroBnbEngine(DeepSpeedEngine):
     def _configure_checkpointing(self, *args):  # DeepSpeed 0.17.0 passes dist_init_required
         checkpoint_config = self._config.checkpoint_config
         writer = checkpoint_config.get(CHECKPOINT_WRITER)
-        if writer is not None and writer.get(CHECKPOINT_WRITER_DECOUPLED):
+        if writer is not None and not writer.get(CHECKPOINT_WRITER_DECOUPLED):
+            raise ZeRORuntimeException(
+                f"zero_bnb commits checkpoints atomically with its own writer, but the config selects DeepSpeed's "
+                f"checkpoint.writer {writer.get('type', 'fast')!r}; remove checkpoint.writer from the config (for saves "
+                f"in the background set \"zero_checkpoint_async\": true, or checkpoint.writer.decoupled: true)"
+            )
+        if writer is not None:
             # DeepSpeed's decoupled writer asks for saves in the background: zero_bnb's asynchronous saves
             # (zero_checkpoint_async), committed by its own writer (DeepSpeed's needs the deepspeed launcher's
             # CROSS_SIZE and would skip the atomic commit).
-            logger.info("zero_bnb: checkpoint.writer.decoupled is set: saves are asynchronous (zero_checkpoint_async)")
+            if dist.get_rank() == 0:
+                logger.info("zero_bnb: checkpoint.writer.decoupled is set: saves are asynchronous (zero_checkpoint_async)")
             self.zero_bnb_config = dataclasses.replace(self.zero_bnb_config, checkpoint_async=True)
-        if writer is not None:
             checkpoint_config[CHECKPOINT_WRITER] = None  # DeepSpeed builds its torch.save engine, replaced below
         try:
             super()._configure_checkpointing(*args)
         finally:
             checkpoint_config[CHECKPOINT_WRITER] = writer
-        if writer is not None and not writer.get(CHECKPOINT_WRITER_DECOUPLED):
-            raise ZeRORuntimeException(
-                f"zero_bnb commits checkpoints atomically with its own writer, but the config selects DeepSpeed's "
-                f"checkpoint.writer {writer.get('type', 'fast')!r}; remove checkpoint.writer from the config (or set "
-                f"\"zero_checkpoint_async\": true, or checkpoint.writer.decoupled, for saves in the background)"
-            )
         if type(self.checkpoint_engine) is not TorchCheckpointEngine:
             raise ZeRORuntimeException(
                 f"zero_bnb commits checkpoints atomically with its own writer, but the config selects "
@@ -339,12 +339,17 @@ class ZeroBnbEngine(DeepSpeedEngine):
             return True
         try:  # after DeepSpeed's model file: where this rank staged it, its weights are views of that copy
             slices = stage_module_slices(self.optimizer, candidates, weights, self.param_names, saver.pool.view_or_copy)
-        except StagingLimitError as error:
-            logger.warning("zero_bnb: %s; this save stores the fp32 master weights whole", error)
+        except Exception as error:  # noqa: BLE001 - the writers then store the masters whole, on every rank
+            logger.warning("zero_bnb: staging the module weights failed (%r); this save stores the fp32 master "
+                           "weights whole", error)
             slices = {}
-        saver.pool.trim()
-        saver.start(tag, StagedSave(transaction, self.optimizer, self.param_names, candidates, slices, deferred,
-                                    manifest, after_publish, saver.pool.copies_done()).run, save_dir)
+        try:
+            saver.pool.trim()
+            saver.start(tag, StagedSave(transaction, self.optimizer, self.param_names, candidates, slices, deferred,
+                                        manifest, after_publish, saver.pool.copies_done()).run, save_dir)
+        except BaseException:
+            transaction.abort()  # no writer will commit: leave no lock or staging folder
+            raise
         return True
 
     def wait_for_checkpoint(self) -> None:
@@ -395,7 +400,9 @@ class ZeroBnbEngine(DeepSpeedEngine):
             saver = self._zero_bnb_background = BackgroundSaver(None if limit is None else int(limit * 2**20))
         return saver
 
-    def destroy(self):
+    def destroy(self) -> None:
+        """DeepSpeed's ``destroy``, after this rank's pending asynchronous save is finished (its failure only logged)
+        and the staging buffers freed. Local."""
         saver = getattr(self, "_zero_bnb_background", None)
         if saver is not None:
             saver.close()  # a pending save is finished (its error logged), the staging buffers freed

@@ -41,15 +41,14 @@ import torch
 from zero_bnb.format.lock import try_flock
 
 __all__ = [
-    "keeping_zip_crc32",
     "TEMP_SUFFIX",
-    "FileRecord",
-    "IoHook",
-    "StagedFile",
     "copy_file",
     "digest_file",
+    "FileRecord",
     "finish_publish",
     "fsync_dir",
+    "IoHook",
+    "keeping_zip_crc32",
     "makedirs",
     "note_published",
     "noting_publications",
@@ -59,6 +58,7 @@ __all__ = [
     "replacing",
     "save_torch",
     "set_io_hook",
+    "StagedFile",
     "write_text",
 ]
 

@@ -193,5 +193,6 @@ def remove_accelerate_patch() -> None:
         if original is not None and module is not None and getattr(getattr(module, _TARGET, None), "_zero_bnb_patch", False):
             setattr(module, _TARGET, original)
         save_state = _ORIGINAL.pop("save_state", None)
-        if save_state is not None and module is not None and hasattr(module, "Accelerator"):
-            module.Accelerator.save_state = save_state
+        if save_state is not None and module is not None and getattr(
+                getattr(getattr(module, "Accelerator", None), "save_state", None), "_zero_bnb_patch", False):
+            module.Accelerator.save_state = save_state  # only where ours is still in place
