@@ -75,21 +75,21 @@ def undone_speedups():
     import zero_bnb.format.durable as durable
     from zero_bnb.core.residual import rounds_to, split_bf16
 
-    saved = (durable._without_zip_crc32, durable._PARALLEL_HASH_BYTES, cmasters.split_rounded_bf16,
+    saved = (durable.without_zip_crc32, durable._PARALLEL_HASH_BYTES, cmasters.split_rounded_bf16,
              getattr(cmasters, "_HASH_BESIDE_SPLIT", False))
 
     @contextmanager
     def crc_on():
         yield
 
-    durable._without_zip_crc32 = crc_on
+    durable.without_zip_crc32 = crc_on
     durable._PARALLEL_HASH_BYTES = 1 << 62
     cmasters._HASH_BESIDE_SPLIT = False
     cmasters.split_rounded_bf16 = lambda master, weight: split_bf16(master, weight) if rounds_to(master, weight) else None
     try:
         yield
     finally:
-        (durable._without_zip_crc32, durable._PARALLEL_HASH_BYTES, cmasters.split_rounded_bf16,
+        (durable.without_zip_crc32, durable._PARALLEL_HASH_BYTES, cmasters.split_rounded_bf16,
          cmasters._HASH_BESIDE_SPLIT) = saved
 CONDITIONS = ("quiet", "disk")
 

@@ -8,7 +8,7 @@ import zipfile
 import pytest
 import torch
 
-from zero_bnb.format import durable
+from zero_bnb.format import durable, zip_crc
 
 
 #: The tree whose zero_bnb these tests import (for a child process).
@@ -142,7 +142,7 @@ def test_overlapping_saves_in_threads_put_the_crc32_switch_back(tmp_path):
 
 def test_a_background_writer_keeps_the_zip_crc32_and_leaves_the_switch_alone(tmp_path):
     """An asynchronous save's writer runs beside the user's code, whose own torch.save must keep its CRC-32."""
-    with durable.keeping_zip_crc32():
+    with zip_crc.keeping_zip_crc32():
         durable.save_torch({"w": torch.arange(4096.0)}, str(tmp_path / "kept.pt"), root=str(tmp_path))
         assert torch.serialization.get_crc32_options() is True  # never switched off meanwhile
     with zipfile.ZipFile(tmp_path / "kept.pt") as archive:

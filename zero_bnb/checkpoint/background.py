@@ -40,11 +40,13 @@ from zero_bnb.checkpoint.masters import MasterPlan, decide_masters
 from zero_bnb.checkpoint.partitioned import PartitionedOptimizer
 from zero_bnb.checkpoint.save import LocalPayload
 from zero_bnb.checkpoint.staging import StagingLimitError, StagingPool
-from zero_bnb.errors import CheckpointSaveError
-from zero_bnb.format.durable import keeping_zip_crc32, save_torch
+from zero_bnb.errors import CheckpointSaveError, CheckpointUsageError
+from zero_bnb.format.durable import save_torch
+from zero_bnb.format.zip_crc import keeping_zip_crc32
 from zero_bnb.format.manifest import Manifest
 
-__all__ = ["BackgroundSaver", "StagedSave", "after_pending_saves", "join_saves_into", "wait_for_pending_saves"]
+__all__ = ["BackgroundSaver", "StagedSave", "after_pending_saves", "check_same_switch", "join_saves_into",
+           "wait_for_pending_saves"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,18 +78,30 @@ def after_pending_saves(action: Callable[[], object], what: str) -> None:
     For the front doors' deletions of older checkpoints (Trainer's ``save_total_limit``, Lightning's
     ``save_top_k``): an older checkpoint is removed only once the newer one is complete.
     """
-    for saver in list(_SAVERS):
-        with saver._after_lock:
-            if saver._accepting:
-                logger.info("zero_bnb: %s waits until the asynchronous save of checkpoint %r is committed", what,
-                            saver._tag)
-                saver._after.append((action, what))
-                return
-            if saver._error is not None:  # it failed before the front door asked, and is not raised yet
-                logger.warning("zero_bnb: %s did not run: the asynchronous save of checkpoint %r failed, so the "
-                               "older checkpoints are kept", what, saver._tag)
-                return
-    action()
+    if not any(saver.defer(action, what) for saver in list(_SAVERS)):
+        action()
+
+
+def check_same_switch(asynchronous: bool) -> None:
+    """Check that every rank has the same ``zero_checkpoint_async``. Collective over the world: every rank must call
+    it (an engine does at its first save, before anything is written).
+
+    The asynchronous writers commit on a process group of their own, created by every rank at the first
+    asynchronous save; a rank saving synchronously would never join it, and the others would wait for it.
+
+    Raises:
+        CheckpointUsageError: on every rank, naming the ranks of each setting.
+    """
+    flags: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(asynchronous))
+    if len(set(flags)) > 1:
+        on = [rank for rank, flag in enumerate(flags) if flag]
+        off = [rank for rank, flag in enumerate(flags) if not flag]
+        raise CheckpointUsageError(
+            f"zero_checkpoint_async is true on rank(s) {on} and false on rank(s) {off}: every rank must save the "
+            f"same way (the asynchronous writers commit together on a process group every rank joins at the "
+            f"first asynchronous save). Nothing was written. Give every rank the same DeepSpeed config"
+        )
 
 
 def join_saves_into(save_dir: str) -> None:
@@ -99,11 +113,7 @@ def join_saves_into(save_dir: str) -> None:
     """
     folder = os.path.realpath(save_dir)
     for saver in list(_SAVERS):
-        thread = saver._thread
-        if thread is not None and thread.is_alive() and saver._folder == folder:
-            logger.info("zero_bnb: waiting for the asynchronous save of checkpoint %r into %s (another engine's) to "
-                        "release the folder", saver._tag, save_dir)
-            thread.join()
+        saver.join_if_into(folder)
 
 
 def wait_for_pending_saves() -> None:
@@ -242,6 +252,30 @@ class BackgroundSaver:
         thread = threading.Thread(target=run, name=f"zero_bnb-save-{tag}", daemon=False)
         thread.start()
         self._thread = thread  # only once started: another thread's wait() may join it at once
+
+    def defer(self, action: Callable[[], object], what: str) -> bool:
+        """Hand ``action`` to the writer to run right after the pending save is committed (or drop it, logged, if
+        that save failed and is not raised yet); ``False`` when this saver has nothing pending. Local."""
+        with self._after_lock:
+            if self._accepting:
+                logger.info("zero_bnb: %s waits until the asynchronous save of checkpoint %r is committed", what,
+                            self._tag)
+                self._after.append((action, what))
+                return True
+            if self._error is not None:  # it failed before the front door asked, and is not raised yet
+                logger.warning("zero_bnb: %s did not run: the asynchronous save of checkpoint %r failed, so the "
+                               "older checkpoints are kept", what, self._tag)
+                return True
+        return False
+
+    def join_if_into(self, folder: str) -> None:
+        """Block until the pending save, if it writes into ``folder`` (a real path), is finished; its outcome is
+        left for :meth:`wait` to raise. Local."""
+        thread = self._thread
+        if thread is not None and thread.is_alive() and self._folder == folder:
+            logger.info("zero_bnb: waiting for the asynchronous save of checkpoint %r into %s (another engine's) to "
+                        "release the folder", self._tag, folder)
+            thread.join()
 
     def _run_after(self, tag: str) -> None:
         """Run the deletions the front doors handed over (in order, until none is left; skipped if the save failed),

@@ -9,8 +9,9 @@ internals). The engine is a real ``DeepSpeedEngine``; it differs only in
   and stock DeepSpeed's through :mod:`zero_bnb.checkpoint.stock_import`), so that ``load_checkpoint`` works at
   any DP size,
 * how a checkpoint is committed (:mod:`zero_bnb.checkpoint.commit`: staged, fsynced, checksummed,
-  published by rename, ``latest`` last) and planned, checked and applied all-or-nothing on load
-  (:mod:`zero_bnb.checkpoint.load`).
+  published by rename, ``latest`` last; with ``zero_checkpoint_async`` staged and committed in the background,
+  :mod:`zero_bnb.checkpoint.background`; DeepSpeed's own files through :mod:`zero_bnb.ds.checkpoint_engine`) and
+  planned, checked and applied all-or-nothing on load (:mod:`zero_bnb.checkpoint.load`).
 
 Module weights, LR scheduler and client state stay in DeepSpeed's own model file (the module weights are left
 out with ``zero_derived_module_weights: true`` and rebuilt from the master weights on load).
@@ -38,7 +39,7 @@ from deepspeed.runtime.zero.utils import ZeRORuntimeException
 import torch.distributed as dist
 
 from zero_bnb.bnb.chunked import ChunkedUpdate, uninstall_chunked_update
-from zero_bnb.checkpoint.background import BackgroundSaver, StagedSave, join_saves_into
+from zero_bnb.checkpoint.background import BackgroundSaver, StagedSave, check_same_switch, join_saves_into
 from zero_bnb.checkpoint.batch import batch_of, warn_if_batch_changed
 from zero_bnb.checkpoint.collective import agree
 from zero_bnb.checkpoint.commit import SaveTransaction
@@ -50,21 +51,19 @@ from zero_bnb.checkpoint.precision import describe_conversions
 from zero_bnb.checkpoint.recovery_script import write_recovery_script
 from zero_bnb.checkpoint.restore import apply_masters, apply_restore
 from zero_bnb.checkpoint.save import manifest_draft, stage_local_payload
-from zero_bnb.checkpoint.staging import StagingLimitError, StagingPool
 from zero_bnb.checkpoint.state_checks import find_non_finite, verify_replicated_state
 from zero_bnb.core.config import ZeroBnbConfig
 from zero_bnb.core.state_spec import StateRule, declared, spec_for
+from zero_bnb.ds.checkpoint_engine import DurableCheckpointEngine
 from zero_bnb.ds.stage3 import BlockAlignedStage3Optimizer
 from zero_bnb.ds.zero_optimizer import BlockAlignedBF16Optimizer, BlockAlignedZeroOptimizer
 from zero_bnb.errors import CheckpointUsageError
-from zero_bnb.format.durable import makedirs, replacing, save_torch
 from zero_bnb.format.masters import FULL
 from zero_bnb.format.stock_files import MODEL_STATES, stage3_model_states, stock_dp_world_size
 from zero_bnb.format.tags import resolve_tag
-from zero_bnb.format.unpickle import safe_load
 from zero_bnb.kernels.cpu_update import install_cpu_update, uninstall_cpu_update
 
-__all__ = ["DurableCheckpointEngine", "ZeroBnbEngine", "swapped_attribute"]
+__all__ = ["ZeroBnbEngine", "swapped_attribute"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,54 +92,6 @@ def swapped_attribute(owner: Any, name: str, replacement: Any) -> Iterator[None]
             yield
         finally:
             setattr(owner, name, original)
-
-
-class DurableCheckpointEngine(TorchCheckpointEngine):
-    """DeepSpeed's ``torch.save`` checkpoint engine, writing durably into a :class:`SaveTransaction`.
-
-    Files DeepSpeed writes (the model-states file) are fsynced, checksummed and recorded
-    for the manifest like zero_bnb's own.
-    """
-
-    transaction: SaveTransaction | None = None
-    #: ``{path: loaded object}`` prepared (read and checked) by a load's plan; served by :meth:`load`.
-    planned: dict[str, Any] | None = None
-    #: An asynchronous save's staging buffers: :meth:`save` then stages the object and defers the write
-    #: (to :attr:`deferred`) instead of writing it.
-    pool: StagingPool | None = None
-    #: ``(path, staged object)`` of the writes an asynchronous save left to its background writer.
-    deferred: list[tuple[str, Any]] | None = None
-
-    def makedirs(self, path, exist_ok=False):
-        if self.transaction is None:
-            if not exist_ok and os.path.isdir(path):
-                raise FileExistsError(path)
-            makedirs(path)
-            return
-        with self.transaction.guard():  # DeepSpeed calls it outside any error handling of its own
-            makedirs(path)
-
-    def save(self, state_dict, path: str) -> None:
-        """Write ``path`` as a new file in the save's staging folder; outside a save (DeepSpeed's
-        ``save_16bit_model``), into a private folder renamed over ``path`` when complete."""
-        transaction = self.transaction
-        if transaction is None:
-            with replacing(path) as temporary:
-                save_torch(state_dict, temporary, root=os.path.dirname(temporary))
-            return
-        if self.pool is not None and self.deferred is not None:
-            try:
-                self.deferred.append((path, self.pool.snapshot(state_dict)))
-                return
-            except StagingLimitError as error:
-                logger.warning("zero_bnb: %s; writing %s before save_checkpoint returns", error, os.path.basename(path))
-        transaction.add([save_torch(state_dict, path, root=transaction.staging_folder)])
-
-    def load(self, path: str, map_location=None):
-        """The planned object for ``path``, else ``torch.load(weights_only=True)`` (no code from the file runs)."""
-        if self.planned is not None and path in self.planned:
-            return self.planned[path]
-        return safe_load(path, "DeepSpeed checkpoint file", deepspeed_classes=True)
 
 
 class ZeroBnbEngine(DeepSpeedEngine):
@@ -367,27 +318,11 @@ class ZeroBnbEngine(DeepSpeedEngine):
             saver.wait()
 
     def _agree_on_async_saves(self) -> None:
-        """At this engine's first save, check that every rank has the same ``zero_checkpoint_async``. Collective.
-
-        The asynchronous writers commit on a process group of their own, created by every rank at the first
-        asynchronous save; a rank saving synchronously would never join it, and the others would wait for it.
-
-        Raises:
-            CheckpointUsageError: on every rank, naming the ranks of each setting; nothing was written.
-        """
-        if getattr(self, "_zero_bnb_async_agreed", False):
-            return
-        flags: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(flags, bool(self.zero_bnb_config.checkpoint_async))
-        if len(set(flags)) > 1:
-            on = [rank for rank, flag in enumerate(flags) if flag]
-            off = [rank for rank, flag in enumerate(flags) if not flag]
-            raise CheckpointUsageError(
-                f"zero_checkpoint_async is true on rank(s) {on} and false on rank(s) {off}: every rank must save the "
-                f"same way (the asynchronous writers commit together on a process group every rank joins at the "
-                f"first asynchronous save). Nothing was written. Give every rank the same DeepSpeed config"
-            )
-        self._zero_bnb_async_agreed = True
+        """At this engine's first save, check that every rank has the same ``zero_checkpoint_async``
+        (:func:`~zero_bnb.checkpoint.background.check_same_switch`). Collective."""
+        if not getattr(self, "_zero_bnb_async_agreed", False):
+            check_same_switch(self.zero_bnb_config.checkpoint_async)
+            self._zero_bnb_async_agreed = True
 
     def _zero_bnb_saver(self) -> BackgroundSaver | None:
         """The asynchronous saver (created at the first asynchronous save), or ``None`` for synchronous saves."""
@@ -456,15 +391,10 @@ class ZeroBnbEngine(DeepSpeedEngine):
         engine, folder = self.checkpoint_engine, os.path.join(save_path, str(tag))
         transaction = engine.transaction
         with transaction.guard():
-            if engine.pool is not None and engine.deferred is not None:
-                try:
-                    payload = stage_local_payload(self.optimizer, self._zero_bnb_masters, engine.pool.tensor)
-                except StagingLimitError as error:
-                    logger.warning("zero_bnb: %s; writing the optimizer files before save_checkpoint returns", error)
-                else:
-                    engine.deferred.append((folder, payload))
-                    return
-            transaction.add(stage_local_payload(self.optimizer, self._zero_bnb_masters).write(folder))
+            staged = engine.defer(folder, lambda: stage_local_payload(self.optimizer, self._zero_bnb_masters,
+                                                                      engine.pool.tensor), "the optimizer files")
+            if not staged:
+                transaction.add(stage_local_payload(self.optimizer, self._zero_bnb_masters).write(folder))
 
     def load_checkpoint(
         self,

@@ -4,8 +4,8 @@ All of zero_bnb's checkpoint writes go through this module, which
 
 * computes each file's SHA-256 while it is written (no second read; large writes are hashed on a helper thread
   while the calling thread copies them into the file, both outside the GIL),
-* writes ``torch.save`` files without the zip format's CRC-32 (which ``torch.load`` never checks: the SHA-256
-  in the manifest is what a load verifies), which makes serialising about three times cheaper,
+* writes ``torch.save`` files without the zip format's CRC-32 (:mod:`zero_bnb.format.zip_crc`: ``torch.load`` never
+  checks it, the SHA-256 in the manifest is what a load verifies), which makes serialising about three times cheaper,
 * flushes and fsyncs files and the folders that name them before a save is published,
 * creates every file it writes itself, under a name nobody else chose, with ``O_CREAT | O_EXCL |
   O_NOFOLLOW`` (never opening an existing path, so a symlink planted where a file goes cannot
@@ -29,7 +29,6 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 
 from zero_bnb.format.lock import try_flock
+from zero_bnb.format.zip_crc import without_zip_crc32
 
 __all__ = [
     "TEMP_SUFFIX",
@@ -48,7 +48,6 @@ __all__ = [
     "finish_publish",
     "fsync_dir",
     "IoHook",
-    "keeping_zip_crc32",
     "makedirs",
     "note_published",
     "noting_publications",
@@ -204,51 +203,6 @@ def _durable_write(path: str, root: str, fill: Callable[[_HashingWriter], None])
     return FileRecord(os.path.relpath(path, root), writer.size, writer.hash.hexdigest())
 
 
-_crc32_lock = threading.Lock()
-_crc32_users = 0
-_crc32_previous = True
-_crc32_kept = threading.local()
-
-
-@contextmanager
-def keeping_zip_crc32() -> Iterator[None]:
-    """``save_torch`` calls of this thread inside the block leave torch's CRC-32 switch alone: a background writer
-    (asynchronous saves) runs while the user's own code may ``torch.save`` files zero_bnb does not own, which must be
-    written as torch writes them."""
-    previous = getattr(_crc32_kept, "on", False)
-    _crc32_kept.on = True
-    try:
-        yield
-    finally:
-        _crc32_kept.on = previous
-
-
-@contextmanager
-def _without_zip_crc32() -> Iterator[None]:
-    """``torch.save`` inside the block computes no CRC-32 per zip record (``torch.load`` never checks it; the
-    manifest's SHA-256 covers every byte). The switch is process-wide: a ``torch.save`` another thread runs meanwhile
-    writes no CRC-32 either (it loads all the same); the first of overlapping blocks (threads) turns it off, the last
-    puts back what it found."""
-    global _crc32_users, _crc32_previous
-    get = getattr(torch.serialization, "get_crc32_options", None)
-    set_ = getattr(torch.serialization, "set_crc32_options", None)
-    if get is None or set_ is None or getattr(_crc32_kept, "on", False):
-        yield
-        return
-    with _crc32_lock:
-        if _crc32_users == 0:
-            _crc32_previous = get()
-            set_(False)
-        _crc32_users += 1
-    try:
-        yield
-    finally:
-        with _crc32_lock:
-            _crc32_users -= 1
-            if _crc32_users == 0:
-                set_(_crc32_previous)
-
-
 def save_torch(obj: Any, path: str, *, root: str) -> FileRecord:
     """``torch.save(obj)`` to the new file ``path``, fsynced; the record's path is relative to ``root``.
 
@@ -256,7 +210,7 @@ def save_torch(obj: Any, path: str, *, root: str) -> FileRecord:
     there is an error, never written through.
     """
     def fill(writer: _HashingWriter) -> None:
-        with _without_zip_crc32():
+        with without_zip_crc32():
             torch.save(obj, writer)
 
     return _durable_write(path, root, fill)
