@@ -33,6 +33,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from report import write_json_and_markdown  # noqa: E402 - this script's folder, first on sys.path
 
 VARIANTS = ("stock", "zero_bnb", "zero_bnb-async")
 _STEPS_BEFORE = 4
@@ -219,12 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     name = args.name or f"async_save-{args.params / 1e6:.0f}m-{args.precision}-dp{args.dp}"
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, name + ".json"), "w") as handle:
-        json.dump({"argv": sys.argv, "rows": rows}, handle, indent=1)
     table = summarize(rows, args)
-    with open(os.path.join(args.out, name + ".md"), "w") as handle:
-        handle.write(table)
+    write_json_and_markdown({"argv": sys.argv, "rows": rows}, table, os.path.join(args.out, name))
     print(table)
     return 0
 

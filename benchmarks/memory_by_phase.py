@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import GPT, PRESETS, batch
-from report import machine, versions
+from report import machine, versions, write_json_and_markdown
 
 PHASES = ("construction", "first_step", "steady_steps", "save", "load")
 VARIANTS = ("stock", "zero_bnb")
@@ -218,13 +218,8 @@ def main(argv: list[str] | None = None) -> int:
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
               "versions": versions(), "settings": {k: v for k, v in vars(args).items() if k != "out"},
               "results": results}
-    stem = os.path.join(args.out, args.name)
-    os.makedirs(args.out, exist_ok=True)
-    with open(f"{stem}.json", "w") as handle:
-        json.dump(report, handle, indent=1)
     markdown = _markdown(report)
-    with open(f"{stem}.md", "w") as handle:
-        handle.write(markdown)
+    write_json_and_markdown(report, markdown, os.path.join(args.out, args.name))
     print(markdown)
     return 0
 

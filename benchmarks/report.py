@@ -268,13 +268,18 @@ def _plot_memory(axis, row: dict, mode: str) -> None:
     axis.legend()
 
 
-def write_reports(report: dict, stem: str) -> str:
-    """Write ``stem``.json, .md and .png; returns the markdown."""
-    os.makedirs(os.path.dirname(stem), exist_ok=True)
+def write_json_and_markdown(report: dict, markdown: str, stem: str) -> None:
+    """Write ``report`` to ``stem``.json and ``markdown`` to ``stem``.md (the folder made if needed)."""
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
     with open(f"{stem}.json", "w") as handle:
         json.dump(report, handle, indent=1)
-    markdown = _markdown(report)
     with open(f"{stem}.md", "w") as handle:
         handle.write(markdown)
+
+
+def write_reports(report: dict, stem: str) -> str:
+    """Write ``stem``.json, .md and .png; returns the markdown."""
+    markdown = _markdown(report)
+    write_json_and_markdown(report, markdown, stem)
     _plot(report, f"{stem}.png")
     return markdown

@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import GPT, PRESETS
-from report import cell, machine, percentile, versions
+from report import cell, machine, percentile, versions, write_json_and_markdown
 from train_bench import LR, _train, convert_to_universal, peak_memory, timed_load, timed_save
 
 __all__ = ["VARIANTS", "main"]
@@ -282,12 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         "result": summarise(raw, args),
     }
     stem = os.path.join(args.out, f"stage3-{args.model}" + ("" if args.precision == "fp32" else f"-{args.precision}"))
-    os.makedirs(args.out, exist_ok=True)
-    with open(f"{stem}.json", "w") as handle:
-        json.dump(report, handle, indent=1)
     text = markdown(report)
-    with open(f"{stem}.md", "w") as handle:
-        handle.write(text)
+    write_json_and_markdown(report, text, stem)
     print(text)
     return 0
 
