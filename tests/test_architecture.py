@@ -21,7 +21,7 @@ ROOT = os.path.dirname(zero_bnb.__file__)
 ALLOWED = {
     "core": {"core", "errors"},
     "format": {"core", "format", "errors", "versions"},
-    "checkpoint": {"core", "format", "checkpoint", "errors", "versions"},
+    "checkpoint": {"core", "format", "checkpoint", "kernels", "errors", "versions"},
     "bnb": {"core", "bnb", "errors"},
     "kernels": {"core", "kernels", "errors"},
     "ds": {"core", "format", "checkpoint", "bnb", "kernels", "ds", "errors", "versions"},

@@ -45,6 +45,11 @@ from hypothesis import strategies as st
 from zero_bnb import cli
 from zero_bnb.kernels import build, cpu_update
 from zero_bnb.kernels.build import KernelBuildError
+from zero_bnb.kernels import residual as residual_kernels
+from zero_bnb.kernels.residual import split_rounded_bf16 as split_compiled
+from zero_bnb.core.residual import join_bf16, split_bf16
+from zero_bnb.core.residual import split_rounded_bf16 as split_torch
+from test_residual import _PATTERNS as _RESIDUAL_PATTERNS, _floats
 from zero_bnb.kernels.cpu_update import install_cpu_update
 from zero_bnb.kernels.fused import fused_quantize, fused_update, quantizer_path
 from zero_bnb.kernels.hyper import BLOCK, FAMILIES, TWO_STATE, UpdateHyper, step_scalars
@@ -309,6 +314,57 @@ def test_each_build_quantizes_every_midpoint_and_bucket_edge_as_the_binary_searc
     got = fused_quantize(x, qmap, signed, library=march_kernel[1]).long()
     differ = (got != expected_codes(x, qmap, signed)).nonzero().flatten()
     assert differ.numel() == 0, f"{differ.numel()} codes differ, e.g. x={x[differ[:5]].tolist()}"
+
+
+def _same_residual(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return (torch.equal(a.low, b.low) and torch.equal(a.index, b.index)
+            and torch.equal(a.value.view(torch.int32), b.value.view(torch.int32)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_RESIDUAL_PATTERNS, min_size=0, max_size=9000), st.lists(st.integers(0, 8999), max_size=3))
+def test_each_build_splits_bf16_masters_as_the_torch_version(march_kernel, bits, wrong):
+    """The compiled bf16 residual split gives torch's split for every bit pattern (ties, NaN, Inf, denormals; more
+    than one 4096-element span) whose weight is its rounding, and None when one weight is not."""
+    master = _floats(bits)
+    weight = master.to(torch.bfloat16)
+    assert _same_residual(split_compiled(master, weight, library=march_kernel[1]), split_torch(master, weight))
+    for at in (i for i in wrong if i < len(bits)):
+        weight.view(torch.int16)[at] ^= 1
+    got = split_compiled(master, weight, library=march_kernel[1])
+    nan = torch.isnan(master)  # beside a NaN master any NaN weight is the rounding (torch's casts differ)
+    rounding = torch.equal(master[~nan].to(torch.bfloat16).view(torch.int16), weight[~nan].view(torch.int16)) \
+        and bool(torch.isnan(weight[nan]).all())
+    assert (got is None) == (not rounding)
+    assert got is None or _same_residual(got, split_bf16(master, weight))
+
+
+def test_the_compiled_split_lists_more_exceptions_than_it_first_makes_room_for():
+    """Every element a tie that carried (each one an exception): the count exceeds the first call's room and a
+    second call lists them all; a NaN weight beside a NaN master, whatever NaN, is the rounding."""
+    n = 3 * 4096 + 5
+    hi = torch.arange(n, dtype=torch.int32) % 0x3F00 | 1  # odd top halves: each tie carries
+    master = (hi << 16 | 0x8000).view(torch.float32)
+    weight = master.to(torch.bfloat16)
+    residual = split_compiled(master, weight)
+    assert residual.index.tolist() == list(range(n)) and _same_residual(residual, split_torch(master, weight))
+    master[7], master[9000] = float("nan"), float("nan")
+    weight = master.to(torch.bfloat16)
+    weight.view(torch.int16)[7] = 0x7FC0  # torch's scalar NaN beside its vectorised one (0xFFFF)
+    assert split_torch(master, weight) is None  # torch's check compares the NaN's bits: it stores these masters whole
+    residual = split_compiled(master, weight)
+    assert residual is not None and 9000 in residual.index.tolist()  # 7's weight and bottom half join back as it
+    assert torch.equal(join_bf16(weight, residual).view(torch.int32), master.view(torch.int32))
+
+
+def test_the_split_runs_in_torch_where_the_kernel_cannot_be_built(fake_cxx):
+    fake_cxx(fail=True)
+    master = torch.randn(10_000)
+    weight = master.to(torch.bfloat16)
+    assert residual_kernels.compiled_split() is None
+    assert _same_residual(split_compiled(master, weight), split_torch(master, weight))
 
 
 ONE_STATE = sorted(set(FAMILIES) - set(TWO_STATE))

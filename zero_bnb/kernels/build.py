@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "blockwise_update.cpp")
 #: Every file the source includes (part of the cache key).
-HEADERS = tuple(os.path.join(os.path.dirname(SOURCE), name) for name in ("quantize_tables.h", "codec.h"))
+HEADERS = tuple(os.path.join(os.path.dirname(SOURCE), name) for name in ("quantize_tables.h", "codec.h", "bf16_split.h"))
 #: -ffp-contract=off: no fused multiply-add, so the kernel rounds as the plain-torch reference does.
 #: -fno-trapping-math: the kernel never reads floating-point exception flags, so the compiler may compute both sides
 #: of a select; without it gcc leaves the update loops of builds without AVX-512 scalar (the same values either way).
@@ -68,7 +68,8 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-m
 #: the architecture: the same :data:`FLAGS` build on x86-64 and aarch64.
 MARCH_ENV = "ZERO_BNB_KERNEL_MARCH"
 #: The functions :func:`bind` declares: a library at the kernel's name without all of them is not the kernel.
-SYMBOLS = ("zero_bnb_blockwise_update", "zero_bnb_quantize", "zero_bnb_quantizer_path", "zero_bnb_widest_path")
+SYMBOLS = ("zero_bnb_blockwise_update", "zero_bnb_quantize", "zero_bnb_quantizer_path", "zero_bnb_widest_path",
+           "zero_bnb_split_rounded_bf16")
 
 
 def flags() -> tuple[str, ...]:
@@ -166,7 +167,7 @@ def _compile(compiler: list[str], folder: str, path: str) -> None:
         ) from error
     scratch = os.path.join(private, os.path.basename(path))
     command = [*compiler, *flags(), SOURCE, "-o", scratch]
-    logger.info("building the fused CPU 8-bit optimizer update: %s", " ".join(command))
+    logger.info("zero_bnb: building the fused CPU kernels (8-bit optimizer update, bf16 residual split): %s", " ".join(command))
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
@@ -307,6 +308,9 @@ def _declare(path: str, library: ctypes.CDLL) -> ctypes.CDLL:
     quantizer.argtypes = [ctypes.c_void_p, ctypes.c_int]
     library.zero_bnb_widest_path.restype = ctypes.c_int
     library.zero_bnb_widest_path.argtypes = []
+    split = library.zero_bnb_split_rounded_bf16
+    split.restype = ctypes.c_int64
+    split.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     return library
 
 

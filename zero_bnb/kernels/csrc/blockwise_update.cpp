@@ -22,6 +22,8 @@
 // and take absmax with NEON; dequantization and the update loops are the portable ones, which the compiler
 // vectorises. Checked bit for bit under qemu-aarch64 (tests/test_kernels_cross.py); not yet timed on an Arm CPU.
 #include "codec.h"
+// The checkpoint's bf16 residual split lives in the same library (one build, one cache entry).
+#include "bf16_split.h"
 
 namespace {
 
