@@ -25,12 +25,16 @@ from zero_bnb.testing.toy import train_steps
 
 
 def _same_file(first: str, second: str) -> bool:
-    """The same size and the same loaded content (tensors bit for bit, their dtypes, every other value). The bytes may
-    differ only in the zip CRC-32 fields: a synchronous save leaves them empty, the background writer does not
-    (it leaves torch's process-wide switch alone while the user's code may save)."""
-    if os.path.getsize(first) != os.path.getsize(second):
-        return False
-    return _same_value(torch.load(first, weights_only=False), torch.load(second, weights_only=False))
+    """The same bytes (the background writer, like a synchronous save, writes no zip CRC-32: the switch is per
+    thread) and, to say what differs when they are not, the same loaded content (tensors bit for bit, their dtypes,
+    every other value)."""
+    with open(first, "rb") as a, open(second, "rb") as b:
+        if a.read() == b.read():
+            return True
+    if os.path.getsize(first) == os.path.getsize(second) and _same_value(torch.load(first, weights_only=False),
+                                                                        torch.load(second, weights_only=False)):
+        raise AssertionError(f"{first} and {second} hold the same values in different bytes")
+    return False
 
 
 def _same_value(a, b) -> bool:

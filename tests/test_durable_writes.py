@@ -1,14 +1,19 @@
-"""format/durable.py's writers: one-pass SHA-256 (large writes hashed on a helper thread), no zip CRC-32, errors kept."""
+"""format/durable.py's writers: one-pass SHA-256 (large writes hashed on a helper thread), no zip CRC-32 (per thread),
+errors kept; format/direct_io.py's writes around the page cache."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import shutil
+import tempfile
 import zipfile
 
 import pytest
 import torch
 
-from zero_bnb.format import durable, zip_crc
+from zero_bnb.format import direct_io, durable
 
 
 #: The tree whose zero_bnb these tests import (for a child process).
@@ -140,13 +145,85 @@ def test_overlapping_saves_in_threads_put_the_crc32_switch_back(tmp_path):
     assert sorted(records) == ["a.pt", "b.pt"]
 
 
-def test_a_background_writer_keeps_the_zip_crc32_and_leaves_the_switch_alone(tmp_path):
-    """An asynchronous save's writer runs beside the user's code, whose own torch.save must keep its CRC-32."""
-    with zip_crc.keeping_zip_crc32():
-        durable.save_torch({"w": torch.arange(4096.0)}, str(tmp_path / "kept.pt"), root=str(tmp_path))
-        assert torch.serialization.get_crc32_options() is True  # never switched off meanwhile
-    with zipfile.ZipFile(tmp_path / "kept.pt") as archive:
-        assert archive.testzip() is None  # every record's CRC-32 present and right
-    durable.save_torch({"w": torch.arange(4096.0)}, str(tmp_path / "plain.pt"), root=str(tmp_path))
-    with zipfile.ZipFile(tmp_path / "plain.pt") as archive:
-        assert archive.testzip() is not None  # outside the block: left empty, as a synchronous save writes
+def test_the_crc32_switch_is_this_threads_only_and_torchs_own_setting_is_untouched(tmp_path):
+    """While a save of zero_bnb's runs in one thread (an asynchronous save's writer), the user's own torch.save in
+    another thread keeps its CRC-32, and torch's process-wide setting never changes, whatever it is."""
+    import threading
+
+    inside, done = threading.Event(), threading.Event()
+
+    def hold(event, path):  # zero_bnb's save waits, inside its block, until the user's save is written
+        if event == "write" and not inside.is_set():
+            inside.set()
+            done.wait(timeout=30)
+
+    previous = durable.set_io_hook(hold)
+    try:
+        for setting in (True, False):
+            torch.serialization.set_crc32_options(setting)
+            inside.clear(), done.clear()
+            ours = threading.Thread(target=durable.save_torch, args=({"w": torch.arange(4096.0)},
+                                                                      str(tmp_path / f"ours-{setting}.pt")),
+                                    kwargs={"root": str(tmp_path)})
+            ours.start()
+            assert inside.wait(timeout=30)
+            torch.save({"w": torch.arange(4096.0)}, tmp_path / f"user-{setting}.pt")  # the user's, meanwhile
+            assert torch.serialization.get_crc32_options() is setting
+            done.set()
+            ours.join(timeout=60)
+            with zipfile.ZipFile(tmp_path / f"user-{setting}.pt") as archive:
+                assert (archive.testzip() is None) is setting  # torch's own setting decided the user's file
+            with zipfile.ZipFile(tmp_path / f"ours-{setting}.pt") as archive:
+                assert {info.CRC for info in archive.infolist()} == {0}  # zero_bnb's: none, either way
+    finally:
+        durable.set_io_hook(previous)
+        torch.serialization.set_crc32_options(True)
+
+
+@pytest.mark.parametrize("sizes", [[0], [1], [4096], [(1 << 22) - 1, 2], [1 << 22, 1 << 22, 5], [3, (3 << 22) + 17]])
+def test_direct_writes_give_the_same_file_record_and_bytes(tmp_path, sizes):
+    """Inside direct_writes a file goes around the page cache (O_DIRECT, whole aligned buffers, the tail after it is
+    cleared): the same bytes, size and SHA-256 as a buffered write, whatever the pieces' sizes."""
+    pieces = [os.urandom(size) for size in sizes]
+    writes = lambda writer: [writer.write(piece) for piece in pieces]  # noqa: E731
+    buffered = durable._durable_write(str(tmp_path / "buffered"), str(tmp_path), writes)
+    opened = []
+    real = direct_io.DirectFile.__init__
+
+    def spy(self, descriptor):
+        opened.append(os.O_DIRECT & fcntl.fcntl(descriptor, fcntl.F_GETFL))
+        real(self, descriptor)
+
+    with direct_io.direct_writes(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(direct_io.DirectFile, "__init__", spy)
+        direct = durable._durable_write(str(tmp_path / "direct"), str(tmp_path), writes)
+    assert opened and opened[0], "the file was not opened with O_DIRECT"
+    assert (direct.size, direct.sha256) == (buffered.size, buffered.sha256) == (
+        sum(sizes), durable.digest_file(str(tmp_path / "direct"))[1])
+    assert (tmp_path / "direct").read_bytes() == b"".join(pieces)
+
+
+def test_direct_writes_fall_back_to_the_page_cache_where_the_file_system_refuses_them(tmp_path, monkeypatch):
+    """A file system without O_DIRECT (tmpfs refuses the open; others a write) gets a buffered file, whole."""
+    payload = {"big": torch.randn(3 << 20)}
+    real_write, refused = os.write, []
+
+    def refuse_direct(descriptor, data):
+        if os.O_DIRECT & fcntl.fcntl(descriptor, fcntl.F_GETFL):
+            refused.append(len(data))
+            raise OSError(errno.EINVAL, "direct I/O refused")
+        return real_write(descriptor, data)
+
+    monkeypatch.setattr(direct_io.os, "write", refuse_direct)
+    with direct_io.direct_writes():
+        record = durable.save_torch(payload, str(tmp_path / "a.pt"), root=str(tmp_path))
+    assert refused and (record.size, record.sha256) == durable.digest_file(str(tmp_path / "a.pt"))
+    assert torch.equal(torch.load(tmp_path / "a.pt", weights_only=True)["big"], payload["big"])
+    if os.path.isdir("/dev/shm"):
+        folder = tempfile.mkdtemp(dir="/dev/shm")
+        try:
+            with direct_io.direct_writes():
+                record = durable.save_torch(payload, os.path.join(folder, "b.pt"), root=folder)
+            assert (record.size, record.sha256) == durable.digest_file(os.path.join(folder, "b.pt"))
+        finally:
+            shutil.rmtree(folder)

@@ -41,8 +41,8 @@ from zero_bnb.checkpoint.partitioned import PartitionedOptimizer
 from zero_bnb.checkpoint.save import LocalPayload
 from zero_bnb.checkpoint.staging import StagingLimitError, StagingPool
 from zero_bnb.errors import CheckpointSaveError, CheckpointUsageError
+from zero_bnb.format.direct_io import direct_writes
 from zero_bnb.format.durable import save_torch
-from zero_bnb.format.zip_crc import keeping_zip_crc32
 from zero_bnb.format.manifest import Manifest
 
 __all__ = ["BackgroundSaver", "StagedSave", "after_pending_saves", "check_same_switch", "join_saves_into",
@@ -165,7 +165,7 @@ class StagedSave:
                     self.copies.synchronize()
             # Every rank decides, even after an error (commit() then reports it), so no writer waits for another.
             masters = decide_masters(self.optimizer, self.candidates, self.names, self._inputs, group=transaction.group)
-            with transaction.guard(), keeping_zip_crc32():  # the user's own torch.save may run meanwhile
+            with transaction.guard(), direct_writes():  # around the page cache: training's cores and memory bus
                 for path, staged in self.deferred:  # DeepSpeed's files by path; the optimizer payload into its folder
                     transaction.add(staged.with_masters(masters).write(path) if isinstance(staged, LocalPayload)
                                     else [save_torch(staged, path, root=transaction.staging_folder)])

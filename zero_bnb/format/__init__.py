@@ -1,7 +1,8 @@
 """The on-disk checkpoint format and its safe I/O: the manifest and its validation (``manifest``),
 the shard and replicated payload records with their checks, reader and writer (``payload``), how
 master weights are stored, whole or derived from the module weights, and rebuilt (``masters``),
-durable fsynced and hashed writes (``durable``), file and checksum checks
+durable fsynced and hashed writes (``durable``; ``torch.save`` without the zip CRC-32, ``zip_crc``; around the page
+cache for a background writer, ``direct_io``), file and checksum checks
 (``integrity``), names that stay inside their folder (``paths``), ``weights_only`` loading
 (``unpickle``), the save-folder lock (``lock``), tags and pointer files (``tags``), the loss
 scaler as plain data (``wrapper_state``), DeepSpeed's stock file layout (``stock_files``) and the

@@ -6,7 +6,8 @@ All of zero_bnb's checkpoint writes go through this module, which
   while the calling thread copies them into the file, both outside the GIL),
 * writes ``torch.save`` files without the zip format's CRC-32 (:mod:`zero_bnb.format.zip_crc`: ``torch.load`` never
   checks it, the SHA-256 in the manifest is what a load verifies), which makes serialising about three times cheaper,
-* flushes and fsyncs files and the folders that name them before a save is published,
+* flushes and fsyncs files and the folders that name them before a save is published (an asynchronous save's
+  writer writes around the page cache: :mod:`zero_bnb.format.direct_io`),
 * creates every file it writes itself, under a name nobody else chose, with ``O_CREAT | O_EXCL |
   O_NOFOLLOW`` (never opening an existing path, so a symlink planted where a file goes cannot
   redirect a write), inside a fresh staging folder or a fresh private folder (:class:`StagedFile`),
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 
+from zero_bnb.format.direct_io import open_new
 from zero_bnb.format.lock import try_flock
 from zero_bnb.format.zip_crc import without_zip_crc32
 
@@ -189,7 +191,7 @@ def _settle(future: Future) -> None:
 def _durable_write(path: str, root: str, fill: Callable[[_HashingWriter], None]) -> FileRecord:
     _event("create", path)
     # One helper thread per file: a pool kept between saves would not survive a fork (fault-injection trials).
-    with os.fdopen(os.open(path, _CREATE_FLAGS, 0o666), "wb") as handle, ThreadPoolExecutor(1) as hasher:
+    with open_new(path, _CREATE_FLAGS) as handle, ThreadPoolExecutor(1) as hasher:
         writer = _HashingWriter(handle, path, hasher)
         try:
             fill(writer)
