@@ -223,10 +223,13 @@ def measure(rank, world, args, workdir, result_path):
                 engine.zero_bnb_config = dataclasses.replace(engine.zero_bnb_config, checkpoint_async=True)
                 steps = itertools.count(args.warmup + args.steps)
                 folder = os.path.join(workdir, "async")
-                record.setdefault("async_save", []).append(save_stall(
-                    engine, folder, f"round{round_index}",
-                    lambda engine=engine: _train(engine, args, rank, next(steps), 1, None)[0],
-                    statistics.median(record["step_s"][-args.steps:])))
+                step = lambda engine=engine: _train(engine, args, rank, next(steps), 1, None)[0]  # noqa: E731
+                baseline = statistics.median(record["step_s"][-args.steps:])
+                # The first allocates the staging buffers; the second reuses them, as every later save of a run does.
+                first = save_stall(engine, folder, f"round{round_index}-first", step, baseline)
+                row = save_stall(engine, folder, f"round{round_index}", step, baseline)
+                record.setdefault("async_save", []).append(
+                    {**row, "first_blocking_s": first["blocking_s"], "first_stall_s": first["stall_s"]})
                 dist.barrier()
                 if rank == 0:
                     shutil.rmtree(folder, ignore_errors=True)
