@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_bnb.core.layout import GroupGeometry, ceil_div, plan_copy
+from zero_bnb.core.layout import GroupGeometry, ceil_div, largest_dp_with_partition, plan_copy
 
 numels = st.integers(min_value=0, max_value=200_000)
 dps = st.integers(min_value=1, max_value=8)
@@ -125,3 +125,11 @@ def test_known_example_from_design_notes():
     g = GroupGeometry(11312, 2, 256)
     assert g.partition_numel == 5888 and g.element_ranges() == [(0, 5888), (5888, 11312)]
     assert g.block_ranges() == [(0, 23), (23, 45)]
+
+
+@given(st.integers(0, 10**7), st.sampled_from([1, 2, 64, 256, 4096]), st.integers(0, 10**6), st.integers(0, 600))
+def test_largest_dp_with_partition_is_the_last_dp_a_scan_keeps(numel, block, at_least, max_dp):
+    """The bisection gives what a scan of every DP size 1..max_dp gives (bitsandbytes' min_8bit_size edge)."""
+    scan = max((dp for dp in range(1, max_dp + 1) if GroupGeometry(numel, dp, block).partition_numel >= at_least),
+               default=None)
+    assert largest_dp_with_partition(numel, block, at_least, max_dp) == scan

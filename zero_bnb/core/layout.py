@@ -30,6 +30,7 @@ __all__ = [
     "GroupGeometry",
     "Segment",
     "ceil_div",
+    "largest_dp_with_partition",
     "plan_copy",
 ]
 
@@ -127,6 +128,29 @@ class Segment:
     src_offset: int
     dst_offset: int
     length: int
+
+
+def largest_dp_with_partition(numel: int, block_size: int, at_least: int, max_dp: int) -> int | None:
+    """The largest DP size up to ``max_dp`` at which a group of ``numel`` elements still gives every rank a partition
+    of at least ``at_least`` elements (:attr:`GroupGeometry.partition_numel`), or ``None`` when even DP=1 does not.
+
+    ``partition_numel`` is ``ceil(numel / (a * dp)) * a`` for a fixed ``a``: it never grows with ``dp``, so a
+    bisection finds the edge (what bitsandbytes' ``min_8bit_size`` decides per partition: the largest DP size that
+    keeps a group's state 8-bit).
+    """
+    def enough(dp: int) -> bool:
+        return GroupGeometry(numel, dp, block_size).partition_numel >= at_least
+
+    if max_dp < 1 or not enough(1):
+        return None
+    low, high = 1, max_dp
+    while low < high:
+        middle = (low + high + 1) // 2
+        if enough(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def plan_copy(sources: Sequence[tuple[int, int]], target: tuple[int, int]) -> list[Segment]:

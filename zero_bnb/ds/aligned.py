@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zero_bnb.core.layout import GroupGeometry
+from zero_bnb.core.layout import GroupGeometry, largest_dp_with_partition
 from zero_bnb.core.state_spec import OptimizerSpec, StateRule, param_in_group
 from zero_bnb.ds.loss_scaler import live_wrapper
 from zero_bnb.format.manifest import ParamEntry
@@ -161,10 +161,7 @@ class BlockAligned:
         if self.precision_on_whole_parameter:
             return record | {"eight_bit": eight_bit and geometry.numel >= limit, "eight_bit_up_to_dp": None,
                              "decided_on": "whole parameter"}
-        up_to = None
-        if eight_bit:
-            up_to = max((dp for dp in range(1, _MAX_DP + 1)
-                         if GroupGeometry(geometry.numel, dp, geometry.block_size).partition_numel >= limit), default=None)
+        up_to = largest_dp_with_partition(geometry.numel, geometry.block_size, limit, _MAX_DP) if eight_bit else None
         return record | {"eight_bit": eight_bit and geometry.partition_numel >= limit, "eight_bit_up_to_dp": up_to}
 
     def wrapper_scalars(self) -> dict[str, Any]:

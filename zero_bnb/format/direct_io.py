@@ -4,7 +4,7 @@ A buffered write copies every byte into the page cache and the kernel writes it 
 memory bus as training: beside a 2-thread training step on a 2-core Xeon, 400 MiB written that way slowed the steps
 0.13-0.30 s in all, written directly 0.04-0.07 s (``docs/design.md``, "asynchronous saves"). Inside
 :func:`direct_writes` (per thread) :func:`open_new` gives a :class:`DirectFile`; elsewhere, or where the file system
-has no ``O_DIRECT`` (tmpfs), a buffered file. The bytes written and the fsync that follows are the same either way.
+has no ``O_DIRECT`` (ramfs; tmpfs before Linux 6.6), a buffered file. The bytes written and the fsync that follows are the same either way.
 Local.
 """
 
@@ -18,6 +18,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+import numpy
 
 __all__ = ["DirectFile", "direct_writes", "open_new"]
 
@@ -49,20 +51,17 @@ class DirectFile:
     file system refuses a direct write (``EINVAL``), the rest is written through the page cache."""
 
     def __init__(self, descriptor: int) -> None:
-        self._descriptor = descriptor
-        try:
-            self._buffer = mmap.mmap(-1, _DIRECT_BUFFER)  # page-aligned, as O_DIRECT needs
-        except BaseException:
-            os.close(descriptor)
-            raise
+        self._descriptor = descriptor  # closed by __exit__ (by the caller if this raises)
+        self._buffer = mmap.mmap(-1, _DIRECT_BUFFER)  # page-aligned, as O_DIRECT needs
+        self._array = numpy.frombuffer(self._buffer, dtype=numpy.uint8)  # copies into it release the GIL
         self._filled = 0
 
     def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
+        source = numpy.frombuffer(memoryview(data).cast("B"), dtype=numpy.uint8)
         done = 0
-        while done < view.nbytes:
-            take = min(view.nbytes - done, _DIRECT_BUFFER - self._filled)
-            self._buffer[self._filled : self._filled + take] = view[done : done + take]
+        while done < source.size:
+            take = min(source.size - done, _DIRECT_BUFFER - self._filled)
+            numpy.copyto(self._array[self._filled : self._filled + take], source[done : done + take])
             self._filled += take
             done += take
             if self._filled == _DIRECT_BUFFER:
@@ -108,17 +107,38 @@ class DirectFile:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._buffer.close()
-        os.close(self._descriptor)
+        """Close the file. What the buffer still holds is dropped: :meth:`flush` first (``_durable_write`` does)."""
+        try:
+            del self._array  # the buffer's last export: an mmap with one cannot be closed
+            self._buffer.close()
+        finally:
+            os.close(self._descriptor)
 
 
 def open_new(path: str, flags: int) -> Any:
     """``os.open(path, flags)`` (the caller's flags create it) as a file object to write: a :class:`DirectFile` inside
-    :func:`direct_writes` where the file system takes ``O_DIRECT``, else a buffered file."""
-    if getattr(_direct, "on", False) and _O_DIRECT:
-        try:
-            return DirectFile(os.open(path, flags | _O_DIRECT, 0o666))
-        except OSError as error:
-            if error.errno != errno.EINVAL:  # EINVAL: this file system has no O_DIRECT (tmpfs)
-                raise
-    return os.fdopen(os.open(path, flags, 0o666), "wb")
+    :func:`direct_writes` where the file system takes ``O_DIRECT``, else a buffered file.
+
+    ``O_DIRECT`` is asked for once the file exists (``fcntl``): a file system without it (ramfs, tmpfs before Linux
+    6.6, overlayfs over them) creates the file and only then refuses an ``open`` with ``O_DIRECT``, and a buffered
+    retry of an ``O_EXCL`` open would find it there.
+    """
+    descriptor = os.open(path, flags, 0o666)
+    try:
+        if getattr(_direct, "on", False) and _O_DIRECT and _direct_io_on(descriptor):
+            return DirectFile(descriptor)
+        return os.fdopen(descriptor, "wb")
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
+def _direct_io_on(descriptor: int) -> bool:
+    """Set ``O_DIRECT`` on ``descriptor``; ``False`` where its file system refuses it (``EINVAL``)."""
+    try:
+        fcntl.fcntl(descriptor, fcntl.F_SETFL, fcntl.fcntl(descriptor, fcntl.F_GETFL) | _O_DIRECT)
+    except OSError as error:
+        if error.errno != errno.EINVAL:
+            raise
+        return False
+    return True

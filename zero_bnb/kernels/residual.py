@@ -42,11 +42,12 @@ def split_rounded_bf16(master: torch.Tensor, weight: torch.Tensor,
 
     ``library``: a build other than :func:`compiled_split`'s (tests pass one per instruction set).
     """
-    library = library or compiled_split()
-    if library is None or master.dtype != torch.float32 or weight.dtype != torch.bfloat16 \
-            or master.shape != weight.shape or master.dim() != 1 or master.device.type != "cpu" \
-            or weight.device.type != "cpu":
-        return split_rounded_bf16_torch(master, weight)  # which also raises on wrong arguments
+    if master.dtype != torch.float32 or weight.dtype != torch.bfloat16 or master.shape != weight.shape \
+            or master.dim() != 1 or master.device.type != "cpu" or weight.device.type != "cpu":
+        return split_rounded_bf16_torch(master, weight)  # which raises on wrong arguments
+    library = library or compiled_split()  # the first call may build the library (once per machine and cache)
+    if library is None:
+        return split_rounded_bf16_torch(master, weight)
     master, weight = master.contiguous(), weight.contiguous()
     n = master.numel()
     low = torch.empty(n, dtype=torch.int16)

@@ -6,8 +6,8 @@
 //
 // Rounding as torch's float -> bfloat16 cast (c10/util/BFloat16.h, the vectorised ATen casts): round to nearest,
 // ties to even, on the bits, denormals kept. A NaN master is accepted beside any NaN weight: torch's scalar cast
-// makes 0x7FC0 and its vectorised casts 0xFFFF, and the element is listed among the exceptions either way (its
-// fp32 value is stored beside the weights).
+// makes 0x7FC0, its vectorised casts 0xFFFF and CUDA's 0x7FFF. Like every element, it is listed among the
+// exceptions (its fp32 value stored beside the weights) unless the weight and its bottom half give it back.
 #pragma once
 
 #include <cstdint>
