@@ -7,7 +7,8 @@ compared bit for bit with :mod:`zero_bnb.kernels.reference`, computed on this ma
 midpoint, its float neighbours and every bucket edge, on random floats of any bits (NaN, Inf, subnormals, both
 zeros, |x| >= 2) and with four maps (one the NEON tables cannot hold); the whole update of every family on seeded
 random partitions (partial last blocks, zero blocks, NaN/Inf/signalling-NaN gradients, every hyper-parameter, 1 and
-3 threads); and the path each build reports. Two aarch64 builds: ``-march=armv8-a`` (NEON, every aarch64 CPU) and
+3 threads); the path each build reports; and the checkpoint's bf16 residual split (``csrc/bf16_split.h``, in the
+same library) against its torch version. Two aarch64 builds: ``-march=armv8-a`` (NEON, every aarch64 CPU) and
 ``-march=armv9-a`` (SVE2, as Grace and Graviton 4 have, which the compiler may use for the portable loops). The same
 driver built for this machine (``native``) runs without an emulator, so the driver itself is checked wherever a
 compiler is.
@@ -106,6 +107,22 @@ class Calls:
     def widest(self) -> None:
         self.parts.append(struct.pack("<i", 3))
         self.readers.append(lambda out: build.QUANTIZER_PATHS[struct.unpack("<i", out.take(4))[0]])
+
+    def split(self, master: torch.Tensor, weight: torch.Tensor, cap: int) -> None:
+        """The bf16 residual split: (count, bottom halves, the first min(count, cap) exception indices)."""
+        n = master.numel()
+        self.parts += [struct.pack("<iqq", 4, n, cap), _bytes(master), _bytes(weight)]
+
+        def read(out):
+            count = struct.unpack("<q", out.take(8))[0]
+            low = torch.frombuffer(bytearray(out.take(2 * n)), dtype=torch.int16) if n else \
+                torch.empty(0, dtype=torch.int16)
+            listed = max(0, min(count, cap))
+            index = torch.frombuffer(bytearray(out.take(8 * listed)), dtype=torch.int64) if listed else \
+                torch.empty(0, dtype=torch.int64)
+            return count, low, index
+
+        self.readers.append(read)
 
     def update(self, hyper: UpdateHyper, scalars: StepScalars, inputs: dict[str, torch.Tensor], threads: int) -> None:
         n, two = inputs["p"].numel(), hyper.name in TWO_STATE
@@ -244,4 +261,45 @@ def test_each_build_updates_as_the_reference_bit_for_bit(driver, name):
                 assert_same_bits(got, {key: want[key] for key in got})
             except AssertionError as error:
                 raise AssertionError(f"{driver[0]}, {threads} thread(s), case {case}: {error}") from None
+
+
+def _split_cases(rng: random.Random) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Masters of any bits beside their rounding (ties of both parities, NaN, Inf, subnormals; several 4096-element
+    spans), the same with one weight off by one ulp, and every element a tie that carried (more exceptions than the
+    first call's room)."""
+    cases = []
+    for n in (0, 1, 4095, 4097, 3 * 4096 + 77):
+        bits = [rng.getrandbits(32) for _ in range(n)]
+        for i in range(0, n, 7):
+            bits[i] = (bits[i] & 0xFFFF0000) | rng.choice([0x8000, 0x7FFF, 0x8001, 0])
+        for i, special in zip(range(3, n, 997), [0x7FC00000, 0x7F800000, 0x00000001, 0xFF800000, 0x7F7FFFFF]):
+            bits[i] = special
+        signed = [b - (1 << 32) if b >= 1 << 31 else b for b in bits]
+        master = torch.tensor(signed, dtype=torch.int32).view(torch.float32)
+        cases.append((master, master.to(torch.bfloat16)))
+        if n:
+            wrong = master.to(torch.bfloat16)
+            wrong.view(torch.int16)[n // 2] ^= 1
+            cases.append((master, wrong))
+    ties = ((torch.arange(9000, dtype=torch.int32) % 0x3F00 | 1) << 16 | 0x8000).view(torch.float32)
+    cases.append((ties, ties.to(torch.bfloat16)))
+    return cases
+
+
+def test_each_build_splits_bf16_masters_as_the_torch_version(driver):
+    """The checkpoint's compiled bf16 split (csrc/bf16_split.h) gives the torch version's residual on every build."""
+    from zero_bnb.core.residual import split_rounded_bf16
+
+    target, command = driver
+    cases, calls = _split_cases(random.Random(11)), Calls()
+    for master, weight in cases:
+        calls.split(master, weight, cap=64)
+    for (master, weight), (count, low, index) in zip(cases, calls.run(command)):
+        expected = split_rounded_bf16(master, weight)
+        if expected is None:
+            assert count == -1, (target, master.numel())
+            continue
+        assert count == expected.index.numel(), (target, master.numel(), count)
+        assert torch.equal(low, expected.low), target
+        assert index.tolist() == expected.index[:64].tolist(), target
 

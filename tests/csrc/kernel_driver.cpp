@@ -99,6 +99,18 @@ int main() {
         } else if (kind == 3) {
             const int32_t path = zero_bnb_widest_path();
             give(&path, 1);
+        } else if (kind == 4) {  // the bf16 residual split: n, cap, n master bits, n weight bits
+            const int64_t n = take<int64_t>();
+            const int64_t cap = take<int64_t>();
+            const auto master = take<uint32_t>(n);
+            const auto weight = take<uint16_t>(n);
+            std::vector<uint16_t> low(static_cast<size_t>(n));
+            std::vector<int64_t> index(static_cast<size_t>(cap));
+            const int64_t count = zero_bnb_split_rounded_bf16(master.data(), weight.data(), n, low.data(),
+                                                              index.data(), cap);
+            give(&count, 1);
+            give(low.data(), n);
+            give(index.data(), count < 0 ? 0 : (count < cap ? count : cap));
         } else {
             fail("unknown call kind");
         }

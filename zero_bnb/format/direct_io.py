@@ -2,10 +2,10 @@
 
 A buffered write copies every byte into the page cache and the kernel writes it back later, on the same cores and
 memory bus as training: beside a 2-thread training step on a 2-core Xeon, 400 MiB written that way slowed the steps
-0.13-0.30 s in all, written directly 0.04-0.07 s (``docs/design.md``, "asynchronous saves"). Inside
+0.13-0.30 s in all, written directly 0.04-0.07 s (``docs/benchmarks.md``, "asynchronous saves"). Inside
 :func:`direct_writes` (per thread) :func:`open_new` gives a :class:`DirectFile`; elsewhere, or where the file system
-has no ``O_DIRECT`` (ramfs; tmpfs before Linux 6.6), a buffered file. The bytes written and the fsync that follows are the same either way.
-Local.
+has no ``O_DIRECT`` (ramfs; tmpfs before Linux 6.6), a buffered file. The bytes written and the fsync that follows
+are the same either way. Local.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def direct_writes() -> Iterator[None]:
     """The files this thread writes inside the block bypass the page cache (``O_DIRECT`` where the file system takes
     it): an asynchronous save's writer, whose copies into the page cache and their write-back, on the cores and the
     memory bus training uses, slowed the steps beside it about three times as much as the same bytes written
-    directly (``docs/design.md``). A synchronous save keeps the page cache: there the write-back overlaps the rest of
-    the save. Local."""
+    directly (``docs/benchmarks.md``). A synchronous save keeps the page cache: there the write-back overlaps the
+    rest of the save. Local."""
     previous = getattr(_direct, "on", False)
     _direct.on = True
     try:
