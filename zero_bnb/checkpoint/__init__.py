@@ -9,6 +9,6 @@ groups in memory (``whole``), what the protocol needs from an optimizer wrapper 
 ``zero_to_fp32.py`` script written beside checkpoints (``recovery_script``).
 
 May import: torch (and torch.distributed), ``zero_bnb.errors``, ``zero_bnb.versions``,
-``zero_bnb.core``, ``zero_bnb.format``, ``zero_bnb.kernels`` (the compiled bf16 residual split). Never DeepSpeed: it reaches the optimizer wrapper through
-:class:`~zero_bnb.checkpoint.partitioned.PartitionedOptimizer`.
+``zero_bnb.core``, ``zero_bnb.format``, ``zero_bnb.kernels`` (the compiled bf16 residual split). Never DeepSpeed:
+it reaches the optimizer wrapper through :class:`~zero_bnb.checkpoint.partitioned.PartitionedOptimizer`.
 """

@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from zero_bnb.checkpoint.partitioned import PartitionedOptimizer
 from zero_bnb.core.residual import rounds_to
-from zero_bnb.kernels.residual import split_rounded_bf16
 from zero_bnb.format.masters import FULL, MODULE, MODULE_LOW16, DerivedMasters, derive, module_slice, piece_digests
+from zero_bnb.kernels.residual import split_rounded_bf16
 
 __all__ = ["MasterPlan", "decide_masters", "master_candidates", "plan_masters", "stage_module_slices"]
 
