@@ -89,6 +89,17 @@ def _step(engine, args) -> float:
     return time.perf_counter() - start
 
 
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank. Collective: the ranks must take the same number of steps (each step's
+    collectives pair with the other ranks'), and their writers finish at slightly different moments."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def save_stall(engine, folder: str, tag: str, step, baseline: float, max_overlap_steps: int = 200) -> dict:
     """One save of ``engine`` while it trains: the seconds ``save_checkpoint`` blocks (barrier to barrier), the
     stall (that plus each overlapping ``step()``'s seconds beyond ``baseline``, the median step time), and the
@@ -102,7 +113,7 @@ def save_stall(engine, folder: str, tag: str, step, baseline: float, max_overlap
     blocking = time.perf_counter() - start
     extra, overlapped = 0.0, 0
     saver = getattr(engine, "_zero_bnb_background", None)
-    while saver is not None and saver.pending and overlapped < max_overlap_steps:
+    while saver is not None and overlapped < max_overlap_steps and _any_rank(saver.pending):
         extra += max(0.0, step() - baseline)  # a step slowed by the background writer
         overlapped += 1
     if saver is not None:

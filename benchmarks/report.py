@@ -126,7 +126,7 @@ def summarise(raw: dict, *, model: str, config, args: dict, step_bytes_per_param
         }
         # zero_bnb's asynchronous saves, median of the rounds: the second save of an engine (its staging buffers
         # reused, as at every later save of a run), and the first's blocking and stall
-        for key in ("blocking_s", "stall_s", "background_s", "first_blocking_s", "first_stall_s"):
+        for key in ("blocking_s", "stall_s", "control_extra_s", "background_s", "first_blocking_s", "first_stall_s"):
             if record.get("async_save") and key in record["async_save"][0]:
                 figures[f"async_save_{key}"] = statistics.median(row[key] for row in record["async_save"])
         if "copy_bandwidth_bytes_per_s" in raw:
@@ -192,6 +192,8 @@ def _markdown(report: dict) -> str:
                    ("save (blocks training)", "save_s", "s"),
                    ("asynchronous save: blocks", "async_save_blocking_s", "s"),
                    ("asynchronous save: stall (blocks + slower overlapping steps)", "async_save_stall_s", "s"),
+                   ("asynchronous save: control (as many steps after it, nothing pending)", "async_save_control_extra_s",
+                    "s"),
                    ("asynchronous save: committed after", "async_save_background_s", "s"),
                    ("asynchronous save: the first save blocks", "async_save_first_blocking_s", "s"),
                    ("asynchronous save: the first save's stall", "async_save_first_stall_s", "s"),
