@@ -83,6 +83,13 @@ def _build(variant: str, args, world: int, **extra):
 
     import zero_bnb
 
+    if _device().type == "cpu":
+        # The CPU model's activations and gradients drift into fp32 denormals after ~14 steps, and on x86 each
+        # denormal operand takes a microcode assist: a step of every variant (stock's too) grew from 0.2 s to 1.7 s
+        # over 24 steps (2026-11-27, this project's 2-core Xeon), which the later rounds and the saves' baselines
+        # then measured instead of the optimizers. GPUs compute denormals at full speed; flushing them here keeps
+        # the CPU steps at 0.2 s throughout (measured the same way).
+        torch.set_flush_denormal(True)
     torch.manual_seed(0)
     model = GPT(PRESETS[args.model]).to(_device())
     if variant == "stock-adamw":
@@ -224,9 +231,8 @@ def measure(rank, world, args, workdir, result_path):
                 steps = itertools.count(args.warmup + args.steps)
                 folder = os.path.join(workdir, "async")
                 step = lambda engine=engine: _train(engine, args, rank, next(steps), 1, None)[0]  # noqa: E731
-                # Each save's baseline is the median of the steps right before it: this CPU model's steps slow down
-                # as it trains (0.28 s to 0.96 s over 17 steps, with no save at all), so the earlier timed steps
-                # would count that drift as the save's. The first save allocates the staging buffers; the second
+                # Each save's baseline is the median of the steps right before it (steps may drift as a model
+                # trains: see the denormals in _build). The first save allocates the staging buffers; the second
                 # reuses them, as every later save of a run does.
                 first = save_stall(engine, folder, f"round{round_index}-first", step,
                                    statistics.median(step() for _ in range(4)))

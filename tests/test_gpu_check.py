@@ -47,7 +47,7 @@ def test_the_dry_run_goes_through_every_step_and_exits_0(tmp_path):
     assert "tests/test_fp16.py::test_an_fp16_run_with_overflow_skipped_steps_resumes_on_a_gpu" in (
         tmp_path / "pytest.txt").read_text()
     report = json.loads((tmp_path / "cross_device.json").read_text())
-    assert set(report["cases"]) == {"fp32-zero1", "fp16-zero2", "bf16-zero3"}
+    assert set(report["cases"]) == {"fp32-zero1", "fp16-zero2", "bf16-zero3", "bf16-zero1-async"}
     assert all(case["ok"] and case["tensors"] == 18 for case in report["cases"].values()), report
     assert "golden_vectors: 12 fixtures" in log  # bitsandbytes' CPU path cannot run AdEMAMix: its 2 cases are noted
     assert "commit:" in (tmp_path / "machine.txt").read_text()

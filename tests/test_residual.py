@@ -203,6 +203,23 @@ def test_module_weights_back_to_back_in_one_storage_are_read_in_place(storage):
         assert torch.equal(rebuilt.view(torch.int32), master.view(torch.int32))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: module weights on a GPU")
+def test_device_weights_back_to_back_are_one_view_moved_by_one_copy():
+    """On a GPU, DeepSpeed's flat 16-bit group is one device storage: the rank's range is one view of it (an
+    asynchronous save stages it with one copy, or as a view of the model file's staged copy), never a copy per
+    parameter; the masters derived from it on the CPU equal those derived from CPU weights."""
+    params, masters = _group()
+    flat = torch.cat([masters[p.name].reshape(-1) for p in params]).to(torch.bfloat16).cuda()
+    module = {p.name: flat[p.offset : p.offset + p.numel].view(p.shape) for p in params}
+    weight = module_slice(params, module, 5, 14)
+    assert weight.is_cuda and weight.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    master = module_slice(params, masters, 5, 14)
+    on_cpu = module_slice(params, {name: value.cpu() for name, value in module.items()}, 5, 14)
+    assert torch.equal(weight.cpu(), on_cpu)
+    assert derive(MODULE_LOW16, master, weight.cpu(), params, 5, 14).digests == \
+        derive(MODULE_LOW16, master, on_cpu, params, 5, 14).digests
+
+
 @pytest.mark.parametrize("storage", [MODULE, MODULE_LOW16])
 def test_any_part_of_a_range_rebuilds_straight_into_its_destination(storage):
     """A load writes each part of a shard's range it needs into the new partition (no tensor of the whole range):

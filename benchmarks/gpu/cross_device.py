@@ -3,7 +3,8 @@
     python benchmarks/gpu/cross_device.py OUT.json            # on a machine with a CUDA device
     python benchmarks/gpu/cross_device.py OUT.json --dry-run  # CPU only: the "GPU" sides on a CPU rank, 3 cases
 
-For every case (fp32/bf16/fp16 x ZeRO stages 1/2/3, optimizer offload, a paged optimizer over >= 1e5 elements):
+For every case (fp32/bf16/fp16 x ZeRO stages 1/2/3, optimizer offload, a paged optimizer over >= 1e5 elements,
+and five of them saving asynchronously, training on while the checkpoint is written):
 the GPU run trains, saves, records its whole optimizer state and trains on (the uninterrupted reference); 3 CPU
 ranks (gloo) load that checkpoint, check the state, save it again; the GPU loads the CPU ranks' checkpoint and
 trains on. Checked: the state on the CPU ranks and back on the GPU equals the saved one bit for bit, and the
@@ -43,7 +44,12 @@ CASES = {
     "paged-fp32-zero1": ("PagedAdamW8bit", {"zero_optimization": {"stage": 1}}, "wide"),
     "paged-bf16-zero2": ("PagedLion8bit", {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}, "wide"),
 }
-DRY_RUN_CASES = ("fp32-zero1", "fp16-zero2", "bf16-zero3")
+#: The same with asynchronous saves (``zero_checkpoint_async``): staged into pinned host buffers on the GPU, written
+#: while the run trains on; the checkpoint must still hold the state at the call, bit for bit.
+CASES.update({f"{case}-async": (optimizer, {**extra, "zero_checkpoint_async": True}, kind)
+              for case, (optimizer, extra, kind) in list(CASES.items())
+              if case in ("bf16-zero1", "fp16-zero2", "bf16-zero3", "bf16-zero2-offload", "paged-bf16-zero2")})
+DRY_RUN_CASES = ("fp32-zero1", "fp16-zero2", "bf16-zero3", "bf16-zero1-async")
 
 
 def _model(kind: str) -> torch.nn.Module:

@@ -63,11 +63,12 @@ def _candidate(optimizer: PartitionedOptimizer, group_index: int, weights: Mappi
 
 def _inputs(optimizer: PartitionedOptimizer, index: int, weights: Mapping[str, torch.Tensor],
             names: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's real elements of group ``index``: its master weights (CPU) and module weights (a view if it can)."""
+    """This rank's real elements of group ``index``: its master weights and module weights on the CPU (a view where
+    they are CPU tensors already; one device-to-host copy each where they are not)."""
     start, end = optimizer.geometry(index).element_ranges()[optimizer.dp_rank]
     params = optimizer.param_entries(index, names)
     master = optimizer.master_partition(index).detach()[: end - start].to("cpu")
-    return master, module_slice(params, {p.name: weights[p.name].detach() for p in params}, start, end)
+    return master, module_slice(params, {p.name: weights[p.name].detach() for p in params}, start, end).to("cpu")
 
 
 def _derive_local(optimizer: PartitionedOptimizer, index: int, names: dict, storage: str, master: torch.Tensor,
@@ -118,7 +119,9 @@ def stage_module_slices(optimizer: PartitionedOptimizer, candidates: list[tuple[
                         stage: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor]:
     """For each group whose masters could derive, this rank's module weights copied by ``stage`` (an asynchronous
     save's staging; its masters are staged whole with the shard), for :func:`decide_masters` to check in the
-    background. Local."""
+    background. Local. Where the range lies back to back in one storage (DeepSpeed's flat 16-bit group, on the
+    device too) ``stage`` gets one view of it: a view of the model file's staged copy where this rank staged that
+    file, else one copy."""
     slices = {}
     for index, (storage, _) in enumerate(candidates):
         if storage != FULL:

@@ -98,10 +98,10 @@ def piece_digest(piece: torch.Tensor) -> str:
 
 def module_slice(params, tensors: Mapping[str, torch.Tensor], start: int, end: int) -> torch.Tensor:
     """The global element range ``[start, end)`` of a flat group whose parameters (``ParamEntry``, in flat
-    order) have module weights ``tensors`` (name -> tensor), as one 1-D CPU tensor: a view where the pieces lie
-    back to back in one CPU storage (DeepSpeed's flat 16-bit groups, and the model file it saves them into),
-    else a new tensor; of the weights' dtype even when the range is empty (a rank may own no element of a small
-    group). Read it, never write it."""
+    order) have module weights ``tensors`` (name -> tensor), as one 1-D tensor: a view where the pieces lie back
+    to back in one storage (DeepSpeed's flat 16-bit groups, on the device or in the model file it saves them
+    into), on the pieces' device; else a new CPU tensor; of the weights' dtype even when the range is empty (a
+    rank may own no element of a small group). Read it, never write it."""
     pieces = [piece for _, piece in _pieces(params, tensors, start, end)]
     span = _span(pieces)
     if span is not None:
@@ -112,8 +112,9 @@ def module_slice(params, tensors: Mapping[str, torch.Tensor], start: int, end: i
 
 
 def _span(pieces: list[torch.Tensor]) -> torch.Tensor | None:
-    """One view of ``pieces`` (1-D) if each starts where the previous one ends in the same CPU storage."""
-    if not pieces or pieces[0].device.type != "cpu":
+    """One view of ``pieces`` (1-D) if each starts where the previous one ends in the same storage (a device's
+    too: one copy of the view then moves the whole range, instead of a copy per piece)."""
+    if not pieces:
         return None
     first = pieces[0]
     storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
