@@ -121,7 +121,7 @@ def summarise(raw: dict, *, model: str, config, args: dict, step_bytes_per_param
             "parameters": record["parameters"],
             "checkpoint_bytes": record["checkpoint_bytes"],
             "checkpoint_bytes_per_param": record["checkpoint_bytes"] / record["parameters"],
-            "save_s": record["save_s"],
+            "save_s": statistics.median(record["save_s"]),  # every round's save
             "load_s": record["load_s"],
         }
         # zero_bnb's asynchronous saves, median of the rounds: the second save of an engine (its staging buffers
