@@ -17,9 +17,9 @@ optimizer's ``step()`` alone, memory per rank (GPU: peak allocated; CPU: RSS gro
 engine lives), the peak allocated in each phase (construction, first step, steady steps, save, load; GPU: CUDA's
 allocator; CPU: PyTorch's allocator events in a separate, untimed launch per variant), the load average beside
 each round, optimizer-state bytes per rank, checkpoint bytes on disk (and per parameter), save
-time (median of a save every round), load time at the same DP, and resume time at another DP size: DeepSpeed's own path for
-variant 1 (``ds_to_universal`` + ``checkpoint.load_universal``), a direct load for variant 3, "not
-possible" for variant 2. On GPU also the optimizer step's achieved memory bandwidth against the
+time (median of a save every round), load time at the same DP, and resume time at another DP size:
+DeepSpeed's own path for variant 1 (``ds_to_universal`` + ``checkpoint.load_universal``), a direct
+load for variant 3, "not possible" for variant 2. On GPU also the optimizer step's achieved memory bandwidth against the
 device's copy bandwidth measured in the same run.
 
 Writes ``benchmarks/results/<mode>.json`` (with machine, versions, date), ``<mode>.md`` and ``<mode>.png``
