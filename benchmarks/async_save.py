@@ -138,6 +138,24 @@ def _measure(engine, variant: str, args, folder: str, tag: str) -> dict:
     return {**row, "first_blocking_s": first["blocking_s"], "first_stall_s": first["stall_s"]}
 
 
+def copy_floor(nbytes: int, device: torch.device, repeats: int = 3) -> float:
+    """Seconds one copy of ``nbytes`` takes from ``device`` memory into host memory reused between copies (pinned
+    from a GPU), median of ``repeats`` after a first copy: the least an asynchronous save's call can block, since
+    it must copy the state before training may change it. Local."""
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    target = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    times = []
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        target.copy_(source, non_blocking=device.type == "cuda")
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
 def _writer(folder: str, stop) -> None:
     """Another process writing to the same disk: 64 MiB blocks, each fsynced, until ``stop`` is set."""
     block = os.urandom(2**20) * 64
@@ -170,6 +188,9 @@ def run(rank: int, world: int, args, workdir: str, result_path: str) -> None:
                 load_before = os.getloadavg()[0]
                 row = _measure(engine, variant, args, folder, "bench")
                 row.update(variant=variant, contention=contention, round=round_index, load_avg=load_before)
+                saver = getattr(engine, "_zero_bnb_background", None)
+                if saver is not None:
+                    row["copy_floor_s"] = copy_floor(saver.pool.staged_bytes, engine.device)
                 rows.append(row)
                 engine.destroy()
                 if rank == 0:
@@ -193,6 +214,7 @@ def summarize(rows: list[dict], args) -> str:
              "| contention | variant | blocking s | stall s | control s | background s | stall / stock's save | "
              "first save: blocking / stall s | rounds |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    floors = []
     for contention in args.contention:
         stock = statistics.median(r["stall_s"] for r in rows if r["contention"] == contention and r["variant"] == "stock")
         for variant in VARIANTS:
@@ -204,6 +226,12 @@ def summarize(rows: list[dict], args) -> str:
                          f"{median['control_extra_s']:.2f} | {median['background_s']:.2f} | "
                          f"{median['stall_s'] / stock:.2f}x | {median['first_blocking_s']:.2f} / "
                          f"{median['first_stall_s']:.2f} | {len(mine)} |")
+            if any("copy_floor_s" in r for r in mine):
+                floor = statistics.median(r["copy_floor_s"] for r in mine if "copy_floor_s" in r)
+                floors.append(f"{contention}: {floor:.3f} s ({floor / stock:.2f}x of stock's save)")
+    if floors:
+        lines += ["", "The floor of the asynchronous save's call: one copy of the bytes it stages, "
+                  "alone, same conditions (median): " + "; ".join(floors) + "."]
     return "\n".join(lines) + "\n"
 
 
