@@ -251,6 +251,57 @@ def _memory(c, out):
     fresh.destroy()
 
 
+def _overlapping_calls(c, out):
+    """A save started inside a save (a "save on SIGTERM" handler interrupting one) and a load from a second thread
+    while a save runs: each refused at once; the interrupted save fails cleanly, the other one completes."""
+    import threading
+
+    workdir, twin = c["workdir"], c["twin"]  # the synchronous engine: its writes run in the calling thread
+    folder = os.path.join(workdir, "overlapping")
+    twin.save_checkpoint(folder, tag="base")
+    inner: list = []
+
+    def on_signal(signum, frame):
+        inner.append(_error(lambda: twin.save_checkpoint(folder, tag="inner")))
+        raise RuntimeError("the signal handler's save was refused")  # what a handler that re-raises does
+
+    def send_signal_once(event, path):
+        if event == "write" and not inner and not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    sent: list = []
+    previous = signal.signal(signal.SIGUSR1, on_signal)
+    durable.set_io_hook(send_signal_once)
+    try:
+        out["interrupted_outer"] = _error(lambda: twin.save_checkpoint(folder, tag="outer"))
+    finally:
+        durable.set_io_hook(None)
+        signal.signal(signal.SIGUSR1, previous)
+    out["interrupted_inner"] = inner
+    out["interrupted_listing"] = _listing(folder)
+    # A second thread's load while this thread's save waits inside its first write.
+    attempted, other = threading.Event(), []
+
+    def load_from_another_thread():
+        other.append(_error(lambda: twin.load_checkpoint(folder, tag="base")))
+        attempted.set()
+
+    def wait_for_the_other_thread(event, path):
+        if event == "write" and not attempted.is_set():
+            threading.Thread(target=load_from_another_thread, name="second-caller").start()
+            attempted.wait(60)
+
+    durable.set_io_hook(wait_for_the_other_thread)
+    try:
+        out["threaded_outer"] = _error(lambda: twin.save_checkpoint(folder, tag="threaded"))
+    finally:
+        durable.set_io_hook(None)
+    out["threaded_other"] = other
+    out["threaded_listing"] = _listing(folder)[1]
+    out["threaded_verify"] = _error(lambda: zero_bnb.verify_checkpoint(folder, "threaded"))
+
+
 def asynchronous(rank, world, workdir):
     out: dict = {}
     engine = make_engine(world, zero_checkpoint_async=True)
@@ -258,7 +309,8 @@ def asynchronous(rank, world, workdir):
     train_steps(engine, RUN, 0, 2)
     train_steps(twin, RUN, 0, 2)
     context = {"rank": rank, "world": world, "workdir": workdir, "engine": engine, "twin": twin}
-    run_phases(out, context, _same_as_sync, _bf16, _waits, _failures, _slices_fail, _deepspeed_writer, _memory)
+    run_phases(out, context, _same_as_sync, _bf16, _waits, _failures, _slices_fail, _deepspeed_writer, _memory,
+               _overlapping_calls)
     engine.wait_for_checkpoint()
     gathered = [None] * world
     dist.all_gather_object(gathered, out)

@@ -71,6 +71,26 @@ def test_back_to_back_saves_a_load_and_destroy_wait_for_a_pending_save(ranks):
     assert result(ranks, "after_destroy") == (None, "three")
 
 
+def test_a_save_inside_a_save_is_refused_and_the_interrupted_save_fails_cleanly(ranks):
+    # A "save on SIGTERM" handler interrupting a save: the handler's call is refused at once (before any collective),
+    # and the save it interrupted fails on every rank like any save meeting an error, the previous one intact.
+    [inner] = result(ranks, "interrupted_inner")
+    assert inner.startswith("CheckpointUsageError: save_checkpoint was called while this engine's save_checkpoint is "
+                            "still running (this very thread: a signal handler or callback interrupted it)"), inner
+    assert "set a flag in the handler and save after the training step" in inner
+    outer = result(ranks, "interrupted_outer")
+    assert outer.startswith("CheckpointSaveError: saving checkpoint 'outer'") and "signal handler's save" in outer
+    assert result(ranks, "interrupted_listing") == (["base", "latest", "zero_to_fp32.py"], "base")
+
+
+def test_a_load_from_another_thread_during_a_save_is_refused_and_the_save_completes(ranks):
+    [other] = result(ranks, "threaded_other")
+    assert other.startswith("CheckpointUsageError: load_checkpoint was called while this engine's save_checkpoint is "
+                            "still running (thread 'MainThread'; this call came from thread 'second-caller')"), other
+    assert result(ranks, "threaded_outer") is None
+    assert result(ranks, "threaded_listing") == "threaded" and result(ranks, "threaded_verify") is None
+
+
 @pytest.mark.parametrize("call", ["wait", "save", "load"])
 def test_a_background_failure_keeps_the_previous_checkpoint_and_is_raised_by_the_next_call(ranks, call):
     assert result(ranks, f"returned:{call}") is None  # the failing save itself returned: the write was later

@@ -44,6 +44,7 @@ from zero_bnb.checkpoint.batch import batch_of, warn_if_batch_changed
 from zero_bnb.checkpoint.collective import agree
 from zero_bnb.checkpoint.commit import SaveTransaction
 from zero_bnb.checkpoint.derived import DERIVED_PARAMS_KEY, derived_entries
+from zero_bnb.checkpoint.exclusive import one_at_a_time
 from zero_bnb.checkpoint.load import LoadPlan, apply_module_weights, open_for_load, plan_load
 from zero_bnb.checkpoint.masters import MasterPlan, master_candidates, plan_masters, stage_module_slices
 from zero_bnb.checkpoint.model_file import saved_zero_stage
@@ -221,6 +222,7 @@ class ZeroBnbEngine(DeepSpeedEngine):
 
     # -- checkpoints --------------------------------------------------------------------------
 
+    @one_at_a_time
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         """DeepSpeed's ``save_checkpoint``, committed atomically and written DP-independently.
 
@@ -236,6 +238,9 @@ class ZeroBnbEngine(DeepSpeedEngine):
         Raises:
             zero_bnb.errors.CheckpointError: on every rank; the previous checkpoint and
                 ``latest`` are then unchanged (also: a pending asynchronous save that failed).
+            zero_bnb.errors.CheckpointUsageError: on the calling rank only, when another
+                ``save_checkpoint`` or ``load_checkpoint`` of this engine is still running
+                (:mod:`zero_bnb.checkpoint.exclusive`).
         """
         if not save_dir or not isinstance(save_dir, (str, os.PathLike)):
             raise CheckpointUsageError(f"save_dir must be a non-empty path, got {save_dir!r}")
@@ -396,6 +401,7 @@ class ZeroBnbEngine(DeepSpeedEngine):
             if not staged:
                 transaction.add(stage_local_payload(self.optimizer, self._zero_bnb_masters).write(folder))
 
+    @one_at_a_time
     def load_checkpoint(
         self,
         load_dir,
@@ -419,6 +425,10 @@ class ZeroBnbEngine(DeepSpeedEngine):
         Returns:
             DeepSpeed's ``(load_path, client_state)``; ``(None, None)`` when ``tag`` is ``None`` and
             ``load_dir`` has no ``latest`` file.
+
+        Raises:
+            zero_bnb.errors.CheckpointUsageError: on the calling rank only, when another
+                ``save_checkpoint`` or ``load_checkpoint`` of this engine is still running.
         """
         self.wait_for_checkpoint()  # a pending asynchronous save is committed first (its failure raised here)
         join_saves_into(load_dir)  # and another engine's into this folder (its outcome left to that engine)
