@@ -118,11 +118,11 @@ def _kept_name(save_dir: str, tag: str) -> str:
 
 
 def _prepare(save_dir: str, tag: str, latest_name: str | None, token: str,
-             owned_only: bool = True) -> tuple[SaveFolderLock, str]:
+             owned_only: bool = True, durable_lock: bool = True) -> tuple[SaveFolderLock, str]:
     """Create ``save_dir``, take its lock, clear stale staging folders; returns the lock and staging folder."""
     makedirs(save_dir)
     lock = SaveFolderLock(save_dir, f"saving tag {tag!r}")
-    lock.acquire()
+    lock.acquire(durable=durable_lock)
     try:
         _check_targets(save_dir, tag, latest_name, owned_only)
         for name in os.listdir(save_dir):  # only the lock holder stages or replaces these, so they are crashed saves'
@@ -261,8 +261,12 @@ class SaveTransaction:
         self.group: Any = None
         self._lock: SaveFolderLock | None = None
 
-    def begin(self) -> None:
+    def begin(self, *, durable_lock: bool = True) -> None:
         """Rank 0 takes the lock and prepares the staging folder; every rank learns the outcome. Collective.
+
+        Args:
+            durable_lock: ``False`` leaves the fsync of the lock's record to :meth:`make_lock_durable` (an
+                asynchronous save's writer calls it first).
 
         Raises:
             CheckpointSaveError: on every rank, if rank 0 could not prepare (read-only folder,
@@ -271,7 +275,8 @@ class SaveTransaction:
         token: list[Any] = [None]
         if dist.get_rank() == 0:
             with self.guard():
-                self._lock, staging = _prepare(self.save_dir, self.tag, self.latest_name, uuid.uuid4().hex[:12])
+                self._lock, staging = _prepare(self.save_dir, self.tag, self.latest_name, uuid.uuid4().hex[:12],
+                                               durable_lock=durable_lock)
                 token = [os.path.basename(staging)]
         reports: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(reports, ("; ".join(self.errors) or None, token[0]))
@@ -294,6 +299,11 @@ class SaveTransaction:
         if any(failures):
             self.abort()
             self._raise_reported(failures, prefix)
+
+    def make_lock_durable(self) -> None:
+        """fsync the save folder lock's record (rank 0, after ``begin(durable_lock=False)``). Local."""
+        if self._lock is not None:
+            self._lock.make_durable()
 
     def add(self, records: list[FileRecord]) -> None:
         self.files.extend(records)
