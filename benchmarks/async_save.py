@@ -138,12 +138,16 @@ def _measure(engine, variant: str, args, folder: str, tag: str) -> dict:
     return {**row, "first_blocking_s": first["blocking_s"], "first_stall_s": first["stall_s"]}
 
 
-def copy_floor(nbytes: int, device: torch.device, repeats: int = 3) -> float:
+def copy_floor(nbytes: int, device: torch.device, repeats: int = 3) -> float | None:
     """Seconds one copy of ``nbytes`` takes from ``device`` memory into host memory reused between copies (pinned
-    from a GPU), median of ``repeats`` after a first copy: the least an asynchronous save's call can block, since
-    it must copy the state before training may change it. Local."""
-    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    target = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    from a GPU), median of ``repeats`` after a first copy: the least an asynchronous save can stall training, since
+    the state must be copied before training may change it (on a CPU the call itself copies it; on a GPU the copies
+    are queued on the training stream). ``None`` where the two extra buffers do not fit. Local."""
+    try:
+        source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        target = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError
+        return None
     times = []
     for _ in range(repeats + 1):
         if device.type == "cuda":
@@ -226,11 +230,11 @@ def summarize(rows: list[dict], args) -> str:
                          f"{median['control_extra_s']:.2f} | {median['background_s']:.2f} | "
                          f"{median['stall_s'] / stock:.2f}x | {median['first_blocking_s']:.2f} / "
                          f"{median['first_stall_s']:.2f} | {len(mine)} |")
-            if any("copy_floor_s" in r for r in mine):
-                floor = statistics.median(r["copy_floor_s"] for r in mine if "copy_floor_s" in r)
+            if any(r.get("copy_floor_s") is not None for r in mine):
+                floor = statistics.median(r["copy_floor_s"] for r in mine if r.get("copy_floor_s") is not None)
                 floors.append(f"{contention}: {floor:.3f} s ({floor / stock:.2f}x of stock's save)")
     if floors:
-        lines += ["", "The floor of the asynchronous save's call: one copy of the bytes it stages, "
+        lines += ["", "The floor of an asynchronous save's stall: one copy of the bytes it stages, "
                   "alone, same conditions (median): " + "; ".join(floors) + "."]
     return "\n".join(lines) + "\n"
 

@@ -210,6 +210,9 @@ def measure(rank, world, args, workdir, result_path):
             record["state_bytes"] = _state_bytes(engine)
             record["parameters"] = sum(p.numel() for p in engine.module.parameters())
             folder = os.path.join(workdir, variant)
+            if rank == 0:  # the last round's is kept for the resume launch: each round times a new save, no replace
+                shutil.rmtree(folder, ignore_errors=True)
+            dist.barrier()
             _fresh_peak()
             seconds, record["checkpoint_bytes"] = timed_save(engine, folder)
             # Every round (the median is reported): stock's save is the asynchronous rows' baseline, and the saves

@@ -393,3 +393,30 @@ def test_a_staged_storage_freed_by_its_owner_is_not_mistaken_for_a_new_tensor_at
         fresh = torch.full((4096,), 2.0)
         assert torch.equal(pool.view_or_copy(fresh), fresh)
         pool.trim()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: pinned staging of device tensors")
+def test_device_tensors_are_staged_into_pinned_buffers_holding_the_values_at_the_call():
+    """On a GPU: a device view of a snapshotted storage is a view of its pinned copy; one of a storage nobody
+    snapshotted gets its own pinned copy (the module weights of a rank that did not write the model file); both
+    hold the values at the call after copies_done(), though the device tensors change right after it."""
+    from zero_bnb.checkpoint.staging import StagingPool
+
+    pool = StagingPool()
+    flat = torch.arange(4096, dtype=torch.bfloat16, device="cuda")
+    other = torch.arange(2048, dtype=torch.float32, device="cuda")
+    for _ in range(2):  # the second save reuses the buffers
+        pool.begin()
+        snapshot = pool.snapshot({"module": {"w": flat[:1000].view(10, 100), "b": flat[1000:1024]}})
+        view = pool.view_or_copy(flat[512:3000])
+        copied = pool.view_or_copy(other[100:1100])
+        done = pool.copies_done()
+        expected = (flat[512:3000].cpu(), other[100:1100].cpu(), flat[:1000].view(10, 100).cpu())
+        flat.add_(1)  # training changes the state right after the call, on the same stream
+        other.mul_(2)
+        pool.trim()
+        done.synchronize()
+        assert view.is_pinned() and copied.is_pinned() and snapshot["module"]["w"].is_pinned()
+        assert view.untyped_storage().data_ptr() == snapshot["module"]["w"].untyped_storage().data_ptr()
+        assert torch.equal(view, expected[0]) and torch.equal(copied, expected[1])
+        assert torch.equal(snapshot["module"]["w"], expected[2])

@@ -1080,26 +1080,48 @@ def test_exactly_one_writer_takes_over_a_stale_lock(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_a_lock_taken_for_an_asynchronous_save_fsyncs_its_record_when_the_writer_asks(tmp_path, monkeypatch):
-    # The asynchronous save's call leaves the fsync of the lock's record to its writer (beside another process
-    # writing to the disk it took 13-55 ms of the call); the record is written at once either way.
+def test_a_lock_taken_for_an_asynchronous_save_fsyncs_its_record_in_a_helper_thread(tmp_path, monkeypatch):
+    # The asynchronous save's call does not wait for the fsync of the lock's record (beside another process writing
+    # to the disk it took 13-55 ms of the call): a helper thread starts it at once, the writer waits for it; the
+    # descriptor is never closed under a running fsync; its error is raised by make_durable.
+    import threading
+
     from zero_bnb.format.lock import SaveFolderLock
 
-    synced = []
+    synced, fail = [], []
     real_fsync = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+
+    def fsync(fd):
+        synced.append((fd, threading.current_thread().name))
+        if fail:
+            raise OSError(5, "injected: I/O error")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
     for durable in (True, False):
         synced.clear()
         lock = SaveFolderLock(str(tmp_path), "test")
         lock.acquire(durable=durable)
+        descriptor = lock._descriptor
         with open(os.path.join(tmp_path, LOCK_NAME)) as handle:
-            assert json.load(handle)["pid"] == os.getpid()
-        assert synced == ([lock._descriptor] if durable else [])
+            assert json.load(handle)["pid"] == os.getpid()  # the record is written before acquire returns
         lock.make_durable()
-        assert synced[-1] == lock._descriptor and len(synced) == (2 if durable else 1)
+        assert synced == [(descriptor, "MainThread" if durable else "zero_bnb-lock-fsync")]
+        lock.make_durable()  # a second time: nothing more
         lock.release()
         lock.make_durable()  # released: nothing to sync
-        assert len(synced) == (2 if durable else 1) and os.listdir(tmp_path) == []
+        assert len(synced) == 1 and os.listdir(tmp_path) == []
+    fail.append(True)
+    lock = SaveFolderLock(str(tmp_path), "test")
+    lock.acquire(durable=False)
+    with pytest.raises(OSError, match="injected: I/O error"):
+        lock.make_durable()
+    lock.release()
+    assert os.listdir(tmp_path) == []
+    lock = SaveFolderLock(str(tmp_path), "test")
+    lock.acquire(durable=False)
+    lock.release()  # released without make_durable: waits for the helper's fsync first, error only dropped
+    assert os.listdir(tmp_path) == [] and [name for _, name in synced[-1:]] == ["zero_bnb-lock-fsync"]
 
 
 def _take_over(folder, barrier, queue, trials, planter):

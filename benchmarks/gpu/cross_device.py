@@ -116,6 +116,7 @@ def gpu_save(rank: int, world: int, workdir: str, cases: list[str]) -> None:
             saved = consolidated_state(engine)
             paged = _paged(engine)
             losses += train_steps(engine, DEFAULT_RUN, BEFORE, AFTER)
+            engine.wait_for_checkpoint()  # an asynchronous save's failure is raised here, not "tag not found" later
             return {"saved": saved, "losses": losses, "paged": paged, "device": str(engine.device)}
         finally:
             engine.destroy()
@@ -132,6 +133,7 @@ def cpu_resave(rank: int, world: int, workdir: str, cases: list[str]) -> None:
             engine.load_checkpoint(os.path.join(workdir, case), tag="gpu")
             loaded = consolidated_state(engine)
             engine.save_checkpoint(os.path.join(workdir, case), tag="cpu")
+            engine.wait_for_checkpoint()
             return {"loaded": loaded, "device": str(engine.device)}
         finally:
             engine.destroy()

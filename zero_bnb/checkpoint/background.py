@@ -161,7 +161,7 @@ class StagedSave:
         transaction = self.transaction
         try:
             with transaction.guard():
-                transaction.make_lock_durable()  # left out of the call: beside another writer it waited 13-55 ms
+                transaction.make_lock_durable()  # not waited for in the call: beside another writer, 13-55 ms
                 if self.copies is not None:
                     self.copies.synchronize()
             # Every rank decides, even after an error (commit() then reports it), so no writer waits for another.

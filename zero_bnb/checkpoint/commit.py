@@ -265,8 +265,8 @@ class SaveTransaction:
         """Rank 0 takes the lock and prepares the staging folder; every rank learns the outcome. Collective.
 
         Args:
-            durable_lock: ``False`` leaves the fsync of the lock's record to :meth:`make_lock_durable` (an
-                asynchronous save's writer calls it first).
+            durable_lock: ``False``: the fsync of the lock's record runs in a helper thread and this does not wait
+                for it (an asynchronous save's call); :meth:`make_lock_durable` waits (its writer, first).
 
         Raises:
             CheckpointSaveError: on every rank, if rank 0 could not prepare (read-only folder,
@@ -301,7 +301,10 @@ class SaveTransaction:
             self._raise_reported(failures, prefix)
 
     def make_lock_durable(self) -> None:
-        """fsync the save folder lock's record (rank 0, after ``begin(durable_lock=False)``). Local."""
+        """Wait until the save folder lock's record is fsynced (rank 0, after ``begin(durable_lock=False)``). Local.
+
+        Raises:
+            OSError: that fsync failed (call it inside :meth:`guard`)."""
         if self._lock is not None:
             self._lock.make_durable()
 

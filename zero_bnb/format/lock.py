@@ -31,6 +31,7 @@ import math
 import os
 import socket
 import stat
+import threading
 import time
 import uuid
 from types import TracebackType
@@ -85,6 +86,26 @@ def try_flock(descriptor: int, operation: int) -> bool:
     return True
 
 
+class _Fsync:
+    """An fsync of one descriptor in a helper thread, started at once; :meth:`wait` joins it."""
+
+    def __init__(self, descriptor: int) -> None:
+        self.error: OSError | None = None
+        self._thread = threading.Thread(target=self._run, args=(descriptor,), name="zero_bnb-lock-fsync", daemon=True)
+        self._thread.start()
+
+    def _run(self, descriptor: int) -> None:
+        try:
+            os.fsync(descriptor)
+        except OSError as error:
+            self.error = error
+
+    def wait(self, *, raise_error: bool = True) -> None:
+        self._thread.join()
+        if self.error is not None and raise_error:
+            raise self.error
+
+
 class SaveFolderLock:
     """Exclusive lock on a save folder, as a context manager (``with SaveFolderLock(d, "tag"): ...``)."""
 
@@ -94,6 +115,7 @@ class SaveFolderLock:
         self.token = uuid.uuid4().hex
         self.held = False
         self._descriptor = -1
+        self._syncing: _Fsync | None = None
 
     def _check_regular(self) -> bool:
         """Whether the lock path exists (``False``: it does not).
@@ -159,10 +181,10 @@ class SaveFolderLock:
         """Take the lock, taking over a stale one (exclusively: see the module docstring).
 
         Args:
-            durable: fsync the holder's record before returning; ``False`` leaves that to :meth:`make_durable`
-                (an asynchronous save's writer, off the training's path: beside another process writing to the
-                disk this fsync waited 13-55 ms). Until then only a crash of the machine can lose the record, and
-                a lock with an unreadable record is taken over only once it is 30 s old, under its flock.
+            durable: fsync the holder's record before returning; ``False``: a helper thread fsyncs it at once and
+                this returns without waiting (an asynchronous save's call: beside another process writing to the
+                disk this fsync took 13-55 ms); :meth:`make_durable` waits for it. The record is written either
+                way; the fsync is what puts it on an NFS server for other hosts to read.
 
         Raises:
             CheckpointSaveError: another live writer holds it (named, with the fix).
@@ -187,6 +209,8 @@ class SaveFolderLock:
                 raise
             self._descriptor = descriptor
             self.held = True
+            if not durable:
+                self._syncing = _Fsync(descriptor)
             return
         self._refuse(holder)
 
@@ -246,14 +270,23 @@ class SaveFolderLock:
         )
 
     def make_durable(self) -> None:
-        """fsync the holder's record (after ``acquire(durable=False)``); nothing if the lock is not held."""
-        if self.held:
-            os.fsync(self._descriptor)
+        """Wait until the holder's record is fsynced (after ``acquire(durable=False)``: the helper thread's fsync,
+        whose error is raised here); nothing after ``acquire()`` (it fsynced), a second time, or once released.
+
+        Raises:
+            OSError: the fsync failed.
+        """
+        syncing, self._syncing = self._syncing, None
+        if syncing is not None:
+            syncing.wait()
 
     def release(self) -> None:
         """Remove the lock if this object still holds it (under its flock), then let the flock go."""
         if not self.held:
             return
+        syncing, self._syncing = self._syncing, None
+        if syncing is not None:  # never close the descriptor under a running fsync (a new file could take its number)
+            syncing.wait(raise_error=False)
         self.held = False
         descriptor, self._descriptor = self._descriptor, -1
         try:
