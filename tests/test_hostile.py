@@ -16,6 +16,7 @@ import os
 import shutil
 import sys
 import threading
+import types
 
 import pytest
 import torch
@@ -908,7 +909,7 @@ def test_saving_to_an_empty_path_is_a_usage_error():
     from zero_bnb.ds.engine import ZeroBnbEngine
 
     with pytest.raises(CheckpointUsageError, match="save_dir must be a non-empty path"):
-        ZeroBnbEngine.save_checkpoint(object(), "")
+        ZeroBnbEngine.save_checkpoint(types.SimpleNamespace(), "")  # checked before the engine is used
 
 
 # -- writes that leave the folder, code that runs, full disks (issue 18) ---------------------
@@ -1098,15 +1099,15 @@ def test_a_lock_taken_for_an_asynchronous_save_fsyncs_its_record_in_a_helper_thr
         return real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    for durable in (True, False):
+    for in_call in (True, False):
         synced.clear()
         lock = SaveFolderLock(str(tmp_path), "test")
-        lock.acquire(durable=durable)
+        lock.acquire(durable=in_call)
         descriptor = lock._descriptor
         with open(os.path.join(tmp_path, LOCK_NAME)) as handle:
             assert json.load(handle)["pid"] == os.getpid()  # the record is written before acquire returns
         lock.make_durable()
-        assert synced == [(descriptor, "MainThread" if durable else "zero_bnb-lock-fsync")]
+        assert synced == [(descriptor, "MainThread" if in_call else "zero_bnb-lock-fsync")]
         lock.make_durable()  # a second time: nothing more
         lock.release()
         lock.make_durable()  # released: nothing to sync
