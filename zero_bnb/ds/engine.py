@@ -264,7 +264,7 @@ class ZeroBnbEngine(DeepSpeedEngine):
             candidates = master_candidates(self.optimizer, weights, self.param_names)
             masters = [MasterPlan(FULL)] * len(candidates)
         self._zero_bnb_masters = masters
-        transaction.begin(durable_lock=saver is None)  # an asynchronous save's writer fsyncs the lock's record
+        transaction.begin(durable_lock=saver is None)  # asynchronous: the lock record's fsync not waited for here
         self.checkpoint_engine.transaction = transaction
         self.checkpoint_engine.pool = None if saver is None else saver.pool
         deferred = self.checkpoint_engine.deferred = [] if saver is not None else None
