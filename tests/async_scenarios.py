@@ -146,6 +146,12 @@ def _waits(c, out):
     other.destroy()  # waits for the pending save, then frees the staging buffers
     durable.set_io_hook(None)
     out["after_destroy"] = (_error(lambda: zero_bnb.verify_checkpoint(folder, "three")), _listing(folder)[1])
+    if c["rank"] == 1:  # a write of rank 1's writer fails: destroy() raises it on every rank instead of returning
+        durable.set_io_hook(_fail_when("write", "shard_00001", 1))
+    other.save_checkpoint(folder, tag="four")
+    out["destroy_raises"] = _error(other.destroy)
+    durable.set_io_hook(None)
+    out["destroy_raises_once"] = (_error(other.wait_for_checkpoint), _listing(folder)[1])
 
 
 def _failures(c, out):

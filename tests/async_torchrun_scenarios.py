@@ -5,6 +5,9 @@ real ``torchrun`` (``python -m torch.distributed.run``), whose ranks end as a us
 
 * ``exit``: an asynchronous save with a slow writer, then the script ends at once: the process must wait for the
   commit (the writer is a non-daemon thread).
+* ``exit_failed``: a complete asynchronous save, then one whose background write fails on rank 1 (a full disk: a
+  real file-size limit), then the script ends without waiting: the process must exit non-zero with an ERROR naming
+  the tag and the checkpoint that stays ``latest``.
 * ``mixed``: ``zero_checkpoint_async`` on rank 0 only: the save must fail on every rank with an error naming the
   key, instead of rank 0 waiting in the creation of the writers' process group for a rank that never joins.
 """
@@ -42,6 +45,21 @@ def exit_without_waiting(out_folder: str) -> dict:
     return {"pending_at_exit": engine._zero_bnb_background.pending}  # the script ends here
 
 
+def exit_with_a_failed_save(out_folder: str) -> dict:
+    import resource
+    import signal
+
+    engine = _engine(zero_checkpoint_async=True)
+    folder = os.path.join(out_folder, "ckpt")
+    engine.save_checkpoint(folder, tag="good")
+    engine.wait_for_checkpoint()
+    if os.environ["RANK"] == "1":  # a full disk in this rank's writer: no file beyond 4 KiB
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    engine.save_checkpoint(folder, tag="lost")
+    return {"pending_at_exit": engine._zero_bnb_background.pending}  # the script ends here, nothing waits
+
+
 def mixed(out_folder: str) -> dict:
     rank = int(os.environ["RANK"])
     engine = _engine(zero_checkpoint_async=rank == 0)
@@ -54,6 +72,10 @@ def mixed(out_folder: str) -> dict:
 
 if __name__ == "__main__":
     scenario, out_folder = sys.argv[1], sys.argv[2]
-    result = {"exit": exit_without_waiting, "mixed": mixed}[scenario](out_folder)
+    result = {"exit": exit_without_waiting, "exit_failed": exit_with_a_failed_save, "mixed": mixed}[scenario](
+        out_folder)
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, resource.getrlimit(resource.RLIMIT_FSIZE)[1:] * 2)  # the result's file
     with open(os.path.join(out_folder, f"rank{os.environ['RANK']}.json"), "w") as handle:
         json.dump(result, handle)

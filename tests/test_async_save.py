@@ -69,6 +69,11 @@ def test_back_to_back_saves_a_load_and_destroy_wait_for_a_pending_save(ranks):
     assert result(ranks, "waits_listing") == (["latest", "one", "two", "zero_to_fp32.py"], "two")
     assert result(ranks, "verify_one") is None and result(ranks, "verify_two") is None
     assert result(ranks, "after_destroy") == (None, "three")
+    # a pending save's failure is raised by destroy() (once), on every rank: never lost
+    for record in ranks:
+        assert record["destroy_raises"].startswith("CheckpointSaveError") and "'four'" in record["destroy_raises"], \
+            record["destroy_raises"]
+    assert result(ranks, "destroy_raises_once") == (None, "three")
 
 
 def test_a_save_inside_a_save_is_refused_and_the_interrupted_save_fails_cleanly(ranks):
@@ -337,7 +342,7 @@ def torchrun(tmp_path_factory):
            if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(launch.child_environment_for("cpu"),
                PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH")])))
-    for scenario in ("exit", "mixed"):
+    for scenario in ("exit", "exit_failed", "mixed"):
         folder = tmp_path_factory.mktemp(f"async_{scenario}")
         process = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -363,6 +368,17 @@ def test_a_script_that_ends_with_a_save_pending_waits_for_its_commit(torchrun):
     assert ranks == [{"pending_at_exit": True}] * 2, output  # the script's last line ran before the commit
     with open(folder / "ckpt" / "latest") as handle:
         assert handle.read() == "at_exit"
+    zero_bnb.verify_checkpoint(str(folder / "ckpt"))
+
+
+def test_a_script_that_ends_after_a_failed_asynchronous_save_exits_non_zero_naming_it(torchrun):
+    code, output, folder, ranks = torchrun["exit_failed"]
+    assert code != 0, output  # a training job never reports success without its last checkpoint
+    assert ranks == [{"pending_at_exit": True}] * 2, output
+    assert ("the asynchronous save of checkpoint 'lost' into" in output and "failed and nothing raised it before the "
+            "process ended" in output and "'latest' there still names 'good'. Exiting with status 1" in output), output
+    with open(folder / "ckpt" / "latest") as handle:
+        assert handle.read() == "good"
     zero_bnb.verify_checkpoint(str(folder / "ckpt"))
 
 

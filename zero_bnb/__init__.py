@@ -43,6 +43,9 @@ _LAZY = {
     "disable": "zero_bnb.ds.substitute",
     "enabled": "zero_bnb.ds.substitute",
     "is_enabled": "zero_bnb.ds.substitute",
+    "Preemption": "zero_bnb.integrations.preemption",
+    "save_on_preemption": "zero_bnb.integrations.preemption",
+    "PreemptionCallback": "zero_bnb.integrations.hf_preemption",
 }
 
 
@@ -69,6 +72,8 @@ __all__ = [
     "CheckpointSaveError",
     "CheckpointUsageError",
     "NonFiniteStateError",
+    "Preemption",
+    "PreemptionCallback",
     "ReplicatedStateMismatch",
     "StateKind",
     "UnsupportedOptimizerError",
@@ -82,5 +87,6 @@ __all__ = [
     "enabled",
     "initialize",
     "is_enabled",
+    "save_on_preemption",
     "verify_checkpoint",
 ]

@@ -21,9 +21,11 @@ What this changes for a user:
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -44,6 +46,7 @@ from zero_bnb.errors import CheckpointSaveError, CheckpointUsageError
 from zero_bnb.format.direct_io import direct_writes
 from zero_bnb.format.durable import save_torch
 from zero_bnb.format.manifest import Manifest
+from zero_bnb.format.progress import folder_status
 
 __all__ = ["BackgroundSaver", "StagedSave", "after_pending_saves", "check_same_switch", "join_saves_into",
            "wait_for_pending_saves"]
@@ -54,8 +57,15 @@ _SAVERS: weakref.WeakSet[BackgroundSaver] = weakref.WeakSet()
 _WRAP_LOCK = threading.Lock()
 
 
+#: Failed asynchronous saves no call has raised yet: saver id -> (tag, save folder, error). What the end of the
+#: process reports (:func:`_report_lost_saves`); kept here, not on the saver, so an engine freed before the end of
+#: the process does not take its failure with it.
+_UNREPORTED: dict[int, tuple[str, str, BaseException]] = {}
+
+
 def _wait_before_destroy() -> None:
-    """Make ``torch.distributed.destroy_process_group`` wait for every pending asynchronous save first (once)."""
+    """Make ``torch.distributed.destroy_process_group`` wait for every pending asynchronous save first and raise a
+    failure after destroying the group, and make the end of the process report a failure nothing raised (once)."""
     with _WRAP_LOCK:
         original = dist.destroy_process_group
         if getattr(original, "_zero_bnb_waits", False):
@@ -63,12 +73,46 @@ def _wait_before_destroy() -> None:
 
         @functools.wraps(original)
         def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+            failures = []
             for saver in list(_SAVERS):
-                saver.wait(raise_error=False)  # a failure was logged when it happened
-            return original(*args, **kwargs)
+                try:
+                    saver.wait()
+                except CheckpointSaveError as error:
+                    failures.append(error)
+            result = original(*args, **kwargs)
+            if failures:
+                raise failures[0]
+            return result
 
         destroy_process_group._zero_bnb_waits = True  # type: ignore[attr-defined]
         dist.destroy_process_group = destroy_process_group
+        atexit.register(_report_lost_saves)
+
+
+def _still_latest(folder: str) -> str:
+    status = folder_status(folder)
+    if status.tag is not None:
+        return f"'latest' there still names {status.tag!r}"
+    return f"{folder} holds no complete checkpoint ('latest' was not written)"
+
+
+def _report_lost_saves() -> None:
+    """At the end of the process (after its threads, the writers included, are joined): an asynchronous save that
+    failed and that no call raised is logged as an ERROR, and the process exits with status 1 instead of 0."""
+    if not _UNREPORTED:
+        return
+    for tag, folder, error in list(_UNREPORTED.values()):
+        logger.error("zero_bnb: the asynchronous save of checkpoint %r into %s failed and nothing raised it before "
+                     "the process ended: %s. %s. Exiting with status 1", tag, folder or "?", error,
+                     _still_latest(folder) if folder else "the previous checkpoint is unchanged")
+    for handler in [*logging.getLogger().handlers, *logger.handlers]:
+        handler.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(1)  # an exception in an atexit handler would not change the exit status
 
 
 def after_pending_saves(action: Callable[[], object], what: str) -> None:
@@ -244,6 +288,7 @@ class BackgroundSaver:
                 logger.debug("zero_bnb: asynchronous save of checkpoint %r committed in %.2f s", tag, self.last_duration)
             except BaseException as error:  # noqa: BLE001 - kept, logged, and raised by the next call
                 self._error = error
+                _UNREPORTED[id(self)] = (tag, self._folder, error)
                 logger.error("zero_bnb: the asynchronous save of checkpoint %r failed; the previous checkpoint and "
                              "'latest' are unchanged. The next save_checkpoint, load_checkpoint or "
                              "wait_for_checkpoint raises this error: %s", tag, error)
@@ -313,6 +358,8 @@ class BackgroundSaver:
                 return
             self._thread = None
             error, self._error, tag = self._error, None, self._tag
+            if raise_error:
+                _UNREPORTED.pop(id(self), None)
         if error is not None and raise_error:
             if isinstance(error, CheckpointSaveError):
                 raise error
@@ -322,6 +369,12 @@ class BackgroundSaver:
             ) from error
 
     def close(self) -> None:
-        """Wait for a pending save (its error only logged) and free the staging buffers. Local."""
-        self.wait(raise_error=False)
-        self.pool.release()
+        """Wait for a pending save and free the staging buffers. Local.
+
+        Raises:
+            zero_bnb.errors.CheckpointSaveError: the last asynchronous save failed (see :meth:`wait`).
+        """
+        try:
+            self.wait()
+        finally:
+            self.pool.release()

@@ -57,15 +57,13 @@ from zero_bnb.format.durable import (
 from zero_bnb.format.lock import SaveFolderLock
 from zero_bnb.format.manifest import SUBDIR, Manifest, write_manifest
 from zero_bnb.format.ownership import CHECKPOINT_MARKERS, checkpoint_strangers
+from zero_bnb.format.progress import STAGING_SUFFIX
 from zero_bnb.format.stock_files import MODEL_STATES
 from zero_bnb.format.tags import LATEST_NAME, UNIVERSAL_LATEST, aside_tag, check_new_tag
 
 __all__ = ["PublishedError", "SaveTransaction", "local_commit"]
 
 logger = logging.getLogger(__name__)
-
-_STAGING_SUFFIX = ".zero_bnb-staging"
-
 
 _PUBLISHED_MARK = "published:"
 
@@ -126,10 +124,10 @@ def _prepare(save_dir: str, tag: str, latest_name: str | None, token: str,
     try:
         _check_targets(save_dir, tag, latest_name, owned_only)
         for name in os.listdir(save_dir):  # only the lock holder stages or replaces these, so they are crashed saves'
-            if name.startswith(".") and (_STAGING_SUFFIX in name or name.endswith(TEMP_SUFFIX) and name.startswith(
+            if name.startswith(".") and (STAGING_SUFFIX in name or name.endswith(TEMP_SUFFIX) and name.startswith(
                     tuple(f".{single}." for single in (LATEST_NAME, UNIVERSAL_LATEST, SCRIPT_NAME)))):
                 remove_tree(os.path.join(save_dir, name))
-        staging = os.path.join(save_dir, f".{tag}{_STAGING_SUFFIX}-{token}")
+        staging = os.path.join(save_dir, f".{tag}{STAGING_SUFFIX}-{token}")
         # Not fsynced: the staging folder's entry needs no durability (a crash before the commit leaves a staging
         # folder the next save removes, or none), and an fsync does not make it visible to other nodes (NFS creates
         # it on the server before mkdir returns); the commit fsyncs every folder before and after its rename. Beside

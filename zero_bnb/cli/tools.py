@@ -155,8 +155,11 @@ def _run(args: argparse.Namespace) -> int:
             else:
                 _print_summary(summary)
         elif args.command == "verify":
-            checkpoint_paths.require_zero_bnb(args.checkpoint, args.tag, "verify")
-            save_dir, tag = checkpoint_paths.locate(args.checkpoint, args.tag)
+            checkpoint, notes = checkpoint_paths.verify_target(args.checkpoint, args.tag)
+            for note in notes:
+                print(note)
+            checkpoint_paths.require_zero_bnb(checkpoint, args.tag, "verify")
+            save_dir, tag = checkpoint_paths.locate(checkpoint, args.tag)
             reader = verify_checkpoint(save_dir, tag, progress=True)
             folder, manifest = reader.tag_folder, reader.manifest
             print(f"OK: {folder}: {len(manifest.files)} files match their SHA-256, manifest format "

@@ -45,6 +45,7 @@ from zero_bnb.checkpoint.collective import agree
 from zero_bnb.checkpoint.commit import SaveTransaction
 from zero_bnb.checkpoint.derived import DERIVED_PARAMS_KEY, derived_entries
 from zero_bnb.checkpoint.exclusive import one_at_a_time
+from zero_bnb.checkpoint.front_door import mark_if_saving_into
 from zero_bnb.checkpoint.load import LoadPlan, apply_module_weights, open_for_load, plan_load
 from zero_bnb.checkpoint.masters import MasterPlan, master_candidates, plan_masters, stage_module_slices
 from zero_bnb.checkpoint.model_file import saved_zero_stage
@@ -248,6 +249,7 @@ class ZeroBnbEngine(DeepSpeedEngine):
         self._agree_on_async_saves()
         save_dir = os.fspath(save_dir)
         join_saves_into(save_dir)  # another engine's pending save holds the folder's lock until it commits
+        mark_if_saving_into(save_dir)  # a front door's folder (Accelerate's) is marked unfinished before any write
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         transaction = SaveTransaction(save_dir, tag, save_latest=save_latest)  # refuses unsafe tags on every rank
         verify_replicated_state(self.optimizer)
@@ -341,12 +343,18 @@ class ZeroBnbEngine(DeepSpeedEngine):
         return saver
 
     def destroy(self) -> None:
-        """DeepSpeed's ``destroy``, after this rank's pending asynchronous save is finished (its failure only logged)
-        and the staging buffers freed. Local."""
+        """DeepSpeed's ``destroy``, after this rank's pending asynchronous save is finished and the staging buffers
+        freed. Local.
+
+        Raises:
+            zero_bnb.errors.CheckpointSaveError: that save failed (raised once DeepSpeed's ``destroy`` ran).
+        """
         saver = getattr(self, "_zero_bnb_background", None)
-        if saver is not None:
-            saver.close()  # a pending save is finished (its error logged), the staging buffers freed
-        super().destroy()
+        try:
+            if saver is not None:
+                saver.close()  # a pending save is finished, the staging buffers freed; its failure raised
+        finally:
+            super().destroy()
 
     def _save_checkpoint(self, save_dir, tag, client_state=None, exclude_frozen_parameters=False):
         derived = self._derived_module_weights()

@@ -136,10 +136,6 @@ def _dispatcher(*args: Any, **kwargs: Any):
     if not _route_to_zero_bnb():
         original = _State.original if _State.original is not None else _genuine()
         return original(*args, **kwargs)
-    if "transformers.trainer" in sys.modules:  # a Trainer is calling: fit its scheduler state on resume too
-        from zero_bnb.integrations.hf import install_trainer_patch
-
-        install_trainer_patch()
     from zero_bnb.ds.initialize import initialize
 
     door = _calling_front_door()
@@ -176,8 +172,10 @@ def _make_dispatcher() -> Callable[..., Any]:
 def _install() -> None:
     from zero_bnb.integrations.accelerate import install_accelerate_patch
     from zero_bnb.integrations.conversions import route_deepspeed_zero_to_fp32
+    from zero_bnb.integrations.hf import install_trainer_patch
 
     install_accelerate_patch()  # Accelerate's offload swap must keep the user's optimizer (idempotent)
+    install_trainer_patch()  # Trainer's checkpoints: complete before they count, resumed only when complete
     route_deepspeed_zero_to_fp32()  # stays: DeepSpeed's zero_to_fp32 then reads zero_bnb checkpoints too
     if _State.installed is not None:
         return
@@ -193,8 +191,9 @@ def _install() -> None:
 def _uninstall_if_idle() -> None:
     if _State.global_on or _State.scopes > 0 or _State.installed is None:
         return
-    if "zero_bnb.integrations.hf" in sys.modules:
-        sys.modules["zero_bnb.integrations.hf"].remove_trainer_patch()
+    from zero_bnb.integrations.hf import remove_trainer_patch
+
+    remove_trainer_patch()
     if "zero_bnb.integrations.accelerate" in sys.modules:
         sys.modules["zero_bnb.integrations.accelerate"].remove_accelerate_patch()
     if deepspeed.initialize is _State.installed:

@@ -29,6 +29,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -49,12 +50,14 @@ __all__ = [
     "FileRecord",
     "finish_publish",
     "fsync_dir",
+    "fsync_file",
     "IoHook",
     "makedirs",
     "note_published",
     "noting_publications",
     "publish_folder",
     "remove_tree",
+    "rename_folder",
     "replace_text",
     "replacing",
     "save_torch",
@@ -257,6 +260,23 @@ def fsync_dir(path: str) -> None:
         os.close(descriptor)
 
 
+def fsync_file(path: str) -> bool:
+    """Make the content of the regular file ``path`` durable (not following a link); ``False`` when ``path`` is no
+    regular file (a link, a FIFO, gone)."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            return False
+        _event("fsync", path)
+        os.fsync(descriptor)
+        return True
+    finally:
+        os.close(descriptor)
+
+
 def makedirs(path: str, *, fresh: bool = False) -> None:
     """``os.makedirs(path, exist_ok=True)``, reported to the I/O hook; ``fresh``: ``path`` must not exist yet."""
     _event("mkdir", path)
@@ -283,6 +303,15 @@ def remove_tree(path: str, *, via: str | None = None) -> None:
                 os.rename(path, via)
                 path = via
             shutil.rmtree(path)
+
+
+def rename_folder(source: str, destination: str) -> None:
+    """Rename folder ``source`` to ``destination``, which must not exist or be an empty folder (``os.rename``'s rule),
+    reported to the I/O hook."""
+    _event("rename", source)
+    if os.path.lexists(destination) and (not os.path.isdir(destination) or os.listdir(destination)):
+        raise FileExistsError(errno.EEXIST, "exists and is not an empty folder", destination)
+    os.rename(source, destination)
 
 
 def _same_file(path: str, descriptor: int) -> bool:

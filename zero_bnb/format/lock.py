@@ -38,7 +38,7 @@ from types import TracebackType
 
 from zero_bnb.errors import CheckpointSaveError
 
-__all__ = ["LOCK_NAME", "SaveFolderLock", "try_flock"]
+__all__ = ["LOCK_NAME", "SaveFolderLock", "holder_alive", "read_holder", "try_flock"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,23 @@ def _alive(pid: int, start: str | None) -> bool:
         return True
     current = _start_time(pid)
     return start is None or current is None or current == start
+
+
+def holder_alive(holder: dict) -> bool | None:
+    """Whether the process a lock record (:func:`read_holder`) names is alive: ``None`` when it ran on another host
+    or the record is unreadable (nobody can tell from here)."""
+    if not holder or holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return None
+    return _alive(holder["pid"], holder.get("start"))
+
+
+def read_holder(save_dir: str) -> dict | None:
+    """The record of the save lock in ``save_dir`` (host, pid, purpose, since), ``{}`` if it is unreadable, ``None``
+    when there is no lock (or its path is not a regular file). Local, read-only."""
+    try:
+        return SaveFolderLock(save_dir, "reading")._holder()
+    except CheckpointSaveError:
+        return None
 
 
 def try_flock(descriptor: int, operation: int) -> bool:

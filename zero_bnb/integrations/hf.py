@@ -1,34 +1,46 @@
-"""Hugging Face Trainer glue, installed by :func:`zero_bnb.enable` when a Trainer calls ``deepspeed.initialize``.
+"""Hugging Face Trainer glue, installed by :func:`zero_bnb.enable` (now, or once ``transformers.trainer`` is imported).
 
-``zero_bnb.enable()`` alone makes Trainer and Accelerate build zero_bnb engines. This module
-adds two things Trainer needs:
+``zero_bnb.enable()`` alone makes Trainer and Accelerate build zero_bnb engines. This module adds what Trainer's
+checkpoints need:
 
 * on resume: Trainer loads its own ``scheduler.pt`` after DeepSpeed's checkpoint; one written by a stock
   DeepSpeed run (which drops bitsandbytes overrides) has fewer per-group entries than zero_bnb's optimizer has
   groups, which :func:`zero_bnb.integrations.scheduler_groups.fit_to_groups` repairs right after Trainer loads it;
-* with asynchronous saves (``zero_checkpoint_async``): Trainer deletes checkpoints beyond ``save_total_limit``
-  right after a save returns; the deletion is deferred until the new checkpoint is committed
-  (:func:`zero_bnb.checkpoint.background.after_pending_saves`), so the last complete one is never removed first.
-  Trainer's next save waits for a pending one before it writes anything: it writes the model weights into its new
-  ``checkpoint-N`` folder before DeepSpeed's save would wait, and the deferred deletion, which sorts the folders by
-  modification time (renewed by the pending save's commit), would take that newer folder for an older one.
+* every ``checkpoint-N`` save is a front door save (:mod:`zero_bnb.checkpoint.front_door`): the folder is marked
+  unfinished before Trainer writes its weights and counts as complete once Trainer's files and zero_bnb's checkpoint
+  (committed in the background with ``zero_checkpoint_async``) are durable; Trainer's ``save_total_limit`` deletion
+  runs only then, so the last complete checkpoint is never removed first. Trainer's next save waits for a pending
+  one before it writes anything (the deletion sorts folders by modification time, which a pending save's commit
+  renews);
+* ``train(resume_from_checkpoint=True)`` (``get_last_checkpoint``, also ``transformers.trainer_utils``'s) takes the
+  newest complete ``checkpoint-N`` (:mod:`zero_bnb.integrations.resume`); an explicit path to an interrupted save
+  is refused naming the newest complete one;
+* the end of ``train()`` waits for a pending asynchronous save and raises its failure.
 
-Imported only when ``transformers.trainer`` is already loaded. Local, no collectives.
+Local, no collectives (the wrapped calls are collective as Trainer's own are).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import threading
+from types import ModuleType
 from typing import Any
 
 from zero_bnb.checkpoint.background import after_pending_saves, wait_for_pending_saves
+from zero_bnb.checkpoint.front_door import current_front_door_save, front_door_save
+from zero_bnb.format.progress import first_complete
+from zero_bnb.integrations.import_watch import stop_watching, when_imported
+from zero_bnb.integrations.resume import newest_complete, refuse_interrupted, trainer_checkpoints
 from zero_bnb.integrations.scheduler_groups import fit_to_groups
 
 __all__ = ["install_trainer_patch", "remove_trainer_patch"]
 
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()
 _ORIGINAL: dict[str, Any] = {}
+_MODULE = "transformers.trainer"
+_WANTED = False
 
 
 def _group_origin(trainer: Any):
@@ -37,59 +49,116 @@ def _group_origin(trainer: Any):
     return getattr(optimizer, "zero_bnb_group_origin", None)
 
 
-def install_trainer_patch() -> None:
-    """Wrap ``Trainer._load_optimizer_and_scheduler`` (once) to fit the loaded scheduler to zero_bnb's groups, and
-    Trainer's checkpoint saves and deletion of old checkpoints to wait for a pending asynchronous save."""
-    import transformers.trainer as trainer_module
-    from transformers import Trainer
+def _checkpoint_folder(trainer: Any, trial: Any) -> str:
+    """The ``checkpoint-N`` folder ``Trainer._save_checkpoint`` writes, named as Trainer names it."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+    return os.path.join(trainer._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+
+
+def _last_complete(original):
+    """``get_last_checkpoint`` that passes over interrupted saves (``resume_from_checkpoint=True``)."""
+
+    @functools.wraps(original)
+    def get_last_checkpoint(folder):
+        chosen = original(folder)
+        if chosen is None:
+            return None
+        return newest_complete(trainer_checkpoints(folder), "Trainer's resume_from_checkpoint=True")
+
+    get_last_checkpoint._zero_bnb_patch = True
+    return get_last_checkpoint
+
+
+def _swap(owner: Any, name: str, replacement: Any) -> None:
+    _ORIGINAL[name] = (owner, name, getattr(owner, name))
+    setattr(owner, name, replacement)
+
+
+def _patch_trainer(module: ModuleType) -> None:
+    """Wrap Trainer's checkpoint calls (once; see the module docstring). Under ``_LOCK``."""
+    import transformers.trainer_utils as trainer_utils
+
+    Trainer = module.Trainer
+    # transformers 5 calls the module's rotate_checkpoints(); 4.x the method Trainer._rotate_checkpoints
+    owner, name = ((module, "rotate_checkpoints") if hasattr(module, "rotate_checkpoints")
+                   else (Trainer, "_rotate_checkpoints"))
+    rotate = getattr(owner, name)
+
+    @functools.wraps(rotate)
+    def rotate_when_complete(*args, **kwargs):
+        what = "Trainer's deletion of checkpoints beyond save_total_limit"
+        save = current_front_door_save()
+        if save is not None:
+            save.defer(lambda: rotate(*args, **kwargs), what)
+        else:
+            after_pending_saves(lambda: rotate(*args, **kwargs), what)
+
+    _swap(owner, name, rotate_when_complete)
+    original_load = Trainer._load_optimizer_and_scheduler
+
+    @functools.wraps(original_load)
+    def load_optimizer_and_scheduler(self, checkpoint):
+        result = original_load(self, checkpoint)
+        origin = _group_origin(self)
+        if checkpoint is not None and origin and getattr(self, "lr_scheduler", None) is not None:
+            fit_to_groups(self.lr_scheduler, origin)
+        return result
+
+    _swap(Trainer, "_load_optimizer_and_scheduler", load_optimizer_and_scheduler)
+    save = Trainer._save_checkpoint
+
+    @functools.wraps(save)
+    def save_checkpoint_complete(self, model, trial, *args, **kwargs):
+        wait_for_pending_saves()  # a failed asynchronous save is raised here, before anything is written
+        with front_door_save(_checkpoint_folder(self, trial), "trainer", main=self.args.should_save, mark_first=True):
+            return save(self, model, trial, *args, **kwargs)
+
+    _swap(Trainer, "_save_checkpoint", save_checkpoint_complete)
+    train = Trainer.train
+
+    @functools.wraps(train)
+    def train_then_wait(self, resume_from_checkpoint=None, *args, **kwargs):
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            path = os.fspath(resume_from_checkpoint)
+            refuse_interrupted(path, first_complete(trainer_checkpoints(os.path.dirname(os.path.abspath(path))))[0],
+                               "resume_from_checkpoint", "pass that folder, or resume_from_checkpoint=True, which "
+                               "skips interrupted saves")
+        result = train(self, resume_from_checkpoint, *args, **kwargs)
+        engine = getattr(self, "model_wrapped", None)
+        if callable(getattr(engine, "wait_for_checkpoint", None)):
+            engine.wait_for_checkpoint()  # the last save's failure is raised here, not lost at exit
+        return result
+
+    _swap(Trainer, "train", train_then_wait)
+    _swap(module, "get_last_checkpoint", _last_complete(module.get_last_checkpoint))
+    _ORIGINAL["utils_get_last_checkpoint"] = (trainer_utils, "get_last_checkpoint", trainer_utils.get_last_checkpoint)
+    trainer_utils.get_last_checkpoint = _last_complete(trainer_utils.get_last_checkpoint)
+
+
+def _patch_if_wanted(module: ModuleType) -> None:
     with _LOCK:
-        if "load" in _ORIGINAL:
-            return
-        # transformers 5 calls the module's rotate_checkpoints(); 4.x the method Trainer._rotate_checkpoints
-        owner, name = ((trainer_module, "rotate_checkpoints") if hasattr(trainer_module, "rotate_checkpoints")
-                       else (Trainer, "_rotate_checkpoints"))
-        rotate = getattr(owner, name)
+        if _WANTED and not _ORIGINAL:
+            _patch_trainer(module)
 
-        @functools.wraps(rotate)
-        def rotate_when_committed(*args, **kwargs):
-            after_pending_saves(lambda: rotate(*args, **kwargs), "Trainer's deletion of checkpoints beyond save_total_limit")
 
-        _ORIGINAL["rotate"] = (owner, name, rotate)
-        setattr(owner, name, rotate_when_committed)
-        original = Trainer._load_optimizer_and_scheduler
-
-        @functools.wraps(original)
-        def load_optimizer_and_scheduler(self, checkpoint):
-            result = original(self, checkpoint)
-            origin = _group_origin(self)
-            if checkpoint is not None and origin and getattr(self, "lr_scheduler", None) is not None:
-                fit_to_groups(self.lr_scheduler, origin)
-            return result
-
-        _ORIGINAL["load"] = original
-        Trainer._load_optimizer_and_scheduler = load_optimizer_and_scheduler
-        save = Trainer._save_checkpoint
-
-        @functools.wraps(save)
-        def save_checkpoint_after_pending(self, *args, **kwargs):
-            wait_for_pending_saves()  # a failed asynchronous save is raised here, before anything is written
-            return save(self, *args, **kwargs)
-
-        _ORIGINAL["save"] = save
-        Trainer._save_checkpoint = save_checkpoint_after_pending
+def install_trainer_patch() -> None:
+    """Wrap Trainer's checkpoint calls now if ``transformers.trainer`` is imported, else once it is (idempotent,
+    thread-safe): the scheduler fitted to zero_bnb's groups on resume, saves marked unfinished until complete,
+    deletions of older checkpoints after that, ``resume_from_checkpoint=True`` skipping interrupted saves, and the
+    end of ``train()`` waiting for a pending asynchronous save."""
+    global _WANTED
+    with _LOCK:
+        _WANTED = True
+    when_imported(_MODULE, _patch_if_wanted, lambda module: hasattr(module, "Trainer"))
 
 
 def remove_trainer_patch() -> None:
     """Undo :func:`install_trainer_patch` (a no-op when it is not installed)."""
+    global _WANTED
     with _LOCK:
-        original = _ORIGINAL.pop("load", None)
-        if original is not None:
-            from transformers import Trainer
-
-            Trainer._load_optimizer_and_scheduler = original
-            Trainer._save_checkpoint = _ORIGINAL.pop("save")
-        rotation = _ORIGINAL.pop("rotate", None)
-        if rotation is not None:
-            owner, name, rotate = rotation
-            setattr(owner, name, rotate)
+        _WANTED = False
+        stop_watching(_MODULE)
+        for owner, name, original in _ORIGINAL.values():
+            setattr(owner, name, original)
+        _ORIGINAL.clear()

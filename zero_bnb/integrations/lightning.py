@@ -31,12 +31,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any
 
 import torch
 
 try:
     from lightning.fabric.utilities.seed import reset_seed
+    from lightning.pytorch import Callback
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
     from lightning.pytorch.strategies.ddp import DDPStrategy
 except ImportError as error:  # pragma: no cover - exercised only without the extra installed
@@ -47,8 +50,10 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 import zero_bnb
 from zero_bnb.checkpoint.background import after_pending_saves
 from zero_bnb.integrations.conversions import route_deepspeed_zero_to_fp32, route_lightning_convert
+from zero_bnb.integrations.lightning_resume import complete_checkpoint
+from zero_bnb.integrations.preemption import DEFAULT_SIGNALS, Preemption
 
-__all__ = ["STRATEGY_NAMES", "ZeroBnbStrategy", "mid_epoch_warning"]
+__all__ = ["STRATEGY_NAMES", "SaveOnPreemption", "ZeroBnbStrategy", "mid_epoch_warning"]
 
 logger = logging.getLogger(__name__)
 
@@ -129,8 +134,14 @@ class ZeroBnbStrategy(DeepSpeedStrategy):
         return engine, deepspeed_optimizer
 
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Lightning's DeepSpeed load, then a warning when a mid-epoch checkpoint resumes at another split
-        (collective: every rank; rank 0 logs). Lightning's other arguments pass through (``weights_only`` since 2.6)."""
+        """Lightning's DeepSpeed load of the newest complete checkpoint for ``checkpoint_path``
+        (:func:`zero_bnb.integrations.lightning_resume.complete_checkpoint`: ``ckpt_path="last"`` never resumes from an
+        interrupted save), then a warning when a mid-epoch checkpoint resumes at another split (collective: every
+        rank; rank 0 logs). Lightning's other arguments pass through (``weights_only`` since 2.6)."""
+        trainer = self.lightning_module.trainer
+        checkpoint_path = complete_checkpoint(checkpoint_path, [callback.dirpath for callback in
+                                                                trainer.checkpoint_callbacks
+                                                                if getattr(callback, "dirpath", None)])
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         saved = getattr(self.deepspeed_engine, "zero_bnb_loaded_batch", None)
         message = mid_epoch_warning(checkpoint, saved, self.world_size,
@@ -138,6 +149,13 @@ class ZeroBnbStrategy(DeepSpeedStrategy):
         if message and self.global_rank == 0:
             logger.warning("zero_bnb: %s %s", checkpoint_path, message)
         return checkpoint
+
+    def on_train_end(self) -> None:
+        """Lightning's end of training, then the wait for a pending asynchronous save, whose failure is raised here
+        rather than lost at exit (every rank)."""
+        super().on_train_end()
+        if self.deepspeed_engine is not None:
+            self.deepspeed_engine.wait_for_checkpoint()
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Lightning's removal of an older checkpoint (``save_top_k``), deferred while an asynchronous save
@@ -158,6 +176,49 @@ class ZeroBnbStrategy(DeepSpeedStrategy):
             offload = f", {offloaded} offloaded to the CPU" if offloaded else ""
             strategy_registry.register(name, cls, description=f"zero_bnb: DeepSpeed ZeRO stage {params['stage']}"
                                        f"{offload}, elastic bitsandbytes checkpoints", override=True, **params)
+
+
+class SaveOnPreemption(Callback):
+    """Lightning's one-liner for preemption: ``pl.Trainer(..., callbacks=[zero_bnb.lightning.SaveOnPreemption()])``.
+
+    After SIGTERM or SIGUSR1 (:mod:`zero_bnb.integrations.preemption`) the ranks agree at the end of the next optimizer
+    step, save ``last.ckpt`` in the first ``ModelCheckpoint``'s directory (where ``fit(ckpt_path="last")`` finds it;
+    ``path=`` to choose), wait until it is committed and durable, and exit with ``128 + signal``. Create it in the
+    main thread, before ``fit``. Lightning's own SIGTERM handler still runs (it is called after ours); with it, Lightning
+    would stop at the end of the batch without a checkpoint, which this callback takes first.
+
+    Args:
+        signals: the signals that announce a preemption.
+        exit_code: the status to exit with; default ``128 + signal``.
+        path: where to save; default ``{ModelCheckpoint.dirpath}/last.ckpt``.
+    """
+
+    def __init__(self, signals: tuple[int, ...] = DEFAULT_SIGNALS, exit_code: int | None = None,
+                 path: str | None = None) -> None:
+        self.preemption = Preemption(tuple(signals), exit_code)
+        self.path = path
+        self._step = -1
+
+    def _save_path(self, trainer: Any) -> str:
+        if self.path is not None:
+            return self.path
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+                path = os.path.join(callback.dirpath, callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION)
+                callback.last_model_path = path
+                return path
+        logger.warning("zero_bnb: no ModelCheckpoint with a dirpath: the preemption checkpoint goes to %s, where "
+                       "fit(ckpt_path=\"last\") does not look; pass it as ckpt_path", trainer.default_root_dir)
+        return os.path.join(trainer.default_root_dir, "last.ckpt")
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self._step:
+            return  # inside an accumulation: not a step boundary
+        self._step = trainer.global_step
+        if self.preemption.requested():
+            trainer.save_checkpoint(self._save_path(trainer))
+            trainer.strategy.deepspeed_engine.wait_for_checkpoint()  # committed and durable
+            self.preemption.exit()
 
 
 def mid_epoch_warning(checkpoint: dict[str, Any], saved: dict[str, int] | None, processes: int,

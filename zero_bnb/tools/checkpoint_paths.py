@@ -8,14 +8,15 @@ from __future__ import annotations
 import glob
 import os
 
-from zero_bnb.errors import CheckpointUsageError
+from zero_bnb.errors import CheckpointFormatError, CheckpointUsageError
 from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR
 from zero_bnb.format.paths import check_tag
+from zero_bnb.format.progress import FolderStatus, folder_status
 from zero_bnb.format.reader import CheckpointReader, verify_checkpoint
 from zero_bnb.format.stock_files import UNIVERSAL_STATE, zero_file_names
 from zero_bnb.format.tags import LATEST_NAME, UNIVERSAL_LATEST, resolve_tag
 
-__all__ = ["UNIVERSAL_LATEST", "detect", "locate", "open_verified", "require_zero_bnb"]
+__all__ = ["UNIVERSAL_LATEST", "detect", "locate", "newest_in", "open_verified", "require_zero_bnb", "verify_target"]
 
 
 
@@ -43,14 +44,75 @@ def locate(path: str, tag: str | None = None, *, latest: str = LATEST_NAME) -> t
 
 
 def _suggest(path: str) -> str:
-    """What to pass instead of ``path``: a Trainer output folder's newest ``checkpoint-N`` (a save folder), or a tag."""
-    steps = sorted((int(name.removeprefix("checkpoint-")), name) for name in os.listdir(path)
-                   if name.startswith("checkpoint-") and name.removeprefix("checkpoint-").isdigit())
-    if steps:  # transformers' Trainer: OUTPUT_DIR/checkpoint-N/global_stepN
-        step, name = steps[-1]
-        return (f"it looks like a Trainer output folder: pass one of its checkpoints, for example "
-                f"{os.path.join(path, name)} (or its tag folder {os.path.join(path, name, f'global_step{step}')})")
-    return f"pass the tag folder (for example {os.path.join(path, 'global_step100')}) or --tag"
+    """What to pass instead of ``path``: the newest complete checkpoint folder in it (a front door's output folder),
+    or a tag."""
+    newest, _ = newest_in(path)
+    if newest is not None:
+        return (f"it holds checkpoint folders: pass one of them, for example its newest complete one, {newest} (or "
+                f"its tag folder {os.path.join(newest, folder_status(newest).tag or '')})")
+    tags = [name for name in sorted(os.listdir(path)) if os.path.isdir(os.path.join(path, name))
+            and os.path.isfile(os.path.join(path, name, SUBDIR, MANIFEST_NAME))]
+    return f"pass one of its tag folders ({', '.join(tags[:5])}) or --tag" if tags else \
+        "pass a save folder (with 'latest') or a tag folder"
+
+
+def _save_folders(path: str) -> list[FolderStatus]:
+    """The save folders directly in ``path`` (a front door's output folder: Trainer's ``out``, Accelerate's
+    ``checkpoints``, Lightning's checkpoint directory): folders with a ``latest``, or with zero_bnb's records of a
+    save."""
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return []
+    statuses = []
+    for name in names:
+        child = os.path.join(path, name)
+        if not name.startswith(".") and os.path.isdir(child) and not os.path.islink(child):
+            status = folder_status(child)
+            if status.tag is not None or status.unfinished() or os.path.isfile(os.path.join(child, LATEST_NAME)):
+                statuses.append(status)
+    return statuses
+
+
+def newest_in(path: str) -> tuple[str | None, list[FolderStatus]]:
+    """The newest complete save folder directly in ``path`` (committed last, not interrupted) and the interrupted ones
+    beside it. Local, read-only."""
+    statuses = _save_folders(path)
+    complete = [status for status in statuses if not status.interrupted and status.tag is not None]
+    newest = max(complete, key=lambda status: status.committed_at or 0.0, default=None)
+    return (newest.path if newest else None), [status for status in statuses if status.interrupted]
+
+
+def verify_target(path: str, tag: str | None) -> tuple[str, list[str]]:
+    """The checkpoint ``zero-bnb verify path`` checks, and notes to print first: a front door's output folder gives
+    its newest complete checkpoint (and lists the interrupted saves in it), a save folder its ``latest`` (and lists
+    saves into it that did not finish).
+
+    Raises:
+        CheckpointFormatError: ``path`` holds an interrupted save, or an output folder holds only interrupted saves;
+            the message names the newest complete checkpoint beside it, if any.
+    """
+    if tag is not None or not os.path.isdir(path):
+        return path, []
+    status = folder_status(path)
+    if status.interrupted:
+        newest, _ = newest_in(os.path.dirname(os.path.abspath(path)))
+        raise CheckpointFormatError(
+            f"{path} holds an interrupted save, not a checkpoint: {status.describe()}. "
+            + (f"The newest complete checkpoint beside it is {newest}" if newest else
+               "No complete checkpoint is beside it")
+        )
+    notes = [f"note: unfinished save: {save.describe()}" for save in status.unfinished()]
+    if status.tag is not None or os.path.isfile(os.path.join(path, LATEST_NAME)):
+        return path, notes
+    newest, interrupted = newest_in(path)
+    notes = [f"note: interrupted save: {item.describe()}" for item in interrupted]
+    if newest is not None:
+        return newest, [f"{path} holds checkpoint folders; the newest complete one is {newest}", *notes]
+    if interrupted:
+        raise CheckpointFormatError(f"{path} holds no complete checkpoint, only interrupted saves: "
+                                    + "; ".join(item.describe() for item in interrupted))
+    return path, notes
 
 
 def detect(path: str, tag: str | None = None) -> str:

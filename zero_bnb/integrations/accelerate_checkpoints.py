@@ -1,0 +1,132 @@
+"""Accelerate's ``save_state`` and ``load_state`` around zero_bnb checkpoints: a killed save never becomes the one
+``load_state()`` resumes from, and no older checkpoint is deleted before the newer one is complete.
+
+* ``save_state`` runs as a front door save (:mod:`zero_bnb.checkpoint.front_door`): its folder is marked unfinished
+  when the zero_bnb engine starts writing into it, and counts as complete once Accelerate's own files (RNG states,
+  scheduler, sampler, custom objects) and zero_bnb's checkpoint are durable; a pending asynchronous save is committed
+  before another ``save_state`` starts. With automatic checkpoint naming and ``total_limit``, Accelerate deletes the
+  oldest folders *before* it saves; here the same folders are deleted once the new one is complete.
+* ``load_state()`` with automatic checkpoint naming takes the newest ``checkpoints/checkpoint_N`` whose save was not
+  interrupted (one WARNING names those passed over); an ``input_dir`` holding an interrupted save is refused, naming
+  the newest complete one.
+
+Installed once, the first time zero_bnb patches Accelerate, and kept (it changes nothing for a folder without
+zero_bnb's records). Local, except that the wrapped calls are collective as Accelerate's own are.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import threading
+from typing import Any
+
+from zero_bnb.checkpoint.background import wait_for_pending_saves
+from zero_bnb.checkpoint.front_door import front_door_save
+from zero_bnb.errors import CheckpointUsageError
+from zero_bnb.format.progress import first_complete, folder_status
+from zero_bnb.integrations.resume import accelerate_checkpoints, newest_complete, refuse_interrupted
+
+__all__ = ["install_checkpoint_patch", "newest_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+_LOCK = threading.Lock()
+
+
+def _checkpoints_dir(accelerator: Any) -> str:
+    return os.path.join(accelerator.project_dir, "checkpoints")
+
+
+def _save_folder(accelerator: Any, output_dir: Any) -> str | None:
+    """The folder ``save_state(output_dir)`` writes, as Accelerate chooses it."""
+    if accelerator.project_configuration.automatic_checkpoint_naming:
+        return os.path.join(_checkpoints_dir(accelerator), f"checkpoint_{accelerator.save_iteration}")
+    return os.fspath(output_dir) if output_dir is not None else None
+
+
+def _delete_oldest(folders: list[str], limit: int) -> None:
+    """Accelerate's ``total_limit`` rule, run once the new checkpoint is complete: of ``folders`` (those there before
+    the save, oldest first) the oldest go, so that ``limit`` stay with the new one."""
+    doomed = folders[: len(folders) + 1 - limit]
+    if doomed:
+        logger.warning("Deleting %d checkpoints to make room for the new checkpoint (complete now).", len(doomed))
+    for path in doomed:
+        if os.path.lexists(path):
+            shutil.rmtree(path)
+
+
+def _required_tag(accelerator: Any) -> str | None:
+    """The tag folder Accelerate loads from each checkpoint folder (DeepSpeed: ``pytorch_model``), if any."""
+    from accelerate.utils import MODEL_NAME, DistributedType
+
+    return MODEL_NAME if accelerator.distributed_type == DistributedType.DEEPSPEED else None
+
+
+def newest_checkpoint(folder: str, require: str | None) -> str | None:
+    """The folder ``load_state()`` resumes from in Accelerate's ``{project_dir}/checkpoints`` ``folder``: its newest
+    entry, or, when that holds an interrupted save, the newest complete one (a WARNING names those passed over)."""
+    candidates = accelerate_checkpoints(folder)
+    if not candidates or not folder_status(candidates[0], require).interrupted:
+        return candidates[0] if candidates else None  # Accelerate's own choice is complete
+    found = newest_complete(candidates, "Accelerator.load_state()", require)
+    if found is None:
+        raise CheckpointUsageError(
+            f"Accelerator.load_state() found no complete checkpoint in {folder}: every folder there holds an "
+            f"interrupted save (named in the warning above). Start without load_state(), or pass input_dir= a "
+            f"complete checkpoint"
+        )
+    return found
+
+
+def _resume_folder(accelerator: Any, input_dir: Any) -> Any:
+    """The folder ``load_state(input_dir)`` should read (see the module docstring)."""
+    require = _required_tag(accelerator)
+    if input_dir is None and accelerator.project_configuration.automatic_checkpoint_naming:
+        return newest_checkpoint(_checkpoints_dir(accelerator), require)
+    if input_dir is not None:
+        path = os.path.expanduser(os.fspath(input_dir))
+        parent = os.path.dirname(os.path.abspath(path))
+        refuse_interrupted(path, first_complete(accelerate_checkpoints(parent), require)[0], "input_dir",
+                           "pass that folder, or call load_state() without input_dir under automatic checkpoint "
+                           "naming, which skips interrupted saves", require)
+    return input_dir
+
+
+def install_checkpoint_patch(accelerator_class: type) -> None:
+    """Wrap ``accelerator_class.save_state`` and ``load_state`` (once). Thread-safe."""
+    with _LOCK:
+        if getattr(accelerator_class.save_state, "_zero_bnb_patch", False):
+            return
+        save_state = accelerator_class.save_state
+        load_state = accelerator_class.load_state
+
+        @functools.wraps(save_state)
+        def save_state_complete(self, output_dir=None, *args, **kwargs):
+            wait_for_pending_saves()  # one save at a time; a failed asynchronous save is raised here
+            folder = _save_folder(self, output_dir)
+            if folder is None:
+                return save_state(self, output_dir, *args, **kwargs)
+            config = self.project_configuration
+            limit = config.total_limit if config.automatic_checkpoint_naming else None
+            existing = accelerate_checkpoints(_checkpoints_dir(self))[::-1] if limit is not None else []
+            with front_door_save(folder, "accelerate", main=self.is_main_process, mark_first=False) as save:
+                config.total_limit = None  # deleted below, once the new checkpoint is complete
+                try:
+                    result = save_state(self, output_dir, *args, **kwargs)
+                finally:
+                    config.total_limit = limit
+                if limit is not None:
+                    save.defer(functools.partial(_delete_oldest, existing, limit),
+                               f"Accelerate's deletion of checkpoints beyond total_limit={limit}")
+            return result
+
+        @functools.wraps(load_state)
+        def load_state_complete(self, input_dir=None, *args, **kwargs):
+            return load_state(self, _resume_folder(self, input_dir), *args, **kwargs)
+
+        save_state_complete._zero_bnb_patch = load_state_complete._zero_bnb_patch = True
+        accelerator_class.save_state = save_state_complete
+        accelerator_class.load_state = load_state_complete
