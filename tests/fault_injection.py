@@ -21,7 +21,6 @@ import dataclasses
 import gc
 import json
 import logging
-import multiprocessing
 import os
 import shutil
 import signal
@@ -33,6 +32,7 @@ import torch.distributed as dist
 
 from zero_bnb.format import durable
 from zero_bnb.testing.consolidate import consolidated_state, state_differences
+from zero_bnb.testing.forks import run_server
 from zero_bnb.testing.launch import child_environment_for, init_worker
 from zero_bnb.testing.toy import DEFAULT_RUN as RUN
 from zero_bnb.testing.toy import train_steps
@@ -185,12 +185,7 @@ def _serve(workdir: str, trials: list[dict]) -> None:
 
 def run_trials(workdir: str, trials: list[dict]) -> list[dict]:
     """Stage 2: run every ``{"mode", "victim", "index"}`` trial; returns each with its folder and exit statuses."""
-    os.environ["OMP_NUM_THREADS"] = "1"
-    server = multiprocessing.get_context("spawn").Process(target=_serve, args=(workdir, trials))
-    server.start()
-    server.join()
-    if server.exitcode != 0:
-        raise RuntimeError(f"the fault-injection server exited with {server.exitcode}")
+    run_server(_serve, workdir, trials, what="the fault-injection server")
     with open(os.path.join(workdir, "trials.json")) as handle:
         return json.load(handle)
 

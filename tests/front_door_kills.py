@@ -109,13 +109,23 @@ def _read(path: str):
 # -- Trainer ---------------------------------------------------------------------------------------------------------
 
 
-def _trainer(folder: str, world: int, mode: str, callbacks=None):
+def _trainer(folder: str, world: int, mode: str, callbacks=None, save_steps: int = 1):
     from hf_scenarios import _trainer as build
     from hf_scenarios import ds_config
 
     config = ds_config(zero_optimization={"stage": 2}, zero_checkpoint_async=mode == "async")
-    return build(os.path.dirname(folder), world, name=os.path.basename(folder), max_steps=STEPS, save_steps=1,
-                 save_total_limit=1, config=config, callbacks=callbacks)
+    return build(os.path.dirname(folder), world, name=os.path.basename(folder), max_steps=STEPS,
+                 save_steps=save_steps, save_total_limit=1, config=config, callbacks=callbacks)
+
+
+def _sigterm_the_job() -> None:
+    """A preemption: SIGTERM to every process of the job at once (rank 0 sends it)."""
+    import signal
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        os.killpg(os.getpgid(0), signal.SIGTERM)
 
 
 def _trainer_callback(steps: Steps):
@@ -165,6 +175,21 @@ def trainer_resume(rank: int, world: int, folder: str) -> dict:
     losses = {entry["step"]: entry["loss"] for entry in trainer.state.log_history
               if "loss" in entry and entry["step"] > start.step}
     return {"resumed_from": start.step, "losses": losses}
+
+
+def trainer_preempted(rank: int, world: int, folder: str) -> None:
+    """Trainer with ``zero_bnb.PreemptionCallback()`` and no regular saves, SIGTERMed during step SECOND."""
+    from transformers import TrainerCallback
+
+    import zero_bnb
+
+    class Preempt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == SECOND:
+                _sigterm_the_job()
+
+    zero_bnb.enable()
+    _trainer(folder, world, "async", callbacks=[Preempt(), zero_bnb.PreemptionCallback()], save_steps=10**6).train()
 
 
 def trainer_pick(folder: str) -> str | None:
@@ -227,6 +252,21 @@ def accelerate_resume(rank: int, world: int, folder: str) -> dict:
     return {"resumed_from": start, "losses": losses}
 
 
+def accelerate_preempted(rank: int, world: int, folder: str) -> None:
+    """Accelerate with ``zero_bnb.save_on_preemption(model, save=accelerator.save_state)`` and no regular saves,
+    SIGTERMed before the last micro-batch of step SECOND."""
+    from hf_scenarios import _accelerate_steps
+
+    import zero_bnb
+
+    accelerator, model, optimizer = _accelerator(folder, world, "async")
+    zero_bnb.save_on_preemption(model, save=accelerator.save_state)
+    for step in range(STEPS):
+        if step + 1 == SECOND:
+            _sigterm_the_job()
+        _accelerate_steps(accelerator, model, optimizer, step, 1)
+
+
 def accelerate_pick(folder: str) -> str | None:
     """What ``load_state()`` resumes from (automatic checkpoint naming, DeepSpeed)."""
     from zero_bnb.integrations.accelerate_checkpoints import newest_checkpoint
@@ -237,7 +277,7 @@ def accelerate_pick(folder: str) -> str | None:
 # -- Lightning -------------------------------------------------------------------------------------------------------
 
 
-def _lightning_fit(folder: str, world: int, mode: str, extra=(), ckpt_path=None):
+def _lightning_fit(folder: str, world: int, mode: str, extra=(), ckpt_path=None, every_n_epochs: int = 1):
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -250,7 +290,7 @@ def _lightning_fit(folder: str, world: int, mode: str, extra=(), ckpt_path=None)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs, targets), batch_size=MICRO)
     accum = GLOBAL_BATCH // (MICRO * world)
     checkpoints = ModelCheckpoint(dirpath=folder, filename="{step}", save_last=True, save_top_k=1, monitor="step",
-                                  mode="max", every_n_epochs=1)
+                                  mode="max", every_n_epochs=every_n_epochs)
     strategy = ZeroBnbStrategy(stage=2, config={"zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
                                                 "zero_checkpoint_async": mode == "async"})
     module = _module()
@@ -292,6 +332,21 @@ def lightning_resume(rank: int, world: int, folder: str) -> dict:
     return {"resumed_from": start, "losses": {start + 1 + i: loss for i, loss in enumerate(losses)}}
 
 
+def lightning_preempted(rank: int, world: int, folder: str) -> None:
+    """Lightning with ``zero_bnb.lightning.SaveOnPreemption()`` and no regular saves, SIGTERMed during step SECOND
+    (Lightning's own SIGTERM handler runs too)."""
+    import lightning.pytorch as pl
+
+    from zero_bnb.integrations.lightning import SaveOnPreemption
+
+    class Preempt(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.global_step == SECOND - 1 and batch_idx == 0:
+                _sigterm_the_job()
+
+    _lightning_fit(folder, world, "async", [Preempt(), SaveOnPreemption()], every_n_epochs=10**6)
+
+
 def lightning_pick(folder: str) -> str | None:
     """What ``fit(ckpt_path="last")`` resumes from: Lightning's ``last*.ckpt`` modified last, as zero_bnb's strategy
     loads it."""
@@ -317,6 +372,7 @@ class Door:
     first: str  # the complete checkpoint folder before the save under test
     second: tuple[str, ...]  # the folders of the save under test
     complete_at: tuple[str, str]  # rank 0's step after which the save under test is complete
+    preempted: Callable[[int, int, str], None]  # the story with the front door's preemption one-liner, SIGTERMed
 
 
 def _number(path: str) -> int:
@@ -325,13 +381,15 @@ def _number(path: str) -> int:
 
 DOORS = {
     "trainer": Door(trainer_story, trainer_resume, trainer_pick, _number, f"checkpoint-{FIRST}",
-                    (f"checkpoint-{SECOND}",), ("remove", f"checkpoint-{SECOND}/.zero_bnb-saving.json")),
+                    (f"checkpoint-{SECOND}",), ("remove", f"checkpoint-{SECOND}/.zero_bnb-saving.json"), trainer_preempted),
     "accelerate": Door(accelerate_story, accelerate_resume, accelerate_pick, lambda path: _number(path) + 1,
                        os.path.join("checkpoints", f"checkpoint_{FIRST - 1}"),
                        (os.path.join("checkpoints", f"checkpoint_{SECOND - 1}"),),
-                       ("remove", os.path.join("checkpoints", f"checkpoint_{SECOND - 1}", ".zero_bnb-saving.json"))),
+                       ("remove", os.path.join("checkpoints", f"checkpoint_{SECOND - 1}", ".zero_bnb-saving.json")),
+                       accelerate_preempted),
     "lightning": Door(lightning_story, lightning_resume, lightning_pick, lambda path: None, f"step={FIRST}.ckpt",
-                      (f"step={SECOND}.ckpt", "last.ckpt"), ("replace", f"step={SECOND}.ckpt/latest")),
+                      (f"step={SECOND}.ckpt", "last.ckpt"), ("replace", f"step={SECOND}.ckpt/latest"),
+                      lightning_preempted),
 }
 
 
@@ -413,11 +471,16 @@ def _campaign(workdir: str, name: str, door: Door) -> dict:
                 began = time.monotonic()
                 status = fork_job(2, lambda rank, world, mode=mode, step=step, victim=victim: door.story(
                     rank, world, run, mode, Steps(belongs, tuple(step) if rank == victim else None)), trial)
+                quiet = logging.getLogger("zero_bnb")
+                level = quiet.level
+                quiet.setLevel(logging.ERROR)  # the pick's WARNING is the resume job's to print
                 try:
                     pick = door.pick(run)
                     key = (os.path.relpath(pick, run) if pick else None, _folder_state(pick))
                 except Exception as error:  # noqa: BLE001 - recorded; the test requires a pick
                     key = (f"pick failed: {type(error).__name__}: {error}", "none")
+                finally:
+                    quiet.setLevel(level)
                 os.rename(run, trial)
                 killed = time.monotonic() - began
                 if key not in resumes:  # the first trial whose resume reads this folder: resume it for real
@@ -435,6 +498,17 @@ def _campaign(workdir: str, name: str, door: Door) -> dict:
                     "mode": mode, "victim": victim, "step": step, "folder": trial, "status": status,
                     "pick": key[0], "pick_state": key[1], "resume": resumes[key],
                     "seconds": [round(killed, 2), round(time.monotonic() - began - killed, 2)]})
+    signalled = os.path.join(workdir, f"{name}_preempted")
+    status = fork_job(2, lambda rank, world: door.preempted(rank, world, signalled), signalled)
+    out = f"{signalled}.resumed.json"
+
+    def resumed(rank, world):
+        value = door.resume(rank, world, signalled)
+        if rank == 0:
+            _write(out, value)
+
+    result["preempted"] = {"status": status, "resume_status": fork_job(3, resumed, f"{signalled}.resume"),
+                           "result": _read(out) if os.path.exists(out) else None}
     return result
 
 
@@ -467,14 +541,9 @@ def serve(workdir: str, doors: list[str]) -> None:
 
 def run_campaigns(workdir: str, doors: list[str]) -> dict[str, dict]:
     """Run :func:`serve` in a spawned process; returns what it wrote per front door."""
-    import multiprocessing
+    from zero_bnb.testing.forks import run_server
 
-    os.environ["OMP_NUM_THREADS"] = "1"
-    server = multiprocessing.get_context("spawn").Process(target=serve, args=(workdir, doors))
-    server.start()
-    server.join()
-    if server.exitcode != 0:
-        raise RuntimeError(f"the kill campaigns' server exited with {server.exitcode}")
+    run_server(serve, workdir, doors, what="the kill campaigns' server")
     return {door: _read(os.path.join(workdir, f"{door}.json")) for door in doors}
 
 

@@ -70,3 +70,18 @@ def test_a_job_killed_at_any_step_of_a_save_resumes_automatically_from_the_newes
     logger.info("%s: %d kill points (%s), %d resumes", door, len(trials),
                 {mode: sum(t["mode"] == mode for t in trials) for mode in kills.MODES},
                 len({trial["resume"]["folder"] for trial in trials}))
+
+
+@pytest.mark.parametrize("door", list(kills.DOORS))
+def test_the_preemption_one_liner_saves_at_the_next_step_on_sigterm_and_exits_143(campaigns, door):
+    """The front door's one-liner, with no other save, and a real SIGTERM to the whole job during step SECOND: every
+    rank exits 143 after a checkpoint of step SECOND, which the front door's automatic resume at DP=3 continues."""
+    run = campaigns[door]["preempted"]
+    assert set(run["status"].values()) == {"exit 143"}, run["status"]
+    assert set(run["resume_status"].values()) == {"exit 0"} and run["result"], run
+    assert run["result"]["resumed_from"] == SECOND, run["result"]
+    reference, losses = campaigns[door]["reference"]["async"]["losses"], run["result"]["losses"]
+    steps = [str(step) for step in range(SECOND + 1, STEPS + 1)]
+    assert sorted(losses, key=int) == steps, losses
+    within(f"{door}: losses resumed after SIGTERM vs the uninterrupted run (rel.)",
+           worst_relative([reference[step] for step in steps], [losses[step] for step in steps]), BOUNDS[door])

@@ -6,7 +6,8 @@ module weights derived from master weights (``derived``) and how a save stores t
 geometry (``batch``), regrouping by parameter name (``regroup``), what a load did to state it could not copy as
 saved, in words (``precision``), stock DeepSpeed checkpoints read into zero_bnb's layout (``stock_import``), whole
 groups in memory (``whole``), what the protocol needs from an optimizer wrapper (``partitioned``) and the
-``zero_to_fp32.py`` script written beside checkpoints (``recovery_script``).
+``zero_to_fp32.py`` script written beside checkpoints (``recovery_script``), and a front door's checkpoint folder
+counted complete only once all of it is durable (``front_door``).
 
 May import: torch (and torch.distributed), ``zero_bnb.errors``, ``zero_bnb.versions``,
 ``zero_bnb.core``, ``zero_bnb.format``, ``zero_bnb.kernels`` (the compiled bf16 residual split). Never DeepSpeed:

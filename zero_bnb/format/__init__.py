@@ -5,8 +5,9 @@ durable fsynced and hashed writes (``durable``; ``torch.save`` without the zip C
 cache for a background writer, ``direct_io``), file and checksum checks
 (``integrity``), names that stay inside their folder (``paths``), ``weights_only`` loading
 (``unpickle``), the save-folder lock (``lock``), tags and pointer files (``tags``), the loss
-scaler as plain data (``wrapper_state``), DeepSpeed's stock file layout (``stock_files``) and the
-one reader of a checkpoint folder (``reader``).
+scaler as plain data (``wrapper_state``), DeepSpeed's stock file layout (``stock_files``), the
+one reader of a checkpoint folder (``reader``) and whether a folder holds a complete checkpoint or an interrupted
+save (``progress``).
 
 May import: torch, ``zero_bnb.errors``, ``zero_bnb.versions``, ``zero_bnb.core``. Never
 torch.distributed or DeepSpeed (``unpickle`` allows DeepSpeed's loss-scaler and enum classes by

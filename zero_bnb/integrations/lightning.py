@@ -184,8 +184,9 @@ class SaveOnPreemption(Callback):
     After SIGTERM or SIGUSR1 (:mod:`zero_bnb.integrations.preemption`) the ranks agree at the end of the next optimizer
     step, save ``last.ckpt`` in the first ``ModelCheckpoint``'s directory (where ``fit(ckpt_path="last")`` finds it;
     ``path=`` to choose), wait until it is committed and durable, and exit with ``128 + signal``. Create it in the
-    main thread, before ``fit``. Lightning's own SIGTERM handler still runs (it is called after ours); with it, Lightning
-    would stop at the end of the batch without a checkpoint, which this callback takes first.
+    main thread, before ``fit``. Lightning installs its own SIGTERM handler when ``fit`` starts (it broadcasts from inside
+    the handler and stops at the end of the micro-batch, without a checkpoint); from ``on_train_start`` on, this
+    callback's handler takes its place (Lightning puts the earlier handlers back at its teardown).
 
     Args:
         signals: the signals that announce a preemption.
@@ -210,6 +211,9 @@ class SaveOnPreemption(Callback):
         logger.warning("zero_bnb: no ModelCheckpoint with a dirpath: the preemption checkpoint goes to %s, where "
                        "fit(ckpt_path=\"last\") does not look; pass it as ckpt_path", trainer.default_root_dir)
         return os.path.join(trainer.default_root_dir, "last.ckpt")
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        self.preemption.install_again()  # in place of Lightning's own (see the class docstring)
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self._step:

@@ -62,6 +62,12 @@ class Preemption:
         for number in self.signals:
             self._previous[number] = signal.signal(number, self._note)
 
+    def install_again(self) -> None:
+        """Put this object's handlers back in place of whatever replaced them since (a framework that installed its
+        own; the handlers that were there first are still called after the flag is set). Main thread only."""
+        for number in self.signals:
+            signal.signal(number, self._note)
+
     def _note(self, number: int, frame: Any) -> None:
         self.received = self.received or number
         previous = self._previous.get(number)

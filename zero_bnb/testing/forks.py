@@ -16,7 +16,7 @@ import time
 import traceback
 from collections.abc import Callable
 
-__all__ = ["fork_job", "kill_job"]
+__all__ = ["fork_job", "kill_job", "run_server"]
 
 
 def kill_job() -> None:
@@ -44,6 +44,8 @@ def _child(rank: int, world: int, store: str, log: str, job: Callable[[int, int]
 
         dist.destroy_process_group()
         code = 0
+    except SystemExit as exit:  # sys.exit(status) in the job: its status, as a script's would be
+        code = exit.code if isinstance(exit.code, int) else 1
     except BaseException:  # noqa: BLE001 - the exit status and the log report it
         traceback.print_exc()
     finally:
@@ -87,3 +89,20 @@ def fork_job(world: int, job: Callable[[int, int], None], prefix: str, *, timeou
                     status[str(rank)] = "timeout: " + _status(os.waitpid(pid, 0)[1])
         time.sleep(0.005)
     return status
+
+
+def run_server(target: Callable[..., None], *args: object, what: str) -> None:
+    """Run ``target(*args)`` in a spawned process (the warm server that forks the jobs; one thread of OpenMP, inherited
+    by every job) and wait for it.
+
+    Raises:
+        RuntimeError: the server failed; names ``what`` and its exit code.
+    """
+    import multiprocessing
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    server = multiprocessing.get_context("spawn").Process(target=target, args=args)
+    server.start()
+    server.join()
+    if server.exitcode != 0:
+        raise RuntimeError(f"{what} exited with {server.exitcode}")
