@@ -15,6 +15,7 @@ import time
 import pytest
 
 from zero_bnb.cli import main as cli_main
+import zero_bnb.errors as zero_bnb_errors
 from zero_bnb.errors import CheckpointFormatError, CheckpointUsageError
 from zero_bnb.format import progress
 from zero_bnb.format.lock import LOCK_NAME
@@ -213,3 +214,144 @@ print("the script ended normally")
     else:
         assert done.returncode == 0, (done.returncode, done.stdout, done.stderr)
         assert "raised: CheckpointSaveError" in done.stdout and "global_step6" in done.stdout, done.stdout
+
+
+def test_records_written_by_a_stranger_never_crash_the_choice_or_verify(tmp_path, capsys):
+    out = tmp_path / "out"
+    _committed(out / "checkpoint-4", "global_step4")
+    for number, record in enumerate(({"started": float("nan"), "pid": 2**70, "host": os.uname().nodename},
+                                     {"started": 1e300, "pid": -1, "host": os.uname().nodename},
+                                     {"started": "soon", "pid": True, "host": "x\n" * 400, "front_door": ["x"]},
+                                     [1, 2], "text")):
+        folder = out / f"checkpoint-{6 + number}"
+        folder.mkdir()
+        (folder / progress.SAVING_NAME).write_text(json.dumps(record) if number < 4 else "{not json")
+        status = progress.folder_status(str(folder))
+        assert status.interrupted and "front door save started" in status.describe(), status.describe()
+        assert "still running" not in status.describe()  # a negative pid names a process group, not a process
+    directory = out / "checkpoint-20"
+    (directory / progress.SAVING_NAME).mkdir(parents=True)  # a folder where the mark goes
+    assert progress.folder_status(str(directory)).interrupted
+    assert resume.newest_complete(resume.trainer_checkpoints(str(out)), "test") == str(out / "checkpoint-4")
+    assert cli_main(["verify", str(out / "checkpoint-7")]) == 1  # one line, no traceback
+    assert "holds an interrupted save" in capsys.readouterr().err
+    with pytest.raises(zero_bnb_errors.CheckpointSaveError, match="cannot mark"):
+        progress.mark_saving(str(directory), "trainer")  # its mark's path is a folder: a clear error
+
+
+def test_a_folder_that_cannot_be_listed_is_never_the_one_resumed_from(tmp_path):
+    # (a folder without read permission; the test runs as root, who reads every folder: a path that is no folder
+    # fails os.listdir the same way)
+    not_a_folder = tmp_path / "checkpoint-6"
+    not_a_folder.write_text("")
+    status = progress.folder_status(str(not_a_folder))
+    assert status.interrupted and "cannot be listed" in status.describe(), status.describe()
+
+
+def test_the_hf_example_scripts_own_get_last_checkpoint_resumes_from_the_newest_complete_one(tmp_path):
+    pytest.importorskip("transformers")
+    from zero_bnb.integrations.hf import _explicit_resume
+
+    out = tmp_path / "out"
+    _committed(out / "checkpoint-100", "global_step100")
+    _committed(out / "checkpoint-150", "global_step150")
+    _staging(out / "checkpoint-200", "global_step200")
+    _marked(out / "checkpoint-200")
+    # run_clm.py's get_last_checkpoint, imported before zero_bnb.enable(), returns the newest folder: interrupted
+    assert _explicit_resume(str(out / "checkpoint-200")) == str(out / "checkpoint-150")
+    assert _explicit_resume(str(out / "checkpoint-150")) == str(out / "checkpoint-150")
+    _marked(out / "checkpoint-100")
+    with pytest.raises(CheckpointUsageError, match="holds an interrupted save"):  # an older one, asked for by name
+        _explicit_resume(str(out / "checkpoint-100"))
+
+
+def test_a_lock_from_another_host_is_taken_over_once_its_holder_stopped_renewing_it(tmp_path):
+    from zero_bnb.format import lock as lock_module
+
+    folder = tmp_path / "checkpoint-200"
+    folder.mkdir()
+    path = folder / LOCK_NAME
+    path.write_text(json.dumps({"host": "node-a-of-the-preempted-job", "pid": 4242, "since": time.time()}))
+    with pytest.raises(zero_bnb_errors.CheckpointSaveError, match="is taken over 120 s after its holder last"):
+        lock_module.SaveFolderLock(str(folder), "test").acquire()  # renewed just now: its holder may be alive
+    old = time.time() - lock_module.LEASE_S - 5
+    os.utime(path, (old, old))  # the job died on node-a and was requeued here: nobody renews it any more
+    taken = lock_module.SaveFolderLock(str(folder), "test")
+    taken.acquire()
+    try:
+        assert json.loads(path.read_text())["host"] == os.uname().nodename
+        before = os.stat(path).st_mtime
+        os.utime(path, (old, old))
+        lock_module.RENEW_S, saved = 0.05, lock_module.RENEW_S
+        descriptor = os.open(path, os.O_RDONLY)
+        renewal = lock_module._Renewal(descriptor)
+        try:
+            deadline = time.monotonic() + 5
+            while os.stat(path).st_mtime <= old + 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+        finally:
+            lock_module.RENEW_S = saved
+            renewal.stop()
+            os.close(descriptor)
+        assert os.stat(path).st_mtime > old + 1 and before > old  # a holder renews it
+    finally:
+        taken.release()
+    assert not path.exists()
+
+
+def test_a_failed_save_of_an_engine_freed_before_the_end_is_still_reported(tmp_path):
+    script = f"""
+import logging
+import torch.distributed as dist
+from zero_bnb.checkpoint import background
+logging.basicConfig(level=logging.WARNING)
+dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
+saver = background.BackgroundSaver()
+saver.process_group()
+saver.start("global_step6", lambda: (_ for _ in ()).throw(OSError(28, "No space left on device")), {str(tmp_path)!r})
+saver.close(report=False)  # what a garbage-collected engine does (DeepSpeed's __del__ would swallow an error)
+del saver
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 1 and "global_step6" in done.stderr, (done.returncode, done.stderr[-2000:])
+
+
+def _plain_ddp_accelerate(rank: int, out: str, store: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    import zero_bnb
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    zero_bnb.enable()  # a shared launcher enables it; this job is plain DDP
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+    if accelerator.is_main_process:  # diffusers' training scripts save so, without DeepSpeed
+        accelerator.save_state(os.path.join(out, "checkpoint-1"))
+    for _ in range(2):
+        accelerator.backward(model(torch.ones(1, 2)).sum())
+    dist.destroy_process_group()
+
+
+def test_accelerate_without_a_zero_bnb_engine_saves_as_accelerate_does(tmp_path):
+    pytest.importorskip("accelerate")
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_plain_ddp_accelerate, args=(rank, str(tmp_path), str(tmp_path / "store")))
+               for rank in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(120)
+    alive = [worker.is_alive() for worker in workers]
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+    assert alive == [False, False] and [worker.exitcode for worker in workers] == [0, 0], alive
+    assert not (tmp_path / "checkpoint-1" / progress.SAVING_NAME).exists()

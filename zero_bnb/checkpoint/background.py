@@ -60,7 +60,7 @@ _WRAP_LOCK = threading.Lock()
 #: Failed asynchronous saves no call has raised yet: saver id -> (tag, save folder, error). What the end of the
 #: process reports (:func:`_report_lost_saves`); kept here, not on the saver, so an engine freed before the end of
 #: the process does not take its failure with it.
-_UNREPORTED: dict[int, tuple[str, str, BaseException]] = {}
+_UNREPORTED: dict[object, tuple[str, str, BaseException]] = {}
 
 
 def _wait_before_destroy() -> None:
@@ -86,7 +86,6 @@ def _wait_before_destroy() -> None:
 
         destroy_process_group._zero_bnb_waits = True  # type: ignore[attr-defined]
         dist.destroy_process_group = destroy_process_group
-        atexit.register(_report_lost_saves)
 
 
 def _still_latest(folder: str) -> str:
@@ -113,6 +112,12 @@ def _report_lost_saves() -> None:
         except (OSError, ValueError):
             pass
     os._exit(1)  # an exception in an atexit handler would not change the exit status
+
+
+# Registered when zero_bnb's checkpoint code is first imported, before the libraries a training script sets up later
+# (loggers, uploaders): atexit runs the handlers registered after this one first, so they are not cut short by the
+# os._exit above. A no-op unless an asynchronous save failed unreported.
+atexit.register(_report_lost_saves)
 
 
 def after_pending_saves(action: Callable[[], object], what: str) -> None:
@@ -239,6 +244,7 @@ class BackgroundSaver:
 
     def __init__(self, limit_bytes: int | None = None) -> None:
         self.pool = StagingPool(limit_bytes=limit_bytes)
+        self._key = object()  # this saver's entry in _UNREPORTED (an id() could be reused by another saver)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._group: Any = None
@@ -288,7 +294,7 @@ class BackgroundSaver:
                 logger.debug("zero_bnb: asynchronous save of checkpoint %r committed in %.2f s", tag, self.last_duration)
             except BaseException as error:  # noqa: BLE001 - kept, logged, and raised by the next call
                 self._error = error
-                _UNREPORTED[id(self)] = (tag, self._folder, error)
+                _UNREPORTED[self._key] = (tag, self._folder, error)
                 logger.error("zero_bnb: the asynchronous save of checkpoint %r failed; the previous checkpoint and "
                              "'latest' are unchanged. The next save_checkpoint, load_checkpoint or "
                              "wait_for_checkpoint raises this error: %s", tag, error)
@@ -359,7 +365,7 @@ class BackgroundSaver:
             self._thread = None
             error, self._error, tag = self._error, None, self._tag
             if raise_error:
-                _UNREPORTED.pop(id(self), None)
+                _UNREPORTED.pop(self._key, None)
         if error is not None and raise_error:
             if isinstance(error, CheckpointSaveError):
                 raise error
@@ -368,13 +374,17 @@ class BackgroundSaver:
                 f"{type(error).__name__}: {error}; the previous checkpoint and 'latest' are unchanged"
             ) from error
 
-    def close(self) -> None:
+    def close(self, *, report: bool = True) -> None:
         """Wait for a pending save and free the staging buffers. Local.
+
+        Args:
+            report: raise a failure here; ``False`` (an engine being garbage-collected, where nothing would see it):
+                leave it for the end of the process to report.
 
         Raises:
             zero_bnb.errors.CheckpointSaveError: the last asynchronous save failed (see :meth:`wait`).
         """
         try:
-            self.wait()
+            self.wait(raise_error=report)
         finally:
             self.pool.release()

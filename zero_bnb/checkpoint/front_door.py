@@ -31,6 +31,7 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from zero_bnb.checkpoint.background import after_pending_saves
+from zero_bnb.checkpoint.collective import agree
 from zero_bnb.format.progress import finish_saving, mark_saving
 
 __all__ = ["FrontDoorSave", "current_front_door_save", "front_door_save", "mark_if_saving_into"]
@@ -92,6 +93,16 @@ def mark_if_saving_into(save_dir: str) -> None:
         save.mark()
 
 
+def _marks(main: bool, initialized: bool) -> bool:
+    """Whether this process writes and removes the mark: a main process of the front door that is the first process
+    of its node (one per folder on a node's own disk, Trainer's ``save_on_each_node``; one, not every process, when a
+    misconfigured Accelerate calls them all main)."""
+    local = os.environ.get("LOCAL_RANK", "")
+    if local.isascii() and local.isdigit():
+        return main and int(local) == 0
+    return main and (not initialized or dist.get_rank() == 0)
+
+
 def _world() -> tuple[bool, int]:
     initialized = dist.is_available() and dist.is_initialized()
     return initialized, dist.get_world_size() if initialized else 1
@@ -101,20 +112,20 @@ def _world() -> tuple[bool, int]:
 def front_door_save(folder: str, door: str, *, main: bool, mark_first: bool) -> Iterator[FrontDoorSave]:
     """Run a front door's save of ``folder`` inside the block (see the module docstring).
 
-    Collective: every rank calls it around the front door's save (a barrier at each end when a process group
-    exists). The mark is written and removed by global rank 0 where a process group exists, else where ``main`` is
-    true (the process that writes the front door's own main files: Trainer's ``args.should_save``, Accelerate's
-    ``is_main_process``). ``mark_first`` marks the folder before the block; else
+    Collective: every rank calls it around the front door's save (an agreement or barrier at each end when a process
+    group exists). ``main`` is true on the process that writes the front door's own main files (Trainer's
+    ``args.should_save``, Accelerate's ``is_main_process``); of those, the first process of each node writes and
+    removes the mark and runs the held deletions. ``mark_first`` marks the folder before the block; else
     the zero_bnb engine's save marks it (:func:`mark_if_saving_into`). On an error in the block nothing more happens:
     the mark stays and the held deletions are dropped.
     """
     initialized, world = _world()
-    # zero_bnb's commit runs on global rank 0: the mark goes with it (a front door's "main" may be one per node)
-    save = FrontDoorSave(folder, door, dist.get_rank() == 0 if initialized else main)
+    save = FrontDoorSave(folder, door, _marks(main, initialized))
     if mark_first:
-        save.mark()
         if initialized and world > 1:
-            dist.barrier()  # no rank writes into the folder before it is marked
+            agree(save.mark)  # no rank writes into the folder before it is marked; a failure raised on every rank
+        else:
+            save.mark()
     previous = current_front_door_save()
     _LOCAL.save = save
     try:

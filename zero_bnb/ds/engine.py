@@ -356,6 +356,14 @@ class ZeroBnbEngine(DeepSpeedEngine):
         finally:
             super().destroy()
 
+    def __del__(self) -> None:
+        # DeepSpeed's __del__ calls destroy() and swallows what it raises: a failed asynchronous save is left for the
+        # end of the process to report (exit status 1) instead (zero_bnb.checkpoint.background).
+        saver = getattr(self, "_zero_bnb_background", None)
+        if saver is not None:
+            saver.close(report=False)
+        super().__del__()
+
     def _save_checkpoint(self, save_dir, tag, client_state=None, exclude_frozen_parameters=False):
         derived = self._derived_module_weights()
         self._zero_bnb_dropped = set(derived)

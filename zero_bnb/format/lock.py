@@ -8,8 +8,10 @@ stages anything until its checkpoint is published or discarded.
 The lock is ``{save_dir}/.zero_bnb.lock``, created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (atomic
 on local and NFSv3+ file systems) and holding the holder's host, pid, process start time and a
 random token. Its holder also keeps an advisory ``flock`` on the open file until it removes it.
-A lock left by a process that died (same host, pid gone or reused) is stale and is taken over; a
-lock from another host is never taken over automatically: the error names the holder and how to
+A lock left by a process that died (same host, pid gone or reused) is stale and is taken over. A lock
+from another host cannot be checked for life: its holder renews the lock file's modification time every
+:data:`RENEW_S` seconds while it holds it, and one not renewed for :data:`LEASE_S` seconds (a holder killed by a
+preemption, whose job was requeued on another node) is stale too; until then the error names the holder and how to
 remove it.
 
 Taking over is exclusive: a taker first takes the ``flock`` of the very file it judged stale
@@ -45,6 +47,10 @@ logger = logging.getLogger(__name__)
 LOCK_NAME = ".zero_bnb.lock"
 #: A lock file that is still empty or unreadable after this many seconds is a crashed writer's.
 _UNREADABLE_STALE_S = 30.0
+#: A holder renews its lock file's modification time this often (seconds) while it holds it.
+RENEW_S = 15.0
+#: A lock from another host not renewed for this long (seconds) is stale: its holder is gone.
+LEASE_S = 120.0
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _ATTEMPTS = 5
 
@@ -74,6 +80,8 @@ def holder_alive(holder: dict) -> bool | None:
     or the record is unreadable (nobody can tell from here)."""
     if not holder or holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
         return None
+    if not 0 < holder["pid"] < 1 << 31:
+        return None  # not a process id (a negative one would name a process group)
     return _alive(holder["pid"], holder.get("start"))
 
 
@@ -123,6 +131,27 @@ class _Fsync:
             raise self.error
 
 
+class _Renewal:
+    """Renews a held lock file's modification time every :data:`RENEW_S` seconds (a daemon thread) until stopped."""
+
+    def __init__(self, descriptor: int) -> None:
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(descriptor,), name="zero_bnb-lock-renewal", daemon=True)
+        self._thread.start()
+
+    def _run(self, descriptor: int) -> None:
+        while not self._stopped.wait(RENEW_S):
+            try:
+                os.utime(descriptor)
+            except OSError as error:  # the file system refused: the lease then runs out
+                logger.debug("zero_bnb: the save lock's renewal stopped: %r", error)
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+
 class SaveFolderLock:
     """Exclusive lock on a save folder, as a context manager (``with SaveFolderLock(d, "tag"): ...``)."""
 
@@ -133,6 +162,7 @@ class SaveFolderLock:
         self.held = False
         self._descriptor = -1
         self._syncing: _Fsync | None = None
+        self._renewing: _Renewal | None = None
 
     def _check_regular(self) -> bool:
         """Whether the lock path exists (``False``: it does not).
@@ -188,10 +218,11 @@ class SaveFolderLock:
 
     @staticmethod
     def _stale(holder: dict, descriptor: int) -> bool:
+        age = time.time() - os.fstat(descriptor).st_mtime
         if not holder:
-            return time.time() - os.fstat(descriptor).st_mtime > _UNREADABLE_STALE_S
+            return age > _UNREADABLE_STALE_S
         if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
-            return False
+            return age > LEASE_S  # not renewed by its holder (see the module docstring)
         return not _alive(holder["pid"], holder.get("start"))
 
     def acquire(self, *, durable: bool = True) -> None:
@@ -228,6 +259,7 @@ class SaveFolderLock:
             self.held = True
             if not durable:
                 self._syncing = _Fsync(descriptor)
+            self._renewing = _Renewal(descriptor)
             return
         self._refuse(holder)
 
@@ -282,8 +314,9 @@ class SaveFolderLock:
         raise CheckpointSaveError(
             f"another job is writing into {os.path.dirname(self.path) or '.'}: {self.path} is held by host "
             f"{holder.get('host', '?')!r}, pid {holder.get('pid', '?')} ({holder.get('purpose', '?')}, since {when}). "
-            f"Nothing was written. Wait for that job to finish or save into another folder; if no such job is "
-            f"running (it died on another host), delete {self.path}"
+            f"Nothing was written. Wait for that job to finish or save into another folder; a lock from another host "
+            f"is taken over {LEASE_S:.0f} s after its holder last renewed it; if no such job is running, you may "
+            f"delete {self.path}"
         )
 
     def make_durable(self) -> None:
@@ -304,6 +337,9 @@ class SaveFolderLock:
         syncing, self._syncing = self._syncing, None
         if syncing is not None:  # never close the descriptor under a running fsync (a new file could take its number)
             syncing.wait(raise_error=False)
+        renewing, self._renewing = self._renewing, None
+        if renewing is not None:  # nor under a renewal
+            renewing.stop()
         self.held = False
         descriptor, self._descriptor = self._descriptor, -1
         try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import stat
@@ -28,7 +29,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from zero_bnb.errors import CheckpointError
+from zero_bnb.errors import CheckpointError, CheckpointSaveError
 from zero_bnb.format.durable import fsync_dir, fsync_file, makedirs, remove_tree, rename_folder, replace_text
 from zero_bnb.format.lock import LOCK_NAME, holder_alive, read_holder
 from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR
@@ -84,7 +85,8 @@ class FolderStatus:
         front_door: the front door's save that has not finished in this folder (its marker), if any.
         staging: zero_bnb saves into this folder that have not finished (their staging folders).
         problem: why ``latest`` names no usable tag, when it exists but does not.
-        lacks: the tag folder the front door loads (Accelerate's ``pytorch_model``), when it is required and absent.
+        lacks: the tag folder the front door loads (Accelerate's ``pytorch_model``), when it is required and absent
+            (``""``: the folder itself cannot be listed).
     """
 
     path: str
@@ -114,6 +116,8 @@ class FolderStatus:
     def describe(self) -> str:
         """One line: what the folder holds."""
         saves = "; ".join(save.describe() for save in self.unfinished())
+        if self.lacks == "" and self.problem:
+            return f"{self.path}: {self.problem}"
         if self.lacks is not None and not saves:
             return f"{self.path}: holds no checkpoint {self.lacks!r} (a save killed before its first file)"
         if self.interrupted:
@@ -122,10 +126,29 @@ class FolderStatus:
         return f"{self.path}: {held}" + (f"; unfinished: {saves}" if saves else "")
 
 
-def _process(record: dict | None) -> tuple[str, bool | None]:
-    if not record:
+def _clean(record: dict | None) -> dict:
+    """The fields of a marker or lock record that make sense (anyone may have written it): a pid, a host name, a
+    start time; the rest dropped."""
+    record = record or {}
+    clean: dict = {}
+    pid, host, started = record.get("pid"), record.get("host"), record.get("started", record.get("since"))
+    if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 1 << 31:
+        clean["pid"] = pid
+    if isinstance(host, str) and 0 < len(host) <= 255 and host.isprintable():
+        clean["host"] = host
+    if isinstance(started, (int, float)) and not isinstance(started, bool) and math.isfinite(started) \
+            and 0 <= started < 1e11:
+        clean["started"] = float(started)
+    for key in ("start", "front_door", "purpose"):
+        if isinstance(record.get(key), str) and len(record[key]) <= 200 and record[key].isprintable():
+            clean[key] = record[key]
+    return clean
+
+
+def _process(record: dict) -> tuple[str, bool | None]:
+    if "pid" not in record:
         return "an unknown process", None
-    return f"pid {record.get('pid', '?')} on host {record.get('host', '?')!r}", holder_alive(record)
+    return f"pid {record['pid']} on host {record.get('host', '?')!r}", holder_alive(record)
 
 
 def _read_record(path: str) -> dict | None:
@@ -156,14 +179,11 @@ def _front_door(folder: str) -> InterruptedSave | None:
     path = os.path.join(folder, SAVING_NAME)
     if not os.path.lexists(path):
         return None
-    record = _read_record(path)
+    record = _clean(_read_record(path))
     process, running = _process(record)
-    door = (record or {}).get("front_door")
-    started = (record or {}).get("started")
-    return InterruptedSave(
-        what=f"{door if isinstance(door, str) and door.isidentifier() else 'front door'} save",
-        path=path, started=started if isinstance(started, (int, float)) else _mtime(path), process=process,
-        running=running)
+    door = record.get("front_door", "")
+    return InterruptedSave(what=f"{door if door.isidentifier() else 'front door'} save", path=path,
+                           started=record.get("started", _mtime(path)), process=process, running=running)
 
 
 def _staging(folder: str, names: Iterable[str]) -> tuple[InterruptedSave, ...]:
@@ -172,16 +192,15 @@ def _staging(folder: str, names: Iterable[str]) -> tuple[InterruptedSave, ...]:
     found = sorted(name for name in names if name.startswith(".") and STAGING_SUFFIX in name)
     lock = os.path.join(folder, LOCK_NAME)
     holder = read_holder(folder) if LOCK_NAME in names else None
-    process, running = _process(holder)
+    process, running = _process(_clean(holder))
     saves = tuple(InterruptedSave(what=f"zero_bnb save of tag {name[1:].split(STAGING_SUFFIX)[0]!r}",
                                   path=os.path.join(folder, name), started=_mtime(os.path.join(folder, name)),
                                   process=process, running=running) for name in found)
     if not saves and holder is not None:
-        purpose = holder.get("purpose") if isinstance(holder.get("purpose"), str) else "a zero_bnb save"
-        since = holder.get("since")
-        saves = (InterruptedSave(what=f"zero_bnb save ({purpose[:80]}) that had not released its lock", path=lock,
-                                 started=since if isinstance(since, (int, float)) else _mtime(lock), process=process,
-                                 running=running),)
+        clean = _clean(holder)
+        saves = (InterruptedSave(what=f"zero_bnb save ({clean.get('purpose', 'a zero_bnb save')[:80]}) that had not "
+                                      f"released its lock", path=lock, started=clean.get("started", _mtime(lock)),
+                                 process=process, running=running),)
     return saves
 
 
@@ -194,12 +213,13 @@ def folder_status(path: str, require: str | None = None) -> FolderStatus:
     """
     try:
         names = os.listdir(path)
-    except OSError as error:
-        return FolderStatus(path, None, None, None, (), problem=f"cannot be listed: {error.strerror or error}")
+    except OSError as error:  # nothing in it can be loaded either: counted as interrupted
+        return FolderStatus(path, None, None, None, (), problem=f"cannot be listed: {error.strerror or error}",
+                            lacks="")
     tag, committed_at, problem = None, None, ""
     if LATEST_NAME in names:
         try:
-            tag = resolve_tag(path, None)
+            tag = resolve_tag(path, None, warn=False)
         except CheckpointError as error:
             problem = str(error)
         if tag is not None:
@@ -227,6 +247,17 @@ def mark_saving(folder: str, front_door: str) -> str:
     anything there; returns the marker's token (for :func:`finish_saving`). A folder that does not exist yet appears
     with the marker already in it (made under a private name, then renamed), so no instant shows it unmarked. One
     process (the front door's main one) calls it."""
+    try:
+        return _mark(folder, front_door)
+    except OSError as error:
+        raise CheckpointSaveError(
+            f"{front_door} cannot mark {folder} as being saved ({type(error).__name__}: {error}); nothing was written "
+            f"into it. Check that {folder} is a folder you can write (and {os.path.join(folder, SAVING_NAME)} not a "
+            f"folder or link)"
+        ) from error
+
+
+def _mark(folder: str, front_door: str) -> str:
     token = uuid.uuid4().hex
     record = json.dumps({"front_door": front_door, "started": time.time(), "host": socket.gethostname(),
                          "pid": os.getpid(), "token": token}) + "\n"

@@ -62,12 +62,13 @@ def _tags_in(load_dir: str) -> list[str]:
         return []
 
 
-def resolve_tag(load_dir: str, tag: str | None, *, latest_name: str = LATEST_NAME) -> str | None:
+def resolve_tag(load_dir: str, tag: str | None, *, latest_name: str = LATEST_NAME, warn: bool = True) -> str | None:
     """The folder name under ``load_dir`` to load for ``tag`` (``None``: the one ``latest_name`` names).
 
     Local; reads only names, no file content beyond the pointer file (``latest``, or
     ``latest_universal`` for DeepSpeed universal checkpoints). Returns ``None`` when ``tag`` is
-    ``None`` and there is no pointer file (DeepSpeed then loads nothing and warns).
+    ``None`` and there is no pointer file (DeepSpeed then loads nothing and warns). ``warn``: say (WARNING) when
+    the previous version of a tag whose re-save was interrupted is what is found (a load); else at DEBUG.
 
     Raises:
         CheckpointUsageError: ``tag`` is unsafe or reserved (``latest``, ``../x``, an absolute path).
@@ -106,7 +107,7 @@ def resolve_tag(load_dir: str, tag: str | None, *, latest_name: str = LATEST_NAM
         return tag
     aside = aside_tag(tag)
     if os.path.isfile(os.path.join(load_dir, aside, SUBDIR, MANIFEST_NAME)):
-        logger.warning(
+        (logger.warning if warn else logger.debug)(
             "zero_bnb: %s is missing but its previous version %s is complete (a save of the same tag was "
             "interrupted); loading that", os.path.join(load_dir, tag), os.path.join(load_dir, aside)
         )

@@ -1,7 +1,7 @@
 """Accelerate's ``save_state`` and ``load_state`` around zero_bnb checkpoints: a killed save never becomes the one
 ``load_state()`` resumes from, and no older checkpoint is deleted before the newer one is complete.
 
-* ``save_state`` runs as a front door save (:mod:`zero_bnb.checkpoint.front_door`): its folder is marked unfinished
+* ``save_state`` of a zero_bnb engine runs as a front door save (:mod:`zero_bnb.checkpoint.front_door`): its folder is marked unfinished
   when the zero_bnb engine starts writing into it, and counts as complete once Accelerate's own files (RNG states,
   scheduler, sampler, custom objects) and zero_bnb's checkpoint are durable; a pending asynchronous save is committed
   before another ``save_state`` starts. With automatic checkpoint naming and ``total_limit``, Accelerate deletes the
@@ -107,8 +107,8 @@ def install_checkpoint_patch(accelerator_class: type) -> None:
         def save_state_complete(self, output_dir=None, *args, **kwargs):
             wait_for_pending_saves()  # one save at a time; a failed asynchronous save is raised here
             folder = _save_folder(self, output_dir)
-            if folder is None:
-                return save_state(self, output_dir, *args, **kwargs)
+            if folder is None or not any(hasattr(model, "zero_bnb_config") for model in self._models):
+                return save_state(self, output_dir, *args, **kwargs)  # no zero_bnb engine saves: Accelerate's own
             config = self.project_configuration
             limit = config.total_limit if config.automatic_checkpoint_naming else None
             existing = accelerate_checkpoints(_checkpoints_dir(self))[::-1] if limit is not None else []
@@ -125,6 +125,7 @@ def install_checkpoint_patch(accelerator_class: type) -> None:
 
         @functools.wraps(load_state)
         def load_state_complete(self, input_dir=None, *args, **kwargs):
+            wait_for_pending_saves()  # a save of this process still being written is complete first
             return load_state(self, _resume_folder(self, input_dir), *args, **kwargs)
 
         save_state_complete._zero_bnb_patch = load_state_complete._zero_bnb_patch = True

@@ -6,15 +6,16 @@ checkpoints need:
 * on resume: Trainer loads its own ``scheduler.pt`` after DeepSpeed's checkpoint; one written by a stock
   DeepSpeed run (which drops bitsandbytes overrides) has fewer per-group entries than zero_bnb's optimizer has
   groups, which :func:`zero_bnb.integrations.scheduler_groups.fit_to_groups` repairs right after Trainer loads it;
-* every ``checkpoint-N`` save is a front door save (:mod:`zero_bnb.checkpoint.front_door`): the folder is marked
+* every ``checkpoint-N`` save of a zero_bnb engine is a front door save (:mod:`zero_bnb.checkpoint.front_door`): the folder is marked
   unfinished before Trainer writes its weights and counts as complete once Trainer's files and zero_bnb's checkpoint
   (committed in the background with ``zero_checkpoint_async``) are durable; Trainer's ``save_total_limit`` deletion
   runs only then, so the last complete checkpoint is never removed first. Trainer's next save waits for a pending
   one before it writes anything (the deletion sorts folders by modification time, which a pending save's commit
   renews);
 * ``train(resume_from_checkpoint=True)`` (``get_last_checkpoint``, also ``transformers.trainer_utils``'s) takes the
-  newest complete ``checkpoint-N`` (:mod:`zero_bnb.integrations.resume`); an explicit path to an interrupted save
-  is refused naming the newest complete one;
+  newest complete ``checkpoint-N`` (:mod:`zero_bnb.integrations.resume`); so does an explicit path that is the
+  newest ``checkpoint-N`` and was interrupted (what the HF example scripts' own ``get_last_checkpoint``, imported
+  before ``zero_bnb.enable()``, returns); an older interrupted one is refused, naming the newest complete one;
 * the end of ``train()`` waits for a pending asynchronous save and raises its failure.
 
 Local, no collectives (the wrapped calls are collective as Trainer's own are).
@@ -30,7 +31,7 @@ from typing import Any
 
 from zero_bnb.checkpoint.background import after_pending_saves, wait_for_pending_saves
 from zero_bnb.checkpoint.front_door import current_front_door_save, front_door_save
-from zero_bnb.format.progress import first_complete
+from zero_bnb.format.progress import first_complete, folder_status
 from zero_bnb.integrations.import_watch import stop_watching, when_imported
 from zero_bnb.integrations.resume import newest_complete, refuse_interrupted, trainer_checkpoints
 from zero_bnb.integrations.scheduler_groups import fit_to_groups
@@ -68,6 +69,25 @@ def _last_complete(original):
 
     get_last_checkpoint._zero_bnb_patch = True
     return get_last_checkpoint
+
+
+def _explicit_resume(path: str) -> str | None:
+    """What ``train(resume_from_checkpoint=path)`` resumes from: ``path``, or, when it holds an interrupted save and is
+    its output folder's newest ``checkpoint-N`` (what transformers' ``get_last_checkpoint`` returned in a script that
+    imported it before ``zero_bnb.enable()``, as the HF example scripts do), the newest complete checkpoint.
+
+    Raises:
+        CheckpointUsageError: ``path`` holds an interrupted save and is an older one, or nothing complete is left.
+    """
+    parent = os.path.dirname(os.path.abspath(path))
+    candidates = trainer_checkpoints(parent)
+    if candidates and os.path.abspath(path) == candidates[0] and folder_status(path).interrupted:
+        found = newest_complete(candidates, f"Trainer's resume_from_checkpoint={path!r} (the newest checkpoint-N)")
+        if found is not None:
+            return found
+    refuse_interrupted(path, first_complete(candidates)[0], "resume_from_checkpoint",
+                       "pass that folder, or resume_from_checkpoint=True, which skips interrupted saves")
+    return path
 
 
 def _swap(owner: Any, name: str, replacement: Any) -> None:
@@ -111,6 +131,8 @@ def _patch_trainer(module: ModuleType) -> None:
     @functools.wraps(save)
     def save_checkpoint_complete(self, model, trial, *args, **kwargs):
         wait_for_pending_saves()  # a failed asynchronous save is raised here, before anything is written
+        if not hasattr(getattr(self, "model_wrapped", None), "zero_bnb_config"):
+            return save(self, model, trial, *args, **kwargs)  # no zero_bnb engine: Trainer's own save
         with front_door_save(_checkpoint_folder(self, trial), "trainer", main=self.args.should_save, mark_first=True):
             return save(self, model, trial, *args, **kwargs)
 
@@ -119,11 +141,9 @@ def _patch_trainer(module: ModuleType) -> None:
 
     @functools.wraps(train)
     def train_then_wait(self, resume_from_checkpoint=None, *args, **kwargs):
+        wait_for_pending_saves()  # a save of this process still being written is complete first
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):
-            path = os.fspath(resume_from_checkpoint)
-            refuse_interrupted(path, first_complete(trainer_checkpoints(os.path.dirname(os.path.abspath(path))))[0],
-                               "resume_from_checkpoint", "pass that folder, or resume_from_checkpoint=True, which "
-                               "skips interrupted saves")
+            resume_from_checkpoint = _explicit_resume(os.fspath(resume_from_checkpoint))
         result = train(self, resume_from_checkpoint, *args, **kwargs)
         engine = getattr(self, "model_wrapped", None)
         if callable(getattr(engine, "wait_for_checkpoint", None)):

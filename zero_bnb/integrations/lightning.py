@@ -139,6 +139,8 @@ class ZeroBnbStrategy(DeepSpeedStrategy):
         interrupted save), then a warning when a mid-epoch checkpoint resumes at another split (collective: every
         rank; rank 0 logs). Lightning's other arguments pass through (``weights_only`` since 2.6)."""
         trainer = self.lightning_module.trainer
+        if self.deepspeed_engine is not None:
+            self.deepspeed_engine.wait_for_checkpoint()  # a save still being written is complete before the choice
         checkpoint_path = complete_checkpoint(checkpoint_path, [callback.dirpath for callback in
                                                                 trainer.checkpoint_callbacks
                                                                 if getattr(callback, "dirpath", None)])

@@ -87,8 +87,10 @@ def refuse_interrupted(path: str, newest: str | None, argument: str, fix: str, r
         return
     instead = (f"The newest complete checkpoint beside it is {newest}: {fix}" if newest else
                "No complete checkpoint is beside it")
+    anyway = (f"; to load it anyway (zero_bnb's checkpoint {status.tag!r} in it is complete, the front door's own "
+              f"files beside it may be from the interrupted save), remove its mark {status.front_door.path}"
+              if status.front_door is not None and status.tag is not None and not status.staging else "")
     raise CheckpointUsageError(
         f"{argument}={path!r} holds an interrupted save, not a checkpoint: {status.describe()}. {instead}. zero_bnb "
-        f"does not delete interrupted folders (they hold files it did not write): remove {path} yourself once you "
-        f"no longer need it"
+        f"does not delete interrupted folders (they hold files it did not write){anyway}"
     )

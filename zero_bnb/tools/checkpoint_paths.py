@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 
 from zero_bnb.errors import CheckpointFormatError, CheckpointUsageError
 from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR
@@ -75,11 +76,15 @@ def _save_folders(path: str) -> list[FolderStatus]:
 
 
 def newest_in(path: str) -> tuple[str | None, list[FolderStatus]]:
-    """The newest complete save folder directly in ``path`` (committed last, not interrupted) and the interrupted ones
-    beside it. Local, read-only."""
+    """The newest complete save folder directly in ``path`` (not interrupted; newest by the number in its name, as the
+    front doors order them, or committed last) and the interrupted ones beside it. Local, read-only."""
     statuses = _save_folders(path)
     complete = [status for status in statuses if not status.interrupted and status.tag is not None]
-    newest = max(complete, key=lambda status: status.committed_at or 0.0, default=None)
+    numbers = [re.findall(r"[0-9]+", os.path.basename(status.path)) for status in complete]
+    if complete and all(numbers):  # Trainer's checkpoint-N, Accelerate's checkpoint_N: newest as they order them
+        newest = max(zip(complete, numbers), key=lambda pair: int(pair[1][-1]))[0]
+    else:  # as committed (Lightning's checkpoint folders)
+        newest = max(complete, key=lambda status: status.committed_at or 0.0, default=None)
     return (newest.path if newest else None), [status for status in statuses if status.interrupted]
 
 
