@@ -9,11 +9,11 @@ of 1), train on. Every run is a job forked by one warm server (:mod:`zero_bnb.te
 1. the **reference** job runs the story uninterrupted to :data:`STEPS`, records every step's loss and, per rank, the
    distinct I/O steps of the save under test in order (:class:`zero_bnb.testing.io_trace.IoTrace`: zero_bnb's files,
    the front door's own, folders, renames, deletions; ``returned`` when the save call returned);
-2. one **trial** job per kill point (each rank's first occurrence of each distinct step, except ``write``/``fsync``
-   steps, which a SIGKILL cannot tell from the step before: the page cache survives it) runs the story and SIGKILLs
-   the whole job when its victim is about to take that step; an asynchronous save's background steps happen while
-   training goes on. Every trial runs in the same folder (moved aside after), so equal outcomes are equal bytes;
-3. one **resume** job at DP=3 per distinct trial folder (trials that left byte-identical folders share it) resumes
+2. one **trial** job per kill point (each rank's first occurrence of each distinct step: :func:`_kill_points`) runs
+   the story and SIGKILLs the whole job when its victim is about to take that step; an asynchronous save's background
+   steps happen while training goes on. Every trial runs in the same folder (moved aside after), so equal outcomes are equal bytes;
+3. one **resume** job at DP=3 per distinct outcome (trials whose front door picks the same folder, holding the same
+   checkpoint byte for byte, share it: the pick itself is made for every trial by the front door's finder) resumes
    through the front door's automatic path (``train(resume_from_checkpoint=True)``, ``load_state()`` with automatic
    checkpoint naming, ``fit(ckpt_path="last")``) and trains to :data:`STEPS`, recording the step it resumed from and
    the losses after it.
@@ -25,11 +25,13 @@ to follow the reference from there.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import logging
 import os
 import re
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -205,7 +207,7 @@ def trainer_pick(folder: str) -> str | None:
 def _accelerator(folder: str, world: int, mode: str):
     import bitsandbytes as bnb
     from accelerate import Accelerator, PartialState
-    from accelerate.utils import DeepSpeedPlugin, ProjectConfiguration
+    from accelerate.utils import DeepSpeedPlugin, ProjectConfiguration, set_seed
     from hf_scenarios import GLOBAL_BATCH, MICRO, ds_config, tiny_gpt2
 
     import zero_bnb
@@ -214,6 +216,7 @@ def _accelerator(folder: str, world: int, mode: str):
                        gradient_accumulation_steps=GLOBAL_BATCH // (MICRO * world), gradient_clipping=1.0,
                        zero_optimization={"stage": 2}, zero_checkpoint_async=mode == "async")
     PartialState(cpu=True)  # on a machine without a GPU (README): else every process is process 0
+    set_seed(0)  # Python's, NumPy's and torch's generators, whose states Accelerate saves
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), project_config=ProjectConfiguration(
         project_dir=folder, automatic_checkpoint_naming=True, total_limit=1))
     model = tiny_gpt2()
@@ -412,9 +415,35 @@ def _belongs(door: Door) -> Callable[[str, str], bool]:
     return belongs
 
 
-def _folder_state(folder: str | None) -> str:
+_PRIVATE = re.compile(r"^(.*?\.zero_bnb-(?:staging|new)-\*|.*?\.\*\.zero_bnb-tmp)/")
+
+
+def _kill_points(steps: list[list[str]]) -> list[list[str]]:
+    """The kill points among one rank's steps: every step on a name visible in the checkpoint folders (the front
+    door's files, zero_bnb's tag, ``latest``, lock, mark and ``zero_to_fp32.py``, deletions, renames, ``returned``),
+    and of the steps inside a private zero_bnb folder (a staging folder, a file's private folder) the first one: a
+    kill anywhere inside leaves the same visible state, and ``tests/test_faults.py`` kills at each of them. Not
+    ``write``/``fsync`` steps (:data:`_NOT_KILL_POINTS`)."""
+    points, inside = [], set()
+    for step in steps:
+        private = _PRIVATE.match(step[1])
+        if step[0] in _NOT_KILL_POINTS or (private and private.group(1) in inside):
+            continue
+        if private:
+            inside.add(private.group(1))
+        points.append(step)
+    return points
+
+
+#: Not part of a checkpoint's content: zero_bnb's private folders, its lock and marks, and ``zero_to_fp32.py`` (a
+#: recovery script written after the commit).
+_NOT_CONTENT = re.compile(r"(\.zero_bnb-(staging|new|tmp|replaced)|\.zero_bnb\.lock$|\.zero_bnb-saving\.json$|"
+                          r"(^|/)zero_to_fp32\.py$)")
+
+
+def _folder_state(folder: str | None, content: bool = False) -> str:
     """A digest of what ``folder`` holds: every name (random parts as ``*``), and every file's bytes but those of
-    :data:`_VOLATILE` files."""
+    :data:`_VOLATILE` files; with ``content``, only what the checkpoint is (not :data:`_NOT_CONTENT`)."""
     from zero_bnb.testing.io_trace import step_name
 
     digest = hashlib.sha256()
@@ -424,13 +453,32 @@ def _folder_state(folder: str | None) -> str:
         folders.sort()
         for name in sorted(files):
             path = os.path.join(root, name)
+            if content and _NOT_CONTENT.search(step_name(path, folder)):
+                continue
             digest.update(step_name(path, folder).encode() + b"\0")
             if not name.endswith(_VOLATILE) and not os.path.islink(path):
                 with open(path, "rb") as handle:
                     digest.update(hashlib.sha256(handle.read()).digest())
         for name in folders:
-            digest.update(step_name(os.path.join(root, name), folder).encode() + b"/\0")
+            if not (content and _NOT_CONTENT.search(step_name(os.path.join(root, name), folder))):
+                digest.update(step_name(os.path.join(root, name), folder).encode() + b"/\0")
     return digest.hexdigest()
+
+
+#: What a job imports that the server may import for it: pure-Python front-door packages (not DeepSpeed's ops, whose
+#: shared-memory communication a forked job must set up itself, nor torch's).
+_WARM = ("transformers", "accelerate", "lightning", "safetensors", "huggingface_hub", "email", "importlib")
+
+
+def _import_for_the_jobs(names: list[str]) -> None:
+    """Import in the server what a job imported on its own (about 0.3 s of every forked job otherwise)."""
+    for name in names:
+        if name.split(".")[0] not in _WARM:
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a module that only imports inside a job: the jobs import it themselves
+            pass
 
 
 def _campaign(workdir: str, name: str, door: Door) -> dict:
@@ -444,29 +492,31 @@ def _campaign(workdir: str, name: str, door: Door) -> dict:
         recorders = {rank: Steps(belongs) for rank in range(2)}
 
         def reference(rank, world, mode=mode, recorders=recorders):
+            imported = set(sys.modules)
+
             def snapshot():  # the checkpoint under test, complete: what a resume from it must read
                 from zero_bnb.checkpoint.background import wait_for_pending_saves
 
                 wait_for_pending_saves()
                 if rank == 0:
-                    _write(f"{run}.complete.json", {folder: _folder_state(os.path.join(run, folder))
+                    _write(f"{run}.complete.json", {folder: _folder_state(os.path.join(run, folder), content=True)
                                                     for folder in door.second})
 
             recorders[rank].snapshot = snapshot
             losses = door.story(rank, world, run, mode, recorders[rank])
-            _write(f"{run}.rank{rank}.json", {"losses": losses, "steps": recorders[rank].seen})
+            _write(f"{run}.rank{rank}.json", {"losses": losses, "steps": recorders[rank].seen,
+                                              "imported": sorted(set(sys.modules) - imported)})
 
         status = fork_job(2, reference, f"{run}.reference_{mode}")
         seen = {rank: _read(f"{run}.rank{rank}.json") for rank in range(2)}
+        _import_for_the_jobs(seen[0]["imported"])
         complete = _read(f"{run}.complete.json")
         reference_folder = os.path.join(workdir, f"{name}_reference_{mode}")
         os.rename(run, reference_folder)
         result["reference"][mode] = {"status": status, "losses": seen[0]["losses"], "complete": complete,
                                      "steps": {str(rank): seen[rank]["steps"] for rank in seen}}
         for victim in range(2):
-            for step in seen[victim]["steps"]:
-                if step[0] in _NOT_KILL_POINTS:
-                    continue
+            for step in _kill_points(seen[victim]["steps"]):
                 trial = os.path.join(workdir, f"{name}_trial_{len(result['trials']):03d}")
                 began = time.monotonic()
                 status = fork_job(2, lambda rank, world, mode=mode, step=step, victim=victim: door.story(
@@ -476,9 +526,12 @@ def _campaign(workdir: str, name: str, door: Door) -> dict:
                 quiet.setLevel(logging.ERROR)  # the pick's WARNING is the resume job's to print
                 try:
                     pick = door.pick(run)
-                    key = (os.path.relpath(pick, run) if pick else None, _folder_state(pick))
+                    # what the resume reads: the folder the front door picks (found per trial) and its checkpoint
+                    content = _folder_state(pick, content=True)
+                    key = (os.path.relpath(pick, run) if pick else None, content)
                 except Exception as error:  # noqa: BLE001 - recorded; the test requires a pick
-                    key = (f"pick failed: {type(error).__name__}: {error}", "none")
+                    content = "none"
+                    key = (f"pick failed: {type(error).__name__}: {error}", content)
                 finally:
                     quiet.setLevel(level)
                 os.rename(run, trial)
@@ -496,7 +549,7 @@ def _campaign(workdir: str, name: str, door: Door) -> dict:
                                     "result": _read(out) if os.path.exists(out) else None}
                 result["trials"].append({
                     "mode": mode, "victim": victim, "step": step, "folder": trial, "status": status,
-                    "pick": key[0], "pick_state": key[1], "resume": resumes[key],
+                    "pick": key[0], "pick_content": content, "resume": resumes[key],
                     "seconds": [round(killed, 2), round(time.monotonic() - began - killed, 2)]})
     signalled = os.path.join(workdir, f"{name}_preempted")
     status = fork_job(2, lambda rank, world: door.preempted(rank, world, signalled), signalled)
@@ -534,6 +587,9 @@ def serve(workdir: str, doors: list[str]) -> None:
 
     zero_bnb.enable()  # Trainer's resume_from_checkpoint=True as the jobs see it (they enable it too)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # transformers builds its checkpoint-conversion tables (0.4 s of regular expressions) at the first
+    # save_pretrained of a process: built here once, inherited by every job
+    hf_scenarios.tiny_gpt2().save_pretrained(os.path.join(workdir, "warm-up"))
     gc.freeze()
     for door in doors:
         _write(os.path.join(workdir, f"{door}.json"), _campaign(workdir, door, DOORS[door]))

@@ -266,12 +266,12 @@ def test_export_writes_tied_names_with_the_umask_and_honours_the_suffix(hf, tmp_
     assert not (tmp_path / "w.txt").exists()
 
 
-def test_verify_on_a_trainer_output_folder_suggests_checkpoint_n(hf):
+def test_verify_on_a_trainer_output_folder_verifies_its_newest_complete_checkpoint(hf):
     workdir, _, _, _ = hf
-    code, _, err = cli("verify", workdir / "out")
-    assert code == 2, err
-    assert os.path.join(str(workdir / "out"), "checkpoint-8") in err, err
-    assert os.path.join("checkpoint-8", "global_step8") in err, err
+    code, out, err = cli("verify", workdir / "out")
+    assert code == 0, err
+    assert f"the newest complete one is {os.path.join(str(workdir / 'out'), 'checkpoint-8')}" in out, out
+    assert "OK: " + os.path.join(str(workdir / "out"), "checkpoint-8", "global_step8") in out, out
 
 
 def test_readme_trainer_example_runs(hf):

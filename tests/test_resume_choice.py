@@ -147,6 +147,9 @@ def test_lightning_last_takes_the_complete_checkpoint_committed_last(tmp_path):
     last = _committed(folder / "last.ckpt", "checkpoint", when=now - 20)  # committed at epoch 0 ...
     _staging(last, "checkpoint")  # ... and its re-save at epoch 1 was killed
     assert complete_checkpoint(last, [str(folder)]) == str(folder / "epoch=1.ckpt")
+    fresh = _committed(tmp_path / "fresh" / "last.ckpt", "checkpoint", when=now - 20)  # nothing interrupted in it,
+    _committed(tmp_path / "fresh" / "epoch=1.ckpt", "checkpoint", when=now - 10)  # the top-k save after it complete
+    assert complete_checkpoint(fresh, [str(tmp_path / "fresh")]) == str(tmp_path / "fresh" / "epoch=1.ckpt")
     assert complete_checkpoint(str(folder / "epoch=0.ckpt"), [str(folder)]) == str(folder / "epoch=0.ckpt")
     first = tmp_path / "first" / "last.ckpt"
     _staging(first, "checkpoint")  # the very first save of last.ckpt was killed, nothing else

@@ -87,10 +87,17 @@ def current_front_door_save() -> FrontDoorSave | None:
 
 def mark_if_saving_into(save_dir: str) -> None:
     """Mark the front door's folder now if this thread's front-door save writes into ``save_dir`` (the zero_bnb
-    engine calls it before its save writes anything). Local."""
+    engine calls it before its save writes anything). Collective when a front-door save runs (every rank is inside
+    one): a failure to mark is raised on every rank."""
     save = current_front_door_save()
-    if save is not None and os.path.abspath(save_dir) == save.folder:
-        save.mark()
+    if save is None:
+        return
+    initialized, world = _world()
+    mark = save.mark if os.path.abspath(save_dir) == save.folder else (lambda: None)
+    if initialized and world > 1:
+        agree(mark)
+    else:
+        mark()
 
 
 def _marks(main: bool, initialized: bool) -> bool:

@@ -57,7 +57,6 @@ __all__ = [
     "noting_publications",
     "publish_folder",
     "remove_tree",
-    "rename_folder",
     "replace_text",
     "replacing",
     "save_torch",
@@ -303,15 +302,6 @@ def remove_tree(path: str, *, via: str | None = None) -> None:
                 os.rename(path, via)
                 path = via
             shutil.rmtree(path)
-
-
-def rename_folder(source: str, destination: str) -> None:
-    """Rename folder ``source`` to ``destination``, which must not exist or be an empty folder (``os.rename``'s rule),
-    reported to the I/O hook."""
-    _event("rename", source)
-    if os.path.lexists(destination) and (not os.path.isdir(destination) or os.listdir(destination)):
-        raise FileExistsError(errno.EEXIST, "exists and is not an empty folder", destination)
-    os.rename(source, destination)
 
 
 def _same_file(path: str, descriptor: int) -> bool:

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from zero_bnb.errors import CheckpointError, CheckpointSaveError
-from zero_bnb.format.durable import fsync_dir, fsync_file, makedirs, remove_tree, rename_folder, replace_text
+from zero_bnb.format.durable import fsync_dir, fsync_file, makedirs, remove_tree, replace_text
 from zero_bnb.format.lock import LOCK_NAME, holder_alive, read_holder
 from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR
 from zero_bnb.format.tags import LATEST_NAME, resolve_tag
@@ -269,10 +269,12 @@ def _mark(folder: str, front_door: str) -> str:
         try:
             replace_text(record, os.path.join(private, SAVING_NAME))
             try:
-                rename_folder(private, folder)
+                if os.path.lexists(folder):
+                    raise FileExistsError(folder)
+                os.rename(private, folder)  # an empty folder made there meanwhile would be replaced: the same
                 fsync_dir(parent)
                 return token
-            except OSError:  # the folder appeared meanwhile (another process): mark it where it is
+            except OSError:  # the folder appeared meanwhile, not empty (another process): mark it where it is
                 pass
         finally:
             remove_tree(private)

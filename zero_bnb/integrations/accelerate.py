@@ -45,7 +45,7 @@ _WANTED = False
 
 
 def _ready(module: ModuleType) -> bool:
-    return hasattr(module, _TARGET) and hasattr(module, "Accelerator")  # the module has run to its end
+    return hasattr(module, _TARGET)
 
 
 def _patch_if_wanted(module: ModuleType) -> None:

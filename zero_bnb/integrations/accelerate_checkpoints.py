@@ -8,7 +8,8 @@
   oldest folders *before* it saves; here the same folders are deleted once the new one is complete.
 * ``load_state()`` with automatic checkpoint naming takes the newest ``checkpoints/checkpoint_N`` whose save was not
   interrupted (one WARNING names those passed over); an ``input_dir`` holding an interrupted save is refused, naming
-  the newest complete one.
+  the newest complete one. After a zero_bnb engine's load, ``accelerator.step`` is set from its optimizer step on
+  every rank (:func:`_align_step`: resumed at more processes, Accelerate left it at 0 on the new ones).
 
 Installed once, the first time zero_bnb patches Accelerate, and kept (it changes nothing for a folder without
 zero_bnb's records). Local, except that the wrapped calls are collective as Accelerate's own are.
@@ -95,6 +96,25 @@ def _resume_folder(accelerator: Any, input_dir: Any) -> Any:
     return input_dir
 
 
+def _align_step(accelerator: Any) -> None:
+    """Set Accelerate's micro-batch counter from the zero_bnb engine's optimizer step, on every rank.
+
+    Accelerate restores ``accelerator.step`` (which decides, modulo the accumulation, where gradients are synced) from
+    each process's own ``random_states_{i}.pkl``: a resume at more processes leaves it at 0 on the new ones, and a
+    resume at another accumulation counts it in the old split; the ranks then disagree on where DeepSpeed steps (a
+    collective mismatch, or a hang). ``optimizer steps x this run's accumulation`` is the count at that step in this
+    run's split, the same on every rank."""
+    engines = [model for model in accelerator._models if hasattr(model, "zero_bnb_config")]
+    if not engines:
+        return
+    step = engines[0].global_steps * accelerator.gradient_accumulation_steps
+    if accelerator.step != step:
+        logger.info("zero_bnb: Accelerator.step set to %d (optimizer step %d x gradient accumulation %d; it was %d on "
+                    "this process)", step, engines[0].global_steps, accelerator.gradient_accumulation_steps,
+                    accelerator.step)
+        accelerator.step = step
+
+
 def install_checkpoint_patch(accelerator_class: type) -> None:
     """Wrap ``accelerator_class.save_state`` and ``load_state`` (once). Thread-safe."""
     with _LOCK:
@@ -126,7 +146,9 @@ def install_checkpoint_patch(accelerator_class: type) -> None:
         @functools.wraps(load_state)
         def load_state_complete(self, input_dir=None, *args, **kwargs):
             wait_for_pending_saves()  # a save of this process still being written is complete first
-            return load_state(self, _resume_folder(self, input_dir), *args, **kwargs)
+            result = load_state(self, _resume_folder(self, input_dir), *args, **kwargs)
+            _align_step(self)
+            return result
 
         save_state_complete._zero_bnb_patch = load_state_complete._zero_bnb_patch = True
         accelerator_class.save_state = save_state_complete

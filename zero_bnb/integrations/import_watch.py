@@ -71,18 +71,17 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _importing(module: ModuleType, ready: Callable[[ModuleType], bool]) -> bool:
+def _importing(module: ModuleType) -> bool:
     """Whether ``module`` is still being executed by an import on some thread."""
-    spec = getattr(module, "__spec__", None)
-    return bool(getattr(spec, "_initializing", False)) and not ready(module)
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
 def _patch_when_imported(module: ModuleType, patch: Callable[[ModuleType], None],
                          ready: Callable[[ModuleType], bool]) -> None:
     deadline = time.monotonic() + _IMPORT_WAIT_S
-    while _importing(module, ready) and time.monotonic() < deadline:
+    while _importing(module) and time.monotonic() < deadline:
         time.sleep(0.005)
-    if ready(module):
+    if not _importing(module) and ready(module):
         patch(module)
     else:
         logger.warning("zero_bnb: %s did not finish importing within %.0f s; call zero_bnb.enable() again once it "
@@ -98,11 +97,11 @@ def when_imported(name: str, patch: Callable[[ModuleType], None], ready: Callabl
             if _installed(name) and not any(isinstance(f, _PatchOnImport) and f.name == name for f in sys.meta_path):
                 sys.meta_path.insert(0, _PatchOnImport(name, patch))
             return
-    if ready(module):
-        patch(module)
-    elif _importing(module, ready):  # being imported on another thread: patch once it has run
+    if _importing(module):  # being imported on another thread: patch once it has run to its end
         threading.Thread(target=_patch_when_imported, args=(module, patch, ready), name=f"zero_bnb-patch-{name}",
                          daemon=True).start()
+    elif ready(module):
+        patch(module)
 
 
 def stop_watching(name: str) -> None:

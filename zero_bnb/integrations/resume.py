@@ -21,7 +21,7 @@ import torch.distributed as dist
 from zero_bnb.errors import CheckpointUsageError
 from zero_bnb.format.progress import FolderStatus, first_complete, folder_status
 
-__all__ = ["accelerate_checkpoints", "newest_complete", "refuse_interrupted", "trainer_checkpoints", "warn_passed_over"]
+__all__ = ["accelerate_checkpoints", "is_main_process", "newest_complete", "refuse_interrupted", "trainer_checkpoints", "warn_passed_over"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,8 @@ _TRAINER = re.compile(r"^checkpoint-(\d+)$")  # transformers.trainer_utils._re_c
 _NUMBER = re.compile(r"[0-9]+")
 
 
-def _main_process() -> bool:
+def is_main_process() -> bool:
+    """Whether this process is rank 0 (of the process group, else of the launcher's ``RANK``)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0
     rank = os.environ.get("RANK", "0")
@@ -60,7 +61,7 @@ def accelerate_checkpoints(folder: str) -> list[str]:
 
 def warn_passed_over(passed: list[FolderStatus], found: str | None, request: str) -> None:
     """One WARNING (main process) naming the folders ``request`` passed over and what it resumes from instead."""
-    if passed and _main_process():
+    if passed and is_main_process():
         logger.warning("zero_bnb: %s passes over %d interrupted save%s: %s. %s", request, len(passed),
                        "" if len(passed) == 1 else "s", "; ".join(status.describe() for status in passed),
                        f"Resuming from {found}, the newest complete checkpoint" if found else
