@@ -376,6 +376,7 @@ class Door:
     second: tuple[str, ...]  # the folders of the save under test
     complete_at: tuple[str, str]  # rank 0's step after which the save under test is complete
     preempted: Callable[[int, int, str], None]  # the story with the front door's preemption one-liner, SIGTERMed
+    last: str  # the folder of the story's last save (after step STEPS)
 
 
 def _number(path: str) -> int:
@@ -384,15 +385,16 @@ def _number(path: str) -> int:
 
 DOORS = {
     "trainer": Door(trainer_story, trainer_resume, trainer_pick, _number, f"checkpoint-{FIRST}",
-                    (f"checkpoint-{SECOND}",), ("remove", f"checkpoint-{SECOND}/.zero_bnb-saving.json"), trainer_preempted),
+                    (f"checkpoint-{SECOND}",), ("remove", f"checkpoint-{SECOND}/.zero_bnb-saving.json"), trainer_preempted,
+                    f"checkpoint-{STEPS}"),
     "accelerate": Door(accelerate_story, accelerate_resume, accelerate_pick, lambda path: _number(path) + 1,
                        os.path.join("checkpoints", f"checkpoint_{FIRST - 1}"),
                        (os.path.join("checkpoints", f"checkpoint_{SECOND - 1}"),),
                        ("remove", os.path.join("checkpoints", f"checkpoint_{SECOND - 1}", ".zero_bnb-saving.json")),
-                       accelerate_preempted),
+                       accelerate_preempted, f"checkpoint_{STEPS - 1}"),
     "lightning": Door(lightning_story, lightning_resume, lightning_pick, lambda path: None, f"step={FIRST}.ckpt",
                       (f"step={SECOND}.ckpt", "last.ckpt"), ("replace", f"step={SECOND}.ckpt/latest"),
-                      lightning_preempted),
+                      lightning_preempted, f"step={STEPS}.ckpt"),
 }
 
 
@@ -562,7 +564,34 @@ def _campaign(workdir: str, name: str, door: Door) -> dict:
 
     result["preempted"] = {"status": status, "resume_status": fork_job(3, resumed, f"{signalled}.resume"),
                            "result": _read(out) if os.path.exists(out) else None}
+    result["lost"] = _lost_last_save(workdir, name, door)
     return result
+
+
+def _lost_last_save(workdir: str, name: str, door: Door) -> dict:
+    """The story with asynchronous saves whose last one fails in rank 1's writer (a full disk): the end of the front
+    door's training (``train()``, ``fit()``; Accelerate: ``wait_for_checkpoint``) raises it on every rank."""
+    from zero_bnb.format import durable
+    from zero_bnb.testing.forks import fork_job
+
+    folder = os.path.join(workdir, f"{name}_lost")
+
+    def job(rank, world):
+        def full_disk(kind, path):
+            if rank == 1 and kind == "write" and f"{os.sep}{door.last}{os.sep}" in path:
+                raise OSError(28, "injected: no space left on device")
+
+        durable.set_io_hook(full_disk)
+        try:
+            door.story(rank, world, folder, "async", Steps(lambda kind, step: False))
+            raised = None
+        except Exception as error:  # noqa: BLE001 - what the end of training raised is the result
+            raised = f"{type(error).__name__}: {error}"
+        _write(f"{folder}.rank{rank}.json", {"raised": raised})
+
+    status = fork_job(2, job, folder)
+    return {"status": status, "ranks": [_read(f"{folder}.rank{rank}.json") if os.path.exists(
+        f"{folder}.rank{rank}.json") else None for rank in range(2)]}
 
 
 def serve(workdir: str, doors: list[str]) -> None:

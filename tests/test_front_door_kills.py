@@ -85,3 +85,14 @@ def test_the_preemption_one_liner_saves_at_the_next_step_on_sigterm_and_exits_14
     assert sorted(losses, key=int) == steps, losses
     within(f"{door}: losses resumed after SIGTERM vs the uninterrupted run (rel.)",
            worst_relative([reference[step] for step in steps], [losses[step] for step in steps]), BOUNDS[door])
+
+
+@pytest.mark.parametrize("door", list(kills.DOORS))
+def test_a_failed_last_asynchronous_save_is_raised_by_the_end_of_training(campaigns, door):
+    """The story's last save fails in rank 1's background writer (a full disk): the end of Trainer's train() and
+    Lightning's fit() (Accelerate: the script's wait_for_checkpoint) raises it on every rank instead of returning."""
+    lost = campaigns[door]["lost"]
+    assert set(lost["status"].values()) == {"exit 0"}, lost  # each rank recorded what was raised
+    for rank, record in enumerate(lost["ranks"]):
+        assert record and record["raised"] and record["raised"].startswith("CheckpointSaveError"), (rank, record)
+        assert "no space left on device" in record["raised"], (rank, record)

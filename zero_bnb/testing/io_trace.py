@@ -107,7 +107,15 @@ class IoTrace:
 
         wrap(torch, "save", "torch.save", 1)
         wrap(safetensors.torch, "serialize_file", "safetensors", 1)
-        self._hook = durable.set_io_hook(lambda kind, path: _report(kind, path))
+        previous = durable.set_io_hook(None)
+
+        def hook(kind: str, path: str) -> None:
+            _report(kind, path)
+            if previous is not None:  # a hook installed before (a test's injected failure) still runs
+                previous(kind, path)
+
+        self._hook = previous
+        durable.set_io_hook(hook)
         _ACTIVE.append(self)
         return self
 
