@@ -57,7 +57,7 @@ _SAVERS: weakref.WeakSet[BackgroundSaver] = weakref.WeakSet()
 _WRAP_LOCK = threading.Lock()
 
 
-#: Failed asynchronous saves no call has raised yet: saver id -> (tag, save folder, error). What the end of the
+#: Failed asynchronous saves no call has raised yet: saver's key -> (tag, save folder, error). What the end of the
 #: process reports (:func:`_report_lost_saves`); kept here, not on the saver, so an engine freed before the end of
 #: the process does not take its failure with it.
 _UNREPORTED: dict[object, tuple[str, str, BaseException]] = {}
@@ -65,7 +65,7 @@ _UNREPORTED: dict[object, tuple[str, str, BaseException]] = {}
 
 def _wait_before_destroy() -> None:
     """Make ``torch.distributed.destroy_process_group`` wait for every pending asynchronous save first and raise a
-    failure after destroying the group, and make the end of the process report a failure nothing raised (once)."""
+    failure after destroying the group (once)."""
     with _WRAP_LOCK:
         original = dist.destroy_process_group
         if getattr(original, "_zero_bnb_waits", False):

@@ -71,7 +71,7 @@ def _last_complete(original):
     return get_last_checkpoint
 
 
-def _explicit_resume(path: str) -> str | None:
+def _explicit_resume(path: str) -> str:
     """What ``train(resume_from_checkpoint=path)`` resumes from: ``path``, or, when it holds an interrupted save and is
     its output folder's newest ``checkpoint-N`` (what transformers' ``get_last_checkpoint`` returned in a script that
     imported it before ``zero_bnb.enable()``, as the HF example scripts do), the newest complete checkpoint.
