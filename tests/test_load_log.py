@@ -27,6 +27,50 @@ def logged(tmp_path_factory):
     return json.loads((workdir / "load_log_dp2.json").read_text()), os.path.join(workdir, "stage2", "saved")
 
 
+@pytest.fixture(scope="module")
+def init_logs(logged):
+    _, folder = logged
+    workdir = os.path.dirname(os.path.dirname(folder))
+    return [json.loads(open(os.path.join(workdir, f"init_log_rank{rank}.json")).read()) for rank in range(3)]
+
+
+def test_initialize_warns_once_when_an_8bit_optimizer_keeps_fp32_state_below_min_8bit_size(init_logs):
+    # Issue 42, point 6: at DP=3 the toy's last group (8,640 elements) has 3,072-element partitions on rank 0, under
+    # bitsandbytes' min_8bit_size (4096): its "8-bit" Adam keeps fp32 moments, which only zero-bnb inspect showed.
+    # The bias group (346 elements) is fp32 at every DP size, as bitsandbytes keeps each small bias alone.
+    rank0 = init_logs[0]
+    warnings = [message for level, _, message in rank0["log"] if level == "WARNING"]
+    assert warnings == [
+        "zero_bnb: the 8-bit optimizer keeps fp32 state (4 bytes per moment, not 1) for 8986 of its 33946 elements: "
+        "group 1 (256 elements a partition at DP=3), group 2 (3072 elements a partition at DP=3; 8-bit while DP <= 2) "
+        "are below bitsandbytes' min_8bit_size=4096 (under ZeRO stages 1 and 2 the tensor bitsandbytes sees is each "
+        "rank's partition of a flat group). To keep them 8-bit pass a smaller min_8bit_size to the optimizer, e.g. "
+        "bnb.optim.AdamW8bit(params, lr=..., min_8bit_size=256), or train at fewer ranks; "
+        "zero_bnb.describe(engine)['below_min_8bit_size'] lists them"
+    ], warnings
+    assert all(not any(level == "WARNING" for level, *_ in other["log"]) for other in init_logs[1:])  # rank 0 says it
+    records = [{"group": 1, "numel": 346, "partition_numel": 256, "min_8bit_size": 4096, "eight_bit_up_to_dp": None,
+                "decided_on": "partition"},
+               {"group": 2, "numel": 8640, "partition_numel": 3072, "min_8bit_size": 4096, "eight_bit_up_to_dp": 2,
+                "decided_on": "partition"}]
+    assert [entry["below"] for entry in init_logs][0] == records  # describe() before and after steps
+    assert [entry["after_steps"] for entry in init_logs][0] == records
+    # every rank's describe() lists the same groups (its own partition's size)
+    assert all([r["group"] for r in entry["below"]] == [1, 2] for entry in init_logs), init_logs
+
+
+def test_no_warning_where_the_state_is_8bit_or_bitsandbytes_alone_decides(logged):
+    # At DP=2 the same ZeRO-2 group is 8-bit; at stage 3 only the biases are fp32 (bitsandbytes' own per-tensor rule,
+    # most elements 8-bit): the plan is logged at INFO, no warning.
+    records, _ = logged
+    for name in ("stage2", "stage3"):
+        assert not [message for level, _, message in records[f"{name}_init"] if level == "WARNING"], records[f"{name}_init"]
+        assert any(level == "INFO" and "state (optim_bits=8" in message for level, _, message in records[f"{name}_init"])
+    assert [entry["group"] for entry in records["stage2_below"]] == [1]  # the bias group only
+    assert [entry["group"] for entry in records["stage3_below"]] == [2, 3, 4]  # the three biases (by parameter)
+    assert {entry["decided_on"] for entry in records["stage3_below"]} == {"whole parameter"}
+
+
 def _from_engine(records, level):
     return [message for lev, name, message in records if name == "zero_bnb.ds.engine" and lev == level
             and "checkpoint" in message]

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from zero_bnb.core import quant
 from zero_bnb.core.config import (
+    DEEPSPEED_ZERO_KEYS,
+    OWN_KEYS,
     ZeroBnbConfig,
     ZeroBnbConfigError,
     load_ds_config,
@@ -71,6 +73,28 @@ def test_absent_keys_mean_optimizer_default():
 def test_bad_config_values_are_named(config, message):
     with pytest.raises(ZeroBnbConfigError, match=message):
         split_config(config)
+
+
+@pytest.mark.parametrize("typo, closest", [("zero_unsharded_state_key", "zero_unsharded_state_keys"),
+                                           ("zero_checkpoint_asynch", "zero_checkpoint_async"),
+                                           ("zero_allow_untested_optimiser", "zero_allow_untested_optimizer")])
+def test_unknown_top_level_zero_keys_are_refused_naming_the_closest(typo, closest):
+    # DeepSpeed ignores unknown top-level keys: a misspelt zero_bnb key would silently do nothing.
+    with pytest.raises(ZeroBnbConfigError, match=f"'{typo}' \\(did you mean '{closest}'\\?\\).*Correct or remove"):
+        split_config({typo: True, "zero_optimization": {"stage": 1}})
+    with pytest.raises(ZeroBnbConfigError, match="'zero_whatever'\\. zero_bnb reads"):  # nothing close: no guess
+        split_config({"zero_whatever": 1})
+    known = {key: None for key in (*OWN_KEYS, *DEEPSPEED_ZERO_KEYS)} | {"zero_optimization": {"stage": 2}}
+    assert split_config(known)[1] == {key: None for key in DEEPSPEED_ZERO_KEYS} | {"zero_optimization": {"stage": 2}}
+    assert split_config({"train_batch_size": 8, "zeroes": 1})[1] == {"train_batch_size": 8, "zeroes": 1}
+
+
+def test_deepspeed_top_level_zero_keys_are_the_installed_deepspeeds():
+    from deepspeed.runtime import constants
+
+    installed = {value for name, value in vars(constants).items()
+                 if isinstance(value, str) and value.startswith("zero_") and name.isupper()}
+    assert installed <= set(DEEPSPEED_ZERO_KEYS), installed - set(DEEPSPEED_ZERO_KEYS)
 
 
 def test_config_file_errors_name_the_path(tmp_path):

@@ -10,6 +10,7 @@ stock DeepSpeed would reject, so they are removed before DeepSpeed validates the
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import os
 from collections.abc import Mapping
@@ -26,8 +27,10 @@ __all__ = [
     "CHECKPOINT_VERIFY",
     "CPU_UPDATE",
     "CPU_UPDATE_MODES",
+    "DEEPSPEED_ZERO_KEYS",
     "DERIVED_MODULE_WEIGHTS",
     "NONFINITE_CHECK",
+    "OWN_KEYS",
     "UNSHARDED_KEYS",
     "UNSHARDED_MAX_NUMEL",
     "UPDATE_MAX_NUMEL",
@@ -36,6 +39,7 @@ __all__ = [
     "load_ds_config",
     "prepare_offload",
     "refuse_optimizer_section",
+    "refuse_unknown_keys",
     "split_config",
 ]
 
@@ -50,8 +54,13 @@ CHECKPOINT_ASYNC = "zero_checkpoint_async"
 CHECKPOINT_ASYNC_MAX_STAGING_MB = "zero_checkpoint_async_max_staging_mb"
 #: Values of ``zero_cpu_update``.
 CPU_UPDATE_MODES = ("auto", "fused", "bitsandbytes")
-_OWN_KEYS = (UNSHARDED_KEYS, UNSHARDED_MAX_NUMEL, NONFINITE_CHECK, CHECKPOINT_VERIFY, DERIVED_MODULE_WEIGHTS,
-             CPU_UPDATE, UPDATE_MAX_NUMEL, CHECKPOINT_ASYNC, CHECKPOINT_ASYNC_MAX_STAGING_MB)
+#: zero_bnb's keys: it owns the ``zero_`` prefix at the top level of the config, beside DeepSpeed's own.
+OWN_KEYS = (UNSHARDED_KEYS, UNSHARDED_MAX_NUMEL, NONFINITE_CHECK, CHECKPOINT_VERIFY, DERIVED_MODULE_WEIGHTS,
+            CPU_UPDATE, UPDATE_MAX_NUMEL, CHECKPOINT_ASYNC, CHECKPOINT_ASYNC_MAX_STAGING_MB)
+#: DeepSpeed's top-level keys that start with ``zero_`` (``deepspeed.runtime.constants``; a test checks the list
+#: against the installed DeepSpeed). Any other top-level ``zero_`` key is a typo: DeepSpeed ignores unknown top-level
+#: keys, so a misspelt zero_bnb key would silently do nothing.
+DEEPSPEED_ZERO_KEYS = ("zero_optimization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer")
 _NONFINITE_MODES = ("error", "warn", "off")
 #: DeepSpeed's top-level key that makes it refuse every client optimizer under optimizer offload.
 FORCE_DS_CPU_OPTIMIZER = "zero_force_ds_cpu_optimizer"
@@ -182,13 +191,15 @@ def split_config(ds_config: Mapping[str, Any]) -> tuple[ZeroBnbConfig, dict[str,
         ready for DeepSpeed's own validation. The input is not modified.
 
     Raises:
-        ZeroBnbConfigError: a value is malformed, or a key is given both at the top level and
-            inside ``zero_optimization`` with different values.
+        ZeroBnbConfigError: a value is malformed, a key is given both at the top level and
+            inside ``zero_optimization`` with different values, or a top-level key starting with ``zero_`` is
+            neither zero_bnb's nor DeepSpeed's (a typo that would silently do nothing).
     """
+    refuse_unknown_keys(ds_config)
     cleaned = copy.deepcopy(dict(ds_config))
     zero_section = cleaned.get("zero_optimization")
     found: dict[str, Any] = {}
-    for key in _OWN_KEYS:
+    for key in OWN_KEYS:
         top = cleaned.pop(key, None)
         nested = zero_section.pop(key, None) if isinstance(zero_section, dict) else None
         if top is not None and nested is not None and top != nested:
@@ -219,6 +230,32 @@ def split_config(ds_config: Mapping[str, Any]) -> tuple[ZeroBnbConfig, dict[str,
         unsharded_state_keys=keys, unsharded_state_max_numel=found.get(UNSHARDED_MAX_NUMEL), **optional
     )
     return parsed, cleaned
+
+
+def refuse_unknown_keys(ds_config: Mapping[str, Any]) -> None:
+    """Refuse top-level keys that start with ``zero_`` and are neither zero_bnb's (:data:`OWN_KEYS`) nor DeepSpeed's
+    (:data:`DEEPSPEED_ZERO_KEYS`), naming the closest known key. Local, pure.
+
+    DeepSpeed ignores unknown top-level keys (its validator checks only inside its sections), so
+    ``"zero_checkpoint_asynch": true`` would leave saves synchronous without a word.
+
+    Raises:
+        ZeroBnbConfigError: naming each unknown key, its closest known key and the known keys.
+    """
+    known = (*OWN_KEYS, *DEEPSPEED_ZERO_KEYS)
+    unknown = sorted(key for key in ds_config if isinstance(key, str) and key.startswith("zero_") and key not in known)
+    if not unknown:
+        return
+    guesses = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        guesses.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+    raise ZeroBnbConfigError(
+        f"unknown top-level key{'s' if len(unknown) > 1 else ''} in the DeepSpeed config: {', '.join(guesses)}. zero_bnb "
+        f"reads the top-level keys that start with zero_ and DeepSpeed would silently ignore a misspelt one; the known "
+        f"keys are zero_bnb's {', '.join(OWN_KEYS)} and DeepSpeed's {', '.join(DEEPSPEED_ZERO_KEYS)}. Correct or "
+        f"remove the key"
+    )
 
 
 def refuse_optimizer_section(ds_config: Mapping[str, Any], client_optimizer: Any) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from zero_bnb.core.state_spec import classify_state
+from zero_bnb.ds.precision_plan import below_min_8bit_size
 
 __all__ = ["describe"]
 
@@ -21,7 +22,9 @@ def describe(engine: Any) -> dict[str, Any]:
     Returns:
         ``{"optimizer": class, "zero_stage": int, "dp_size": int, "dp_rank": int, "groups": [{"numel",
         "partition_numel", "state": {key: {"kind", "dtype", "shape", "bytes"}}} per flat group], "masters_bytes",
-        "state_bytes", "state_bytes_per_param", "eight_bit_groups": indexes of the groups whose moments are 8-bit}``.
+        "state_bytes", "state_bytes_per_param", "eight_bit_groups": indexes of the groups whose moments are 8-bit,
+        "below_min_8bit_size": the groups an 8-bit optimizer keeps in fp32 because they are below bitsandbytes'
+        ``min_8bit_size`` (:func:`~zero_bnb.ds.precision_plan.below_min_8bit_size`)}``.
         Bytes per parameter are this rank's state bytes over its partition's elements.
 
     Raises:
@@ -57,4 +60,4 @@ def describe(engine: Any) -> dict[str, Any]:
             "zero_stage": int(engine.zero_optimization_stage()), "dp_size": optimizer.dp_size,
             "dp_rank": optimizer.dp_rank, "groups": groups, "masters_bytes": masters_bytes, "state_bytes": state_bytes,
             "state_bytes_per_param": state_bytes / partition_numel if partition_numel else 0.0,
-            "eight_bit_groups": eight_bit}
+            "eight_bit_groups": eight_bit, "below_min_8bit_size": below_min_8bit_size(optimizer)}

@@ -57,6 +57,7 @@ from zero_bnb.checkpoint.state_checks import find_non_finite, verify_replicated_
 from zero_bnb.core.config import ZeroBnbConfig
 from zero_bnb.core.state_spec import StateRule, declared, spec_for
 from zero_bnb.ds.checkpoint_engine import DurableCheckpointEngine
+from zero_bnb.ds.precision_plan import announce_precision
 from zero_bnb.ds.stage3 import BlockAlignedStage3Optimizer
 from zero_bnb.ds.zero_optimizer import BlockAlignedBF16Optimizer, BlockAlignedZeroOptimizer
 from zero_bnb.errors import CheckpointUsageError
@@ -178,19 +179,7 @@ class ZeroBnbEngine(DeepSpeedEngine):
             uninstall_cpu_update(optimizer)
             raise
         if self.global_rank == 0:
-            for index in range(wrapper.num_groups):
-                plan = wrapper.state_precision(index)
-                if plan is not None:
-                    limit = plan["eight_bit_up_to_dp"]
-                    logger.info(
-                        "zero_bnb: group %d: partition of %d elements at DP=%d -> %s state (optim_bits=%d, "
-                        "min_8bit_size=%d is decided per partition; %s)",
-                        index, plan["partition_numel"], wrapper.dp_size,
-                        "8-bit" if plan["eight_bit"] else "fp32", plan["optim_bits"], plan["min_8bit_size"],
-                        f"8-bit while DP <= {limit}" if limit is not None else
-                        "decided on the whole parameter: the same at every DP size" if plan.get("decided_on")
-                        else "fp32 at every DP size",
-                    )
+            announce_precision(wrapper)
         return wrapper
 
     def _configure_checkpointing(self, *args):  # DeepSpeed 0.17.0 passes dist_init_required
