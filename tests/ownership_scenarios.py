@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import bitsandbytes as bnb
 import deepspeed
 import torch.distributed as dist
+from hostile_scenarios import resign
 from scenarios import _error, _save_result
+
+from zero_bnb.format import durable
 
 from zero_bnb.testing.toy import DEFAULT_RUN as RUN
 from zero_bnb.testing.toy import build_engine, build_model, param_groups, train_steps
@@ -73,5 +78,46 @@ def saves_over_foreign_folders(rank: int, world: int, workdir: str) -> None:
     out["user_file_survives"] = bool(kept) and os.path.isfile(os.path.join(save_dir, kept[0], "my_eval.json"))
     engine.load_checkpoint(save_dir, tag="mine")  # the new one is a complete checkpoint
     out["loaded"] = True
+    # Issue 42, point 3: tag "best" saved five times, the user adding a small file after each save: the folders kept
+    # hold the user's files, not four copies of the checkpoint.
+    for index in range(5):
+        engine.save_checkpoint(save_dir, tag="best")
+        dist.barrier()
+        if rank == 0:
+            _plant(os.path.join(save_dir, "best"), {f"eval-{index}.json": b"{\"acc\": 0.%d}" % index})
+        dist.barrier()
+    out["best_kept"] = {name: _tree(os.path.join(save_dir, name)) for name in sorted(os.listdir(save_dir))
+                        if name.startswith("best.")}
+    out["best_now"] = sorted(_tree(os.path.join(save_dir, "best")))
+    # Issue 42, point 4: a copy of a real checkpoint with the user's files, its manifest re-signed to list them, in a
+    # folder another user could write into: the manifest proves nothing unless the running user owns it and no one
+    # else can write it (group-writable here; owned by another user where the test runs as root).
+    planted = {"notes.txt": b"mine", "taxes/2025.pdf": b"%PDF-1.7"}
+    attacks = ["group_writable"] + (["other_owner"] if os.geteuid() == 0 else [])
+    for attack in attacks:
+        folder = os.path.join(save_dir, f"Documents_{attack}")
+        if rank == 0:
+            shutil.copytree(os.path.join(save_dir, "mine"), folder)
+            _plant(folder, planted)
+            manifest_folder = os.path.join(folder, "zero_bnb")
+            with open(os.path.join(manifest_folder, "manifest.json"), encoding="utf-8") as handle:
+                data = json.load(handle)
+            for name in planted:
+                size, digest = durable.digest_file(os.path.join(folder, name))
+                data["files"].append({"path": name, "size": size, "sha256": digest})
+            resign(manifest_folder, data)
+            manifest = os.path.join(manifest_folder, "manifest.json")
+            if attack == "group_writable":
+                os.chmod(manifest, 0o664)
+            else:
+                os.chmod(manifest, 0o644)
+                os.chown(manifest, 65534, 65534)
+        dist.barrier()
+        engine.save_checkpoint(save_dir, tag=f"Documents_{attack}")
+        dist.barrier()
+        kept = [name for name in sorted(os.listdir(save_dir)) if name.startswith(f"Documents_{attack}.replaced-")]
+        out[f"attack_{attack}"] = {name: data for name, data in _tree(os.path.join(save_dir, kept[0])).items()
+                                   if name in planted} if len(kept) == 1 else kept
+    out["attacks"] = attacks
     engine.destroy()
     _save_result(os.path.join(workdir, "ownership.pt"), out)

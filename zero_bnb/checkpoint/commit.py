@@ -15,8 +15,10 @@ A save of tag ``T`` into ``save_dir`` goes through three states:
    folders, write the new ``latest`` into a private folder (a full disk fails here, before
    anything is visible), rename the staging folder to ``save_dir/T`` (an existing ``T`` is first
    moved aside to ``.T.zero_bnb-replaced``, and after the rename removed under a staging name, so that no
-   loader finds it half removed; one holding what zero_bnb did not write is kept whole as
-   ``T.replaced-<UTC time>`` instead), then rename the new ``latest`` into
+   loader finds it half removed; one holding what zero_bnb did not write is renamed
+   ``T.replaced-<UTC time>`` instead, and the files zero_bnb proves it wrote are removed from it: what remains is
+   what the user added, or the whole folder where nothing is proven, e.g. a stock DeepSpeed checkpoint), then rename
+   the new ``latest`` into
    place, then release the lock. An error after the folder's rename says that ``T`` *was*
    published and what ``latest`` names.
 
@@ -56,7 +58,7 @@ from zero_bnb.format.durable import (
 )
 from zero_bnb.format.lock import SaveFolderLock
 from zero_bnb.format.manifest import SUBDIR, Manifest, write_manifest
-from zero_bnb.format.ownership import CHECKPOINT_MARKERS, checkpoint_strangers
+from zero_bnb.format.ownership import CHECKPOINT_MARKERS, checkpoint_strangers, remove_own_files
 from zero_bnb.format.progress import STAGING_SUFFIX
 from zero_bnb.format.stock_files import MODEL_STATES
 from zero_bnb.format.tags import LATEST_NAME, UNIVERSAL_LATEST, aside_tag, check_new_tag
@@ -77,7 +79,7 @@ def _check_targets(save_dir: str, tag: str, latest_name: str | None, owned_only:
 
     With ``owned_only`` (engine saves), also an existing tag folder that holds what zero_bnb did not write and is no
     checkpoint (a user's folder). One that is a checkpoint (stock DeepSpeed's, or a zero_bnb one with a user's file
-    added) is replaced, and kept whole beside the new one (:func:`_publish`). Offline tools replace an existing output
+    added) is replaced, and what zero_bnb did not write in it is kept beside the new one (:func:`_publish`). Offline tools replace an existing output
     only when asked (``--force``), after their own checks (:func:`zero_bnb.tools.outputs.check_output_folder`).
     """
     final = os.path.join(save_dir, tag)
@@ -155,18 +157,14 @@ def _publish(save_dir: str, tag: str, staging: str, latest_name: str | None, own
     try:
         if pointer is not None:
             write_text(tag, pointer.path, root=pointer.folder)  # before anything is visible: a full disk fails here
+        if owned_only and os.path.isdir(aside) and checkpoint_strangers(aside):
+            _keep(save_dir, tag, aside, "a save of the same tag was interrupted while replacing it")
         publish_folder(staging, final, aside, trash)
         try:
             # The replaced folder, as it is now that nothing can arrive in it any more: removed only if it holds
-            # nothing zero_bnb did not write, else kept whole under a visible name.
-            strangers = checkpoint_strangers(aside) if owned_only and os.path.isdir(aside) else []
-            if strangers:
-                keep = _kept_name(save_dir, tag)
-                os.rename(aside, keep)
-                fsync_dir(save_dir)
-                logger.warning("zero_bnb: %s held files zero_bnb did not write (%s); the new checkpoint took its "
-                               "place and the previous folder is kept whole as %s (remove it when you no longer "
-                               "need it)", final, _shown(strangers), keep)
+            # nothing zero_bnb did not write, else renamed to a visible name, without zero_bnb's own files.
+            if owned_only and os.path.isdir(aside) and checkpoint_strangers(aside):
+                _keep(save_dir, tag, aside, f"the new checkpoint took the place of {final}")
             else:
                 _finish_even_if_interrupted(final, aside, trash)
             if pointer is not None:
@@ -186,6 +184,21 @@ def _publish(save_dir: str, tag: str, staging: str, latest_name: str | None, own
         if pointer is not None:
             pointer.discard()
     return final
+
+
+def _keep(save_dir: str, tag: str, aside: str, why: str) -> None:
+    """Rename the replaced folder ``aside``, which holds files zero_bnb did not write, to a visible
+    ``<tag>.replaced-<UTC time>``, then remove from it the files its manifest proves zero_bnb wrote: repeated saves
+    over a folder the user adds a file to keep the user's files, not copies of the checkpoint. A crash while removing
+    leaves the visible folder with some of zero_bnb's files still in it, never a hidden one a later save removes."""
+    keep = _kept_name(save_dir, tag)
+    os.rename(aside, keep)
+    fsync_dir(save_dir)
+    kept, removed = remove_own_files(keep)
+    what = (f"zero_bnb's own files of that checkpoint ({removed / 2**20:.3g} MiB) were removed from it" if removed
+            else "it is kept whole (nothing in it is proven zero_bnb's)")
+    logger.warning("zero_bnb: %s; the previous folder held files zero_bnb did not write (%s), now in %s: %s. Remove "
+                   "it when you no longer need them", why, _shown(kept), keep, what)
 
 
 def _finish_even_if_interrupted(final: str, aside: str, trash: str) -> None:

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -53,6 +54,7 @@ __all__ = [
     "StateEntry",
     "decode_manifest",
     "jsonable",
+    "owner_only",
     "read_manifest",
     "shard_name",
     "write_manifest",
@@ -61,7 +63,7 @@ __all__ = [
 FORMAT_NAME = "zero_bnb"
 #: Version 2 stores the loss scaler as plain data (every file loads with ``weights_only=True``); version 3
 #: may derive master weights from the module weights (``GroupEntry.masters``, ``Manifest.module_file``; the
-#: optional ``Manifest.module_sha256``, which older version-3 readers ignore, came later).
+#: optional ``Manifest.module_sha256`` and ``Manifest.migrated_from``, which older version-3 readers ignore, came later).
 FORMAT_VERSION = 3
 #: Versions this release reads (version 1 files hold DeepSpeed's pickled loss scaler, an allowed class;
 #: versions 1 and 2 store every master weight in the shards).
@@ -177,6 +179,9 @@ class Manifest:
     state key) that held NaN/Inf when the checkpoint was written. ``module_file`` names DeepSpeed's model
     file (relative to the tag folder) when some group's masters derive from its module weights, and
     ``module_sha256`` its SHA-256 as saved (what those masters were split against; empty in older checkpoints).
+    ``migrated_from`` describes the checkpoint an offline tool rewrote into this one (``zero-bnb convert`` of a stock
+    DeepSpeed checkpoint): ``{"format": "stock DeepSpeed", "dp_world_size": 2}``, the DP size that run saved at,
+    while ``dp_world_size`` is the layout written here (one partition); empty for a checkpoint a training run saved.
     """
 
     dp_world_size: int
@@ -191,13 +196,15 @@ class Manifest:
     batch: dict[str, int] = field(default_factory=dict)  # global, micro, accumulation, dp (zero_bnb.checkpoint.batch)
     module_file: str = ""
     module_sha256: str = ""
+    migrated_from: dict[str, Any] = field(default_factory=dict)  # format, dp_world_size (omitted when empty)
     format_version: int = FORMAT_VERSION
     format_name: str = FORMAT_NAME
 
     @classmethod
     def create(cls, *, dp_world_size: int, block_size: int, optimizer_class: str, optimizer_spec: str,
                groups: tuple[GroupEntry, ...], files: list[FileRecord], non_finite: dict[str, list[str]] | None = None,
-               module_file: str = "", source: str = "the manifest being written") -> Manifest:
+               module_file: str = "", migrated_from: dict[str, Any] | None = None,
+               source: str = "the manifest being written") -> Manifest:
         """The manifest of a checkpoint being written (shards named for ``dp_world_size``, files sorted,
         installed versions), validated like one being read. The one constructor of both write paths."""
         manifest = cls(
@@ -207,13 +214,22 @@ class Manifest:
             files=tuple(sorted(files, key=lambda record: record.path)), non_finite=dict(non_finite or {}),
             versions=versions.installed(), module_file=module_file,
             module_sha256=next((record.sha256 for record in files if module_file and record.path == module_file), ""),
+            migrated_from=dict(migrated_from or {}),
         )
         manifest.validate(source)
         return manifest
 
+    @property
+    def saved_dp_size(self) -> int:
+        """The DP size of the training run that saved this state: ``dp_world_size``, or for a checkpoint an offline
+        tool migrated, the DP size its source was saved at (``migrated_from``)."""
+        return self.migrated_from.get("dp_world_size", self.dp_world_size)
+
     def to_json(self) -> str:
         """The manifest as JSON whose first field is the SHA-256 of the text itself."""
         data = asdict(self)
+        if not data["migrated_from"]:  # a training run's checkpoint: its manifest as before the field existed
+            del data["migrated_from"]
         for group in data["groups"]:
             for state in group["states"]:
                 state["kind"] = state["kind"].value
@@ -281,6 +297,7 @@ class Manifest:
                 batch=dict(data.get("batch", {})),
                 module_file=data.get("module_file", ""),
                 module_sha256=data.get("module_sha256", ""),
+                migrated_from=dict(data.get("migrated_from", {})),
                 format_version=data["format_version"],
                 format_name=data["format_name"],
             )
@@ -326,6 +343,12 @@ class Manifest:
                                                   f"but {self.module_file or 'it'} is not listed in the manifest's files")
         if self.module_sha256 and not (self.module_file and _SHA256.fullmatch(self.module_sha256)):
             fail("module_sha256", self.module_sha256, "it must be 64 lowercase hex digits, beside a module_file")
+        if self.migrated_from and not (
+                set(self.migrated_from) == {"format", "dp_world_size"}
+                and isinstance(self.migrated_from["format"], str) and 0 < len(self.migrated_from["format"]) <= _MAX_ORIGIN
+                and _is(self.migrated_from["dp_world_size"], int) and 1 <= self.migrated_from["dp_world_size"] <= _MAX_DP):
+            fail("migrated_from", self.migrated_from, f"it must be {{}} or {{format: a string of 1 to {_MAX_ORIGIN} "
+                                                      f"characters, dp_world_size: an integer in [1, {_MAX_DP}]}}")
         for g, group in enumerate(self.groups):
             where = f"groups[{g}]"
             keys = [state.key for state in group.states]
@@ -367,6 +390,8 @@ class Manifest:
 #: dtype names a saved tensor state may have (what bitsandbytes and torch optimizers keep).
 TENSOR_DTYPES = frozenset({"uint8", "int8", "int32", "int64", "float16", "bfloat16", "float32", "float64", "bool"})
 _MAX_DP = 1 << 20
+#: Longest ``migrated_from["format"]`` (a short name such as "stock DeepSpeed").
+_MAX_ORIGIN = 64
 _MAX_BLOCK = 1 << 24
 _MAX_NUMEL = 1 << 50
 _MAX_LEAD = 64
@@ -382,7 +407,7 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "dp_world_size": int, "block_size": int, "optimizer_class": str, "optimizer_spec": str, "groups": list,
     "shards": list, "files": list, "non_finite": dict, "versions": dict, "format_version": int,
 }
-_OPTIONAL_TYPES: dict[str, type] = {"module_file": str, "module_sha256": str}
+_OPTIONAL_TYPES: dict[str, type] = {"module_file": str, "module_sha256": str, "migrated_from": dict}
 
 
 def _check_bounds(text: str, source: str) -> None:
@@ -461,9 +486,20 @@ def _check_types(data: dict[str, Any], source: str) -> None:
                                     f"written by zero_bnb or was edited")
 
 
+def owner_only(path_or_fd: str | int) -> None:
+    """Remove group and other write permission from a proof file zero_bnb just wrote (a manifest, an output record),
+    whatever the umask: :func:`zero_bnb.format.ownership.distrust` trusts only files no one else can write. Local."""
+    mode = stat.S_IMODE(os.stat(path_or_fd).st_mode)
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        os.chmod(path_or_fd, mode & ~(stat.S_IWGRP | stat.S_IWOTH))
+
+
 def write_manifest(manifest: Manifest, folder: str, *, root: str) -> FileRecord:
-    """Write ``manifest.json`` into ``folder``, durably; this marks the checkpoint complete."""
-    return write_text(manifest.to_json(), os.path.join(folder, MANIFEST_NAME), root=root)
+    """Write ``manifest.json`` into ``folder``, durably, writable by its owner only; this marks the checkpoint
+    complete."""
+    record = write_text(manifest.to_json(), os.path.join(folder, MANIFEST_NAME), root=root)
+    owner_only(os.path.join(folder, MANIFEST_NAME))
+    return record
 
 
 def read_manifest(folder: str) -> Manifest:

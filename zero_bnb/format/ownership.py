@@ -17,16 +17,21 @@ Local, no collectives.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 from dataclasses import dataclass
 
 from zero_bnb.errors import CheckpointFormatError
 from zero_bnb.format.durable import digest_file, fsync_dir, replacing
-from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR, read_manifest
+from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR, owner_only, read_manifest
 from zero_bnb.format.stock_files import MODEL_STATES, UNIVERSAL_STATE
 
-__all__ = ["CHECKPOINT_MARKERS", "RECORD_FORMAT", "RECORD_NAME", "OutputRecord", "checkpoint_strangers"]
+__all__ = ["CHECKPOINT_MARKERS", "RECORD_FORMAT", "RECORD_NAME", "OutputRecord", "checkpoint_strangers", "distrust",
+           "remove_own_files"]
+
+logger = logging.getLogger(__name__)
+_WARNED: set[tuple[str, str]] = set()
 
 #: The record of what zero_bnb wrote into an output folder (hidden, beside the weights).
 RECORD_NAME = ".zero_bnb-outputs.json"
@@ -36,13 +41,36 @@ RECORD_FORMAT = "zero_bnb-outputs/1"
 CHECKPOINT_MARKERS = (os.path.join(SUBDIR, MANIFEST_NAME), UNIVERSAL_STATE, MODEL_STATES)
 
 
+def distrust(info: os.stat_result) -> str | None:
+    """Why a proof file (a manifest, an output record) with status ``info`` (from ``lstat`` or ``fstat``) proves
+    nothing: not a regular file, owned by another user, or writable by the group or others; ``None`` if it is
+    trusted. Local, pure."""
+    if not stat.S_ISREG(info.st_mode):
+        return "it is not a regular file"
+    user = os.geteuid() if hasattr(os, "geteuid") else info.st_uid
+    if info.st_uid != user:
+        return f"it is owned by user id {info.st_uid}, not by the running user ({user})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        who = " and ".join(name for bit, name in ((stat.S_IWGRP, "its group"), (stat.S_IWOTH, "every user"))
+                           if info.st_mode & bit)
+        return f"it is writable by {who} (mode {stat.filemode(info.st_mode)})"
+    return None
+
+
+def _warn_distrusted(path: str, reason: str, means: str) -> None:
+    if (path, reason) not in _WARNED:  # once per file and reason: a save checks a folder more than once
+        _WARNED.add((path, reason))
+        logger.warning("zero_bnb: %s proves nothing: %s; %s. If you wrote it, make it yours and writable only by you "
+                       "(chown, chmod go-w)", path, reason, means)
+
+
 def checkpoint_strangers(tag_folder: str) -> list[str]:
     """Entries of ``tag_folder`` (paths relative to it) that are not files of the zero_bnb checkpoint its manifest
     describes: ``[]`` when it is such a checkpoint and holds nothing else, or is empty. Without a readable zero_bnb
     manifest every entry is a stranger. Links are strangers; so are a folder that cannot be listed (what it holds is
     unknown), a file the manifest lists at another size, and one changed after the manifest was written (modified
     later than it: the save writes the manifest last; a copy that keeps times, ``cp -a`` or ``rsync -a``, keeps
-    this true)."""
+    this true). A manifest :func:`distrust` refuses (another user's, or one others can write) proves nothing."""
     entries: list[str] = []
 
     def unlistable(error: OSError) -> None:
@@ -55,8 +83,18 @@ def checkpoint_strangers(tag_folder: str) -> list[str]:
         return []
     manifest_path = os.path.join(SUBDIR, MANIFEST_NAME)
     try:
+        before = os.lstat(os.path.join(tag_folder, manifest_path))
+        reason = distrust(before)
+        if reason is not None:
+            _warn_distrusted(os.path.join(tag_folder, manifest_path), reason,
+                             "every file of the folder counts as not written by zero_bnb")
+            return sorted(entries)
         manifest = read_manifest(os.path.join(tag_folder, SUBDIR))
-        written = os.lstat(os.path.join(tag_folder, manifest_path)).st_mtime_ns
+        after = os.lstat(os.path.join(tag_folder, manifest_path))
+        if (after.st_ino, after.st_mtime_ns, after.st_uid, after.st_mode) != (
+                before.st_ino, before.st_mtime_ns, before.st_uid, before.st_mode):
+            return sorted(entries)  # replaced while it was read: proves nothing
+        written = after.st_mtime_ns
     except (CheckpointFormatError, OSError, ValueError):
         return sorted(entries)
     sizes = {record.path: record.size for record in manifest.files}
@@ -86,7 +124,8 @@ class OutputRecord:
 
     While an output replaces another, a name may have two recorded versions (the file in place and the one about to
     replace it): both are zero_bnb's, so an interrupted replacement can be resumed. :meth:`settle` keeps the one in
-    place. A record that cannot be read (damaged, another program's) proves nothing: every file is then a stranger.
+    place. A record that cannot be read (damaged, another program's) or that :func:`distrust` refuses (another
+    user's, or one others can write) proves nothing: every file is then a stranger.
     """
 
     def __init__(self, folder: str) -> None:
@@ -96,6 +135,10 @@ class OutputRecord:
         self._proven: dict[str, tuple[int, int, int]] = {}
         try:
             with open(self.path, encoding="utf-8") as handle:
+                reason = distrust(os.fstat(handle.fileno()))  # the file read is the file checked
+                if reason is not None:
+                    _warn_distrusted(self.path, reason, "no file in the folder counts as written by zero_bnb")
+                    return
                 data = json.load(handle)
             if isinstance(data, dict) and data.get("format") == RECORD_FORMAT and isinstance(data.get("files"), dict):
                 self.files = {name: [_Stamp(int(entry["size"]), str(entry["sha256"])) for entry in entries]
@@ -141,6 +184,43 @@ class OutputRecord:
             name: [{"size": stamp.size, "sha256": stamp.sha256} for stamp in stamps]
             for name, stamps in sorted(self.files.items())}}
         with replacing(self.path) as temporary, open(temporary, "w", encoding="utf-8") as handle:
+            owner_only(handle.fileno())
             json.dump(data, handle, indent=1)
             handle.write("\n")
         fsync_dir(self.folder)
+
+
+def remove_own_files(tag_folder: str) -> tuple[list[str], int]:
+    """Remove from ``tag_folder`` (a replaced checkpoint, already out of the loaders' way) the files its trusted
+    manifest proves zero_bnb wrote, the manifest last, and the folders that leaves empty; what zero_bnb did not
+    write stays where it is. Local; the caller holds the save folder's lock.
+
+    Returns:
+        The entries kept (relative paths, :func:`checkpoint_strangers`) and the bytes removed.
+    """
+    strangers = checkpoint_strangers(tag_folder)
+    kept = set(strangers)
+    manifest_path = os.path.join(SUBDIR, MANIFEST_NAME)
+    removed = 0
+    ours = sorted((os.path.relpath(os.path.join(root, name), tag_folder)
+                   for root, _, names in os.walk(tag_folder, followlinks=False) for name in names),
+                  key=lambda path: path == manifest_path)  # the proof goes last
+    if not os.path.isfile(os.path.join(tag_folder, manifest_path)) or manifest_path in kept:
+        return strangers, 0
+    emptied: set[str] = set()
+    for path in ours:
+        if path in kept:
+            continue
+        full = os.path.join(tag_folder, path)
+        removed += os.lstat(full).st_size
+        os.unlink(full)
+        parent = os.path.dirname(path)
+        while parent:  # the folders that held it, up to the tag folder
+            emptied.add(parent)
+            parent = os.path.dirname(parent)
+    for folder in sorted(emptied, key=len, reverse=True):  # deepest first; only folders that held zero_bnb's files
+        if not os.listdir(os.path.join(tag_folder, folder)):
+            os.rmdir(os.path.join(tag_folder, folder))
+    for root, _, _ in os.walk(tag_folder, followlinks=False):
+        fsync_dir(root)
+    return strangers, removed
