@@ -184,9 +184,34 @@ def _failures(c, out):
             resource.setrlimit(resource.RLIMIT_FSIZE, previous)
             signal.signal(signal.SIGXFSZ, handler)
     out["full_disk_listing"] = _listing(folder)
+    if rank == 0:  # something else removes the staging folder while the background write runs
+        durable.set_io_hook(_remove_staging_when("write", "shard_00000"))
+    try:
+        out["staging_removed_returned"] = _error(lambda: engine.save_checkpoint(folder, tag="removed"))
+        out["staging_removed_raised"] = _error(engine.wait_for_checkpoint)
+    finally:
+        durable.set_io_hook(None)
+    out["staging_removed_listing"] = _listing(folder)
     out["save_after_failures"] = _error(lambda: (engine.save_checkpoint(folder, tag="again"),
                                                  engine.wait_for_checkpoint()))
     out["final_listing"] = _listing(folder)
+
+
+def _remove_staging_when(event_wanted: str, file_wanted: str):
+    """An I/O hook removing the staging folder that holds the first ``file_wanted`` at its ``event_wanted``."""
+    import shutil
+
+    done = [False]
+
+    def hook(event: str, path: str) -> None:
+        if not done[0] and event == event_wanted and os.path.basename(path).startswith(file_wanted):
+            done[0] = True
+            staging = path
+            while ".zero_bnb-staging" not in os.path.basename(staging):
+                staging = os.path.dirname(staging)
+            shutil.rmtree(staging)
+
+    return hook
 
 
 def _slices_fail(c, out):

@@ -100,11 +100,28 @@ def test_a_load_from_another_thread_during_a_save_is_refused_and_the_save_comple
 def test_a_background_failure_keeps_the_previous_checkpoint_and_is_raised_by_the_next_call(ranks, call):
     assert result(ranks, f"returned:{call}") is None  # the failing save itself returned: the write was later
     message = result(ranks, f"raised:{call}")
-    assert message.startswith("CheckpointSaveError: saving checkpoint 'bad'"), message
+    # Issue 42: the next save_checkpoint("next") raised the old save's error without saying "next" was not written.
+    said = {"wait": "CheckpointSaveError: saving checkpoint 'bad'",
+            "save": "CheckpointSaveError: checkpoint 'next' was not saved (nothing of it was written); call "
+                    "save_checkpoint again to save it: the previous asynchronous save failed, and is reported here "
+                    "(once). saving checkpoint 'bad'",
+            "load": "CheckpointSaveError: nothing was loaded (the engine is as it was); call load_checkpoint again to "
+                    "load: the previous asynchronous save failed, and is reported here (once). saving checkpoint 'bad'"}
+    assert message.startswith(said[call]), message
     assert "injected: no space left on device" in message and "rank(s) [1]" in message
     assert "the previous checkpoint and 'latest' are unchanged" in message
     assert result(ranks, f"listing:{call}") == (["good", "latest", "zero_to_fp32.py"], "good")
     assert result(ranks, f"raised_once:{call}") is None
+
+
+def test_a_staging_folder_removed_during_the_background_write_is_named_as_the_cause(ranks):
+    # Issue 42: it was reported as "every rank must save into the same shared folder".
+    assert result(ranks, "staging_removed_returned") is None
+    message = result(ranks, "staging_removed_raised")
+    assert message.startswith("CheckpointSaveError: saving checkpoint 'removed'") and "was removed while the save ran" \
+        in message and "nothing was published" in message, message
+    assert "same shared folder" not in message, message
+    assert result(ranks, "staging_removed_listing") == (["good", "latest", "zero_to_fp32.py"], "good")
 
 
 def test_a_full_disk_during_the_background_write_keeps_the_previous_checkpoint(ranks):

@@ -22,7 +22,7 @@ from test_convert import cli
 
 import zero_bnb
 from zero_bnb.errors import CheckpointUsageError
-from zero_bnb.format.stock_files import WRITTEN_BY_ZERO_BNB
+from zero_bnb.format.stock_files import NOT_THE_DP_SIZE, WRITTEN_BY_ZERO_BNB
 from zero_bnb.testing.launch import run_distributed
 from zero_bnb.tools.views import export_fp32
 
@@ -179,6 +179,9 @@ def test_plain_deepspeed_engine_names_zero_bnb_at_the_same_and_another_dp_size(h
     for error in (dp2["forgot_enable_same_dp"], dp3["forgot_enable"]):
         assert error is not None and error.startswith("ZeRORuntimeException"), error
         assert WRITTEN_BY_ZERO_BNB in error, error
+        # Issue 42: "used a DP world size of 2 ... but the current world size is 2 ... not currently supported"
+        assert f"used a DP world size of 2 [{NOT_THE_DP_SIZE}: " in error, error  # saved at DP=2
+        assert "it loads at this and any other DP size" in error, error
     assert "current world size is 2" in dp2["forgot_enable_same_dp"]
     assert "current world size is 3" in dp3["forgot_enable"]
 

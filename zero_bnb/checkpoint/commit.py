@@ -365,6 +365,12 @@ class SaveTransaction:
         outcome: list[Any] = [None]
         if dist.get_rank() == 0:
             try:
+                if not os.path.isdir(self.staging_folder):  # before the ranks' errors: it is their cause
+                    raise CheckpointSaveError(
+                        f"the staging folder {self.staging_folder} was removed while the save ran, by something other "
+                        f"than this save (a user, a cleaner of old files such as systemd-tmpfiles, another job); nothing "
+                        f"was published. Keep other programs out of the save folder's hidden .*{STAGING_SUFFIX}-* "
+                        f"folders")
                 if not any(failures):
                     files = [record for records, _ in gathered for record in records]
                     self._publish(build_manifest(files))
@@ -373,6 +379,10 @@ class SaveTransaction:
             except PublishedError as error:
                 logger.error("zero_bnb: checkpoint %r published, but: %r", self.tag, error)
                 outcome = [("CheckpointSaveError", f"{_PUBLISHED_MARK}{error}")]
+            except CheckpointSaveError as error:  # rank 0's own finding: its message is the cause
+                logger.error("zero_bnb: checkpoint %r not published: %s", self.tag, error)
+                outcome = [("CheckpointSaveError", str(error))]
+                self.cause = self.cause or error
             except Exception as error:  # noqa: BLE001 - reported to every rank below
                 kind = failure_kind(error)
                 logger.error("zero_bnb: publishing checkpoint %r failed (%s)", self.tag, kind, exc_info=error)

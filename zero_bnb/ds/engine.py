@@ -60,7 +60,7 @@ from zero_bnb.ds.checkpoint_engine import DurableCheckpointEngine
 from zero_bnb.ds.precision_plan import announce_precision
 from zero_bnb.ds.stage3 import BlockAlignedStage3Optimizer
 from zero_bnb.ds.zero_optimizer import BlockAlignedBF16Optimizer, BlockAlignedZeroOptimizer
-from zero_bnb.errors import CheckpointUsageError
+from zero_bnb.errors import CheckpointSaveError, CheckpointUsageError
 from zero_bnb.format.masters import FULL
 from zero_bnb.format.stock_files import MODEL_STATES, stage3_model_states, stock_dp_world_size
 from zero_bnb.format.tags import resolve_tag
@@ -234,7 +234,9 @@ class ZeroBnbEngine(DeepSpeedEngine):
         """
         if not save_dir or not isinstance(save_dir, (str, os.PathLike)):
             raise CheckpointUsageError(f"save_dir must be a non-empty path, got {save_dir!r}")
-        self.wait_for_checkpoint()  # one save at a time; a failed asynchronous save is raised here
+        # one save at a time; a failed asynchronous save is raised here, saying that this one was not written
+        self._wait_before(f"checkpoint {str(tag) if tag is not None else f'global_step{self.global_steps}'!r} was "
+                          f"not saved (nothing of it was written); call save_checkpoint again to save it")
         self._agree_on_async_saves()
         save_dir = os.fspath(save_dir)
         join_saves_into(save_dir)  # another engine's pending save holds the folder's lock until it commits
@@ -312,6 +314,15 @@ class ZeroBnbEngine(DeepSpeedEngine):
         saver = getattr(self, "_zero_bnb_background", None)
         if saver is not None:
             saver.wait()
+
+    def _wait_before(self, what: str) -> None:
+        """:meth:`wait_for_checkpoint` before a save or a load; a failure of the pending asynchronous save is raised
+        with ``what`` (what became of the call that found it) in front. Local."""
+        try:
+            self.wait_for_checkpoint()
+        except CheckpointSaveError as error:
+            raise CheckpointSaveError(f"{what}: the previous asynchronous save failed, and is reported here (once). "
+                                      f"{error}") from error
 
     def _agree_on_async_saves(self) -> None:
         """At this engine's first save, check that every rank has the same ``zero_checkpoint_async``
@@ -435,7 +446,8 @@ class ZeroBnbEngine(DeepSpeedEngine):
             zero_bnb.errors.CheckpointUsageError: on the calling rank only, when another
                 ``save_checkpoint`` or ``load_checkpoint`` of this engine is still running.
         """
-        self.wait_for_checkpoint()  # a pending asynchronous save is committed first (its failure raised here)
+        # a pending asynchronous save is committed first (its failure raised here, saying that nothing was loaded)
+        self._wait_before("nothing was loaded (the engine is as it was); call load_checkpoint again to load")
         join_saves_into(load_dir)  # and another engine's into this folder (its outcome left to that engine)
         if self.load_universal_checkpoint():
             raise ZeRORuntimeException(

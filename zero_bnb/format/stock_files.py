@@ -19,7 +19,7 @@ from zero_bnb.format.manifest import ParamEntry
 from zero_bnb.format.paths import check_name
 from zero_bnb.format.unpickle import check_checkpoint_file, safe_load
 
-__all__ = ["MODEL_STATES", "UNIVERSAL_STATE", "WRITTEN_BY_ZERO_BNB", "check_same_save", "fp32_partitions",
+__all__ = ["MODEL_STATES", "NOT_THE_DP_SIZE", "UNIVERSAL_STATE", "WRITTEN_BY_ZERO_BNB", "check_same_save", "fp32_partitions",
            "group_hyperparameters", "group_states", "is_stage3", "is_stage3_model_file", "model_file_of",
            "model_states_files", "param_entries", "read_rank_files", "stage3_model_states", "stock_dp_world_size",
            "zero_file_names"]
@@ -37,6 +37,11 @@ _STAGE3_MODEL_PREFIX = "zero_pp_rank_"
 WRITTEN_BY_ZERO_BNB = "this checkpoint was written by zero_bnb; call zero_bnb.enable() (or import zero_bnb.lightning)"
 
 
+#: Said first: DeepSpeed's message around the sentence goes on "... but the current world size is N ... not currently
+#: supported", misleading at the same DP size (issue 42).
+NOT_THE_DP_SIZE = "zero_bnb: the DP size is not the problem, whatever this message says next"
+
+
 def stock_dp_world_size(dp_size: int, stage3: bool = False) -> str:
     """What a zero_bnb checkpoint's model file holds under ``dp_world_size`` (stock DeepSpeed writes the int).
 
@@ -44,6 +49,7 @@ def stock_dp_world_size(dp_size: int, stage3: bool = False) -> str:
     optimizer file (``_load_zero_checkpoint``); a string never equals the int, so at every DP size
     it raises ``ZeRORuntimeException("The checkpoint being loaded used a DP world size of <this>
     ...")``, which then names zero_bnb and the fix instead of a missing ``zero_pp_rank_*`` file.
+    It says first that the DP size is not the problem: DeepSpeed's text around it says so even at the same DP size.
     ``load_module_only=True`` and ``load_optimizer_states=False`` never compare it, so stock readers
     of the module weights are unaffected. At ZeRO stage 3 (``stage3``) the model file holds no weights,
     so the sentence points to ``zero-bnb convert --to universal`` and ``zero_to_fp32`` instead.
@@ -54,7 +60,8 @@ def stock_dp_world_size(dp_size: int, stage3: bool = False) -> str:
                   "'zero-bnb convert TAG_FOLDER --to universal OUT' or export them with the folder's zero_to_fp32.py")
     else:
         reader = "stock DeepSpeed reads only its module weights, with load_module_only=True"
-    return f"{dp_size} ({WRITTEN_BY_ZERO_BNB} before the engine is built, and it loads at any DP size; {reader})"
+    return (f"{dp_size} [{NOT_THE_DP_SIZE}: {WRITTEN_BY_ZERO_BNB} before the engine is built, and it loads at this and "
+            f"any other DP size; {reader}. DeepSpeed's generic text goes on:]")
 
 
 def _unwrap(state: dict[str, Any]) -> dict[str, Any]:
