@@ -24,6 +24,13 @@ How the substitution behaves:
   the optimizer (:mod:`zero_bnb.integrations.accelerate`, installed with the dispatcher).
 * The engine records which front door built it (Trainer, Accelerate or plain DeepSpeed, from the
   calling stack), so that its messages use that front door's words.
+* Patches that vanish are put back: a second :func:`enable` (and every :func:`enabled`) re-checks
+  ``deepspeed.initialize`` and the front doors' patches and re-installs one that is not in place
+  (``importlib.reload`` of ``accelerate.accelerator`` or ``transformers.trainer`` makes new, unpatched
+  functions and classes; an import hook ahead of zero_bnb's watcher on ``sys.meta_path`` may import
+  them unseen), wrapping nothing twice. An engine built through a front door checks the same and, when
+  something was missing, re-installs it with a WARNING naming what, why and the fix (the call under
+  way may have run the unpatched code).
 * :func:`enable` and :func:`enabled` also let DeepSpeed's
   ``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` read zero_bnb
   checkpoints (:mod:`zero_bnb.integrations.conversions`; it stays after :func:`disable`).
@@ -139,6 +146,7 @@ def _dispatcher(*args: Any, **kwargs: Any):
     from zero_bnb.ds.initialize import initialize
 
     door = _calling_front_door()
+    _reinstall_lost(door)
     built = initialize(*args, **kwargs)
     built[0].zero_bnb_front_door = door
     return built
@@ -169,23 +177,78 @@ def _make_dispatcher() -> Callable[..., Any]:
     return dispatcher
 
 
-def _install() -> None:
+def _dispatcher_replaced() -> bool:
+    """Whether ``deepspeed.initialize`` lost the dispatcher while zero_bnb has one installed: it is DeepSpeed's own
+    function again (``importlib.reload(deepspeed)``) or what was there before :func:`enable` (put back by assignment).
+    Any other function is left alone: a wrapper installed after :func:`enable` may hold the dispatcher."""
+    current = deepspeed.initialize
+    if _State.installed is None or current is _State.installed:
+        return False
+    return current is _State.original or _find_genuine(current) is current
+
+
+def _lost() -> list[str]:
+    """What :func:`enable` / :func:`enabled` installed that is not in place now, each entry naming it and why (empty
+    while nothing is installed). Changes nothing."""
+    lost = []
+    if _dispatcher_replaced():
+        lost.append("deepspeed.initialize: DeepSpeed's own function again (importlib.reload(deepspeed), or an "
+                    "assignment)")
+    for module, check in (("zero_bnb.integrations.accelerate", "missing_accelerate_patch"),
+                          ("zero_bnb.integrations.hf", "missing_trainer_patch")):
+        if module in sys.modules:  # imported by the first _install(): nothing of it was installed before
+            lost += getattr(sys.modules[module], check)()
+    return lost
+
+
+def _install() -> list[str]:
+    """Install the dispatcher and the front doors' patches, each unless it is in place (a second call re-checks every
+    one: what a reload or an import hook ahead of zero_bnb's watcher left unpatched is installed, nothing is wrapped
+    twice). Returns what was installed before and found not in place (see :func:`_lost`). Under ``_LOCK``."""
     from zero_bnb.integrations.accelerate import install_accelerate_patch
     from zero_bnb.integrations.conversions import route_deepspeed_zero_to_fp32
     from zero_bnb.integrations.hf import install_trainer_patch
 
+    lost = _lost()
     install_accelerate_patch()  # Accelerate's offload swap must keep the user's optimizer (idempotent)
     install_trainer_patch()  # Trainer's checkpoints: complete before they count, resumed only when complete
     route_deepspeed_zero_to_fp32()  # stays: DeepSpeed's zero_to_fp32 then reads zero_bnb checkpoints too
-    if _State.installed is not None:
-        return
+    if _State.installed is not None and not _dispatcher_replaced():
+        return lost
     current = deepspeed.initialize
-    if getattr(current, "_zero_bnb_dispatcher", False):  # left in place inside a later wrapper
+    if _State.installed is None and getattr(current, "_zero_bnb_dispatcher", False):  # left inside a later wrapper
         _State.installed = current
-        return
+        return lost
     _State.original = current
     _State.installed = _make_dispatcher()
     deepspeed.initialize = _State.installed
+    return lost
+
+
+#: What a call under way may have missed, per patch found not in place (by the prefix of its entry in :func:`_lost`).
+_MISSED = (("deepspeed.initialize", "other deepspeed.initialize calls built stock DeepSpeed engines"),
+           ("accelerate.", "under optimizer offload Accelerate may have replaced the optimizer by DeepSpeedCPUAdam, "
+                           "which zero_bnb then refuses"),
+           ("transformers.", "a Trainer.train() under way resumes from interrupted checkpoints and does not wait for "
+                             "its last asynchronous save"))
+_DOORS = {"trainer": "Trainer", "accelerate": "Accelerate", "deepspeed": "deepspeed.initialize"}
+
+
+def _reinstall_lost(door: str) -> None:
+    """Where zero_bnb relies on its patches (an engine built through ``door``): re-install any found not in place,
+    with one WARNING naming each, why, what the call under way may have missed, and the fix."""
+    with _LOCK:
+        if not (_State.global_on or _State.scopes > 0):
+            return
+        lost = _install()
+    if lost:
+        missed = [what for prefix, what in _MISSED if any(entry.startswith(prefix) for entry in lost)]
+        logger.warning(
+            "zero_bnb: an engine is being built through %s, but zero_bnb's patches were not in place: %s. Re-installed "
+            "now, for the calls that follow; the calls under way ran without them (%s). Call zero_bnb.enable() again "
+            "after importlib.reload() of a patched module, or after an import hook ahead of zero_bnb's on "
+            "sys.meta_path has imported it (or import the module before zero_bnb.enable())",
+            _DOORS.get(door, door), "; ".join(lost), "; ".join(missed))
 
 
 def _uninstall_if_idle() -> None:
@@ -217,14 +280,18 @@ def enable() -> None:
     Call it on every rank, **before the model is built**: at ZeRO stage 3 transformers builds the model under
     ``deepspeed.zero.Init``, which needs ``deepspeed.comm`` initialised to see the real world size (on CPU under
     ``torchrun``, nothing else initialises it in time). On a CPU launch with no process group yet, the first call
-    joins the launcher's rendezvous (every rank must make it); otherwise it is local. Later calls are no-ops.
-    Thread-safe.
+    joins the launcher's rendezvous (every rank must make it); otherwise it is local. A later call re-checks every
+    patch and re-installs one that is not in place (after ``importlib.reload`` of a patched module, or an import hook
+    ahead of zero_bnb's watcher that imported Accelerate or Trainer), never wrapping anything twice; it does nothing
+    else. Thread-safe.
     """
     with _LOCK:
+        lost = _install()
+        if lost:
+            logger.info("zero_bnb.enable(): re-installed what was not in place: %s", "; ".join(lost))
         if _State.global_on:
             logger.debug("zero_bnb.enable(): already enabled")
             return
-        _install()
         _State.global_on = True
         logger.info("zero_bnb: deepspeed.initialize now builds zero_bnb engines")
     join_deepspeed_comm()
@@ -255,7 +322,9 @@ def enabled() -> Iterator[None]:
     Nests, and restores the previous routing on exit, also when the block raises.
     """
     with _LOCK:
-        _install()
+        lost = _install()
+        if lost:
+            logger.info("zero_bnb.enabled(): re-installed what was not in place: %s", "; ".join(lost))
         _State.scopes += 1
         _LOCAL.depth = _thread_depth() + 1
     try:

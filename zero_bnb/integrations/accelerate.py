@@ -13,9 +13,11 @@ Accelerate's behaviour.
 
 Installed by :mod:`zero_bnb.ds.substitute` when zero_bnb is enabled: at once if
 ``accelerate.accelerator`` is imported already (``from transformers import Trainer`` and ``import
-accelerate`` import it), else right after it is imported (a finder on ``sys.meta_path`` that runs
-the module and then patches it), so ``enable()`` never imports Accelerate itself (about a second).
-Removed when zero_bnb is disabled. Local, no collectives.
+accelerate`` import it), else right after it is imported (:mod:`zero_bnb.integrations.import_watch`),
+so ``enable()`` never imports Accelerate itself (about a second). Idempotent: installing again puts
+back what ``importlib.reload(accelerate.accelerator)`` replaced and leaves what is in place (no
+double wrapping); :func:`missing_accelerate_patch` says what is not in place, and why. Removed when
+zero_bnb is disabled. Local, no collectives.
 """
 
 from __future__ import annotations
@@ -27,17 +29,16 @@ import threading
 from types import ModuleType
 from typing import Any
 
-from zero_bnb.integrations.accelerate_checkpoints import install_checkpoint_patch
-from zero_bnb.integrations.import_watch import stop_watching, when_imported
+from zero_bnb.integrations.accelerate_checkpoints import install_checkpoint_patch, missing_checkpoint_patch
+from zero_bnb.integrations.import_watch import importing, stop_watching, unpatched_because, when_imported
 
-__all__ = ["install_accelerate_patch", "remove_accelerate_patch"]
+__all__ = ["install_accelerate_patch", "missing_accelerate_patch", "remove_accelerate_patch"]
 
 logger = logging.getLogger(__name__)
 
 _LOCK = threading.RLock()
 _MODULE = "accelerate.accelerator"
 _TARGET = "map_pytorch_optim_to_deepspeed"
-_ORIGINAL: dict[str, Any] = {}
 #: Whether the patch is wanted now (between install and remove): what a module finishing its import decides by, not
 #: whether the watcher is still on ``sys.meta_path`` (a disable and enable while another thread imports Accelerate
 #: removed and did not re-add it, and the module ran unpatched).
@@ -57,34 +58,53 @@ def _patch_if_wanted(module: ModuleType) -> None:
 def install_accelerate_patch() -> None:
     """Make Accelerate's offload swap keep the user's optimizer while zero_bnb routes the call: now if
     ``accelerate.accelerator`` is imported, once it is if another thread is importing it, else once it is imported
-    (idempotent, thread-safe)."""
+    (idempotent, thread-safe; called again, it re-installs what a reload of the module replaced)."""
     global _WANTED
     with _LOCK:
         _WANTED = True
-    when_imported(_MODULE, _patch_if_wanted, _ready)
+    when_imported(_MODULE, _patch_if_wanted, _ready)  # outside _LOCK: a watcher patches under Python's import lock
+
+
+def missing_accelerate_patch() -> list[str]:
+    """What the installed patch should have changed in ``accelerate.accelerator`` and has not, as one entry naming
+    the functions and why (:func:`zero_bnb.integrations.import_watch.unpatched_because`); empty while the patch is
+    not wanted, the module is not imported (or still importing), or everything is in place. Changes nothing."""
+    with _LOCK:
+        wanted = _WANTED
+    module = sys.modules.get(_MODULE)
+    if not wanted or module is None or importing(module) or not _ready(module):
+        return []
+    lost = [] if _in_place(getattr(module, _TARGET)) else [f"{_MODULE}.{_TARGET}"]
+    accelerator = getattr(module, "Accelerator", None)
+    if accelerator is not None:
+        lost += [f"{_MODULE}.Accelerator.{name}" for name in missing_checkpoint_patch(accelerator)]
+    return [f"{', '.join(lost)}: {unpatched_because(_MODULE)}"] if lost else []
+
+
+def _in_place(function: Any) -> bool:
+    return getattr(function, "_zero_bnb_patch", False)
 
 
 def _patch(module: ModuleType) -> None:
-    """Replace ``module.map_pytorch_optim_to_deepspeed`` (once). Under ``_LOCK``."""
-    if _TARGET in _ORIGINAL or not hasattr(module, _TARGET):
-        return
-    original = getattr(module, _TARGET)
+    """Replace ``module.map_pytorch_optim_to_deepspeed`` and wrap ``module.Accelerator``'s checkpoint calls, each
+    unless already done. Under ``_LOCK``."""
+    original = getattr(module, _TARGET, None)
+    if original is not None and not _in_place(original):
 
-    @functools.wraps(original)
-    def keep_client_optimizer(optimizer, *args, **kwargs):
-        from zero_bnb.ds.substitute import is_enabled
+        @functools.wraps(original)
+        def keep_client_optimizer(optimizer, *args, **kwargs):
+            from zero_bnb.ds.substitute import is_enabled
 
-        if is_enabled():
-            logger.info(
-                "zero_bnb: optimizer offload keeps %s (Accelerate would have replaced it by DeepSpeedCPUAdam)",
-                type(optimizer).__name__,
-            )
-            return optimizer
-        return original(optimizer, *args, **kwargs)
+            if is_enabled():
+                logger.info(
+                    "zero_bnb: optimizer offload keeps %s (Accelerate would have replaced it by DeepSpeedCPUAdam)",
+                    type(optimizer).__name__,
+                )
+                return optimizer
+            return original(optimizer, *args, **kwargs)
 
-    keep_client_optimizer._zero_bnb_patch = True
-    _ORIGINAL[_TARGET] = original
-    setattr(module, _TARGET, keep_client_optimizer)
+        keep_client_optimizer._zero_bnb_patch = True
+        setattr(module, _TARGET, keep_client_optimizer)
     accelerator = getattr(module, "Accelerator", None)
     if accelerator is not None:
         install_checkpoint_patch(accelerator)  # stays installed: it acts on zero_bnb's checkpoints only
@@ -93,10 +113,10 @@ def _patch(module: ModuleType) -> None:
 def remove_accelerate_patch() -> None:
     """Undo :func:`install_accelerate_patch` (a no-op when it is not installed)."""
     global _WANTED
+    stop_watching(_MODULE)  # before _LOCK: the watcher's lock (Python's import lock) is always taken first
     with _LOCK:
         _WANTED = False
-        stop_watching(_MODULE)
-        original = _ORIGINAL.pop(_TARGET, None)
         module = sys.modules.get(_MODULE)
-        if original is not None and module is not None and getattr(getattr(module, _TARGET, None), "_zero_bnb_patch", False):
-            setattr(module, _TARGET, original)
+        current = getattr(module, _TARGET, None)
+        if _in_place(current):
+            setattr(module, _TARGET, current.__wrapped__)  # what this wrapper wraps: the module's own function

@@ -11,8 +11,10 @@
   the newest complete one. After a zero_bnb engine's load, ``accelerator.step`` is set from its optimizer step on
   every rank (:func:`_align_step`: resumed at more processes, Accelerate left it at 0 on the new ones).
 
-Installed once, the first time zero_bnb patches Accelerate, and kept (it changes nothing for a folder without
-zero_bnb's records). Local, except that the wrapped calls are collective as Accelerate's own are.
+Installed the first time zero_bnb patches Accelerate, and kept (it changes nothing for a folder without zero_bnb's
+records); installed again on the new class a reload of ``accelerate.accelerator`` makes
+(:func:`missing_checkpoint_patch` says what is not wrapped). Local, except that the wrapped calls are collective as
+Accelerate's own are.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from zero_bnb.errors import CheckpointUsageError
 from zero_bnb.format.progress import first_complete, folder_status
 from zero_bnb.integrations.resume import accelerate_checkpoints, newest_complete, refuse_interrupted
 
-__all__ = ["install_checkpoint_patch", "newest_checkpoint"]
+__all__ = ["install_checkpoint_patch", "missing_checkpoint_patch", "newest_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,13 +117,19 @@ def _align_step(accelerator: Any) -> None:
         accelerator.step = step
 
 
-def install_checkpoint_patch(accelerator_class: type) -> None:
-    """Wrap ``accelerator_class.save_state`` and ``load_state`` (once). Thread-safe."""
-    with _LOCK:
-        if getattr(accelerator_class.save_state, "_zero_bnb_patch", False):
-            return
-        save_state = accelerator_class.save_state
-        load_state = accelerator_class.load_state
+_METHODS = ("save_state", "load_state")
+
+
+def missing_checkpoint_patch(accelerator_class: type) -> list[str]:
+    """The methods of ``accelerator_class`` that :func:`install_checkpoint_patch` wraps and that are not wrapped now
+    (after ``importlib.reload(accelerate.accelerator)``, a new class)."""
+    return [name for name in _METHODS if not getattr(getattr(accelerator_class, name, None), "_zero_bnb_patch", False)]
+
+
+def _wrap(method: str, original: Any) -> Any:
+    """``Accelerator.<method>`` (``save_state`` or ``load_state``) around ``original``: see the module docstring."""
+    if method == "save_state":
+        save_state = original
 
         @functools.wraps(save_state)
         def save_state_complete(self, output_dir=None, *args, **kwargs):
@@ -143,6 +151,10 @@ def install_checkpoint_patch(accelerator_class: type) -> None:
                                f"Accelerate's deletion of checkpoints beyond total_limit={limit}")
             return result
 
+        wrapper = save_state_complete
+    else:
+        load_state = original
+
         @functools.wraps(load_state)
         def load_state_complete(self, input_dir=None, *args, **kwargs):
             wait_for_pending_saves()  # a save of this process still being written is complete first
@@ -150,6 +162,15 @@ def install_checkpoint_patch(accelerator_class: type) -> None:
             _align_step(self)
             return result
 
-        save_state_complete._zero_bnb_patch = load_state_complete._zero_bnb_patch = True
-        accelerator_class.save_state = save_state_complete
-        accelerator_class.load_state = load_state_complete
+        wrapper = load_state_complete
+    wrapper._zero_bnb_patch = True
+    return wrapper
+
+
+def install_checkpoint_patch(accelerator_class: type) -> None:
+    """Wrap ``accelerator_class.save_state`` and ``load_state``, each once (a method already wrapped is left as it
+    is: no double wrapping; one replaced since, e.g. by a reload of ``accelerate.accelerator``, is wrapped again).
+    Thread-safe."""
+    with _LOCK:
+        for name in missing_checkpoint_patch(accelerator_class):
+            setattr(accelerator_class, name, _wrap(name, getattr(accelerator_class, name)))

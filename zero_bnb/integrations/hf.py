@@ -18,30 +18,40 @@ checkpoints need:
   before ``zero_bnb.enable()``, returns); an older interrupted one is refused, naming the newest complete one;
 * the end of ``train()`` waits for a pending asynchronous save and raises its failure.
 
+Installing again (a second ``zero_bnb.enable()``, or an engine built while a wrapped call is missing) wraps what
+``importlib.reload(transformers.trainer)`` replaced (the new ``Trainer`` class) and never wraps a call twice;
+:func:`missing_trainer_patch` says what is not wrapped, and why.
+
 Local, no collectives (the wrapped calls are collective as Trainer's own are).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import os
+import sys
 import threading
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from zero_bnb.checkpoint.background import after_pending_saves, wait_for_pending_saves
 from zero_bnb.checkpoint.front_door import current_front_door_save, front_door_save
 from zero_bnb.format.progress import first_complete, folder_status
-from zero_bnb.integrations.import_watch import stop_watching, when_imported
+from zero_bnb.integrations.import_watch import importing, stop_watching, unpatched_because, when_imported
 from zero_bnb.integrations.resume import newest_complete, refuse_interrupted, trainer_checkpoints
 from zero_bnb.integrations.scheduler_groups import fit_to_groups
 
-__all__ = ["install_trainer_patch", "remove_trainer_patch"]
+__all__ = ["install_trainer_patch", "missing_trainer_patch", "remove_trainer_patch"]
 
 _LOCK = threading.RLock()
-_ORIGINAL: dict[str, Any] = {}
 _MODULE = "transformers.trainer"
+_UTILS = "transformers.trainer_utils"
+#: Whether the patch is wanted now (between install and remove).
 _WANTED = False
+#: ``(owner, attribute)`` pairs wrapped in this process, older ``Trainer`` classes a reload left behind included.
+_PATCHED: list[tuple[Any, str]] = []
 
 
 def _group_origin(trainer: Any):
@@ -90,20 +100,8 @@ def _explicit_resume(path: str) -> str:
     return path
 
 
-def _swap(owner: Any, name: str, replacement: Any) -> None:
-    _ORIGINAL[name] = (owner, name, getattr(owner, name))
-    setattr(owner, name, replacement)
-
-
-def _patch_trainer(module: ModuleType) -> None:
-    """Wrap Trainer's checkpoint calls (once; see the module docstring). Under ``_LOCK``."""
-    import transformers.trainer_utils as trainer_utils
-
-    Trainer = module.Trainer
-    # transformers 5 calls the module's rotate_checkpoints(); 4.x the method Trainer._rotate_checkpoints
-    owner, name = ((module, "rotate_checkpoints") if hasattr(module, "rotate_checkpoints")
-                   else (Trainer, "_rotate_checkpoints"))
-    rotate = getattr(owner, name)
+def _rotate_when_complete(rotate: Callable[..., Any]) -> Callable[..., Any]:
+    """Trainer's deletion of checkpoints beyond ``save_total_limit``, run once the new checkpoint is complete."""
 
     @functools.wraps(rotate)
     def rotate_when_complete(*args, **kwargs):
@@ -114,8 +112,11 @@ def _patch_trainer(module: ModuleType) -> None:
         else:
             after_pending_saves(lambda: rotate(*args, **kwargs), what)
 
-    _swap(owner, name, rotate_when_complete)
-    original_load = Trainer._load_optimizer_and_scheduler
+    return rotate_when_complete
+
+
+def _fit_scheduler_after_load(original_load: Callable[..., Any]) -> Callable[..., Any]:
+    """``Trainer._load_optimizer_and_scheduler`` that fits the loaded scheduler to zero_bnb's param groups."""
 
     @functools.wraps(original_load)
     def load_optimizer_and_scheduler(self, checkpoint):
@@ -125,8 +126,11 @@ def _patch_trainer(module: ModuleType) -> None:
             fit_to_groups(self.lr_scheduler, origin)
         return result
 
-    _swap(Trainer, "_load_optimizer_and_scheduler", load_optimizer_and_scheduler)
-    save = Trainer._save_checkpoint
+    return load_optimizer_and_scheduler
+
+
+def _save_when_complete(save: Callable[..., Any]) -> Callable[..., Any]:
+    """``Trainer._save_checkpoint`` as a front door save when a zero_bnb engine saves."""
 
     @functools.wraps(save)
     def save_checkpoint_complete(self, model, trial, *args, **kwargs):
@@ -136,8 +140,11 @@ def _patch_trainer(module: ModuleType) -> None:
         with front_door_save(_checkpoint_folder(self, trial), "trainer", main=self.args.should_save, mark_first=True):
             return save(self, model, trial, *args, **kwargs)
 
-    _swap(Trainer, "_save_checkpoint", save_checkpoint_complete)
-    train = Trainer.train
+    return save_checkpoint_complete
+
+
+def _train_then_wait(train: Callable[..., Any]) -> Callable[..., Any]:
+    """``Trainer.train`` that resumes only from complete checkpoints and waits for its last asynchronous save."""
 
     @functools.wraps(train)
     def train_then_wait(self, resume_from_checkpoint=None, *args, **kwargs):
@@ -150,35 +157,109 @@ def _patch_trainer(module: ModuleType) -> None:
             engine.wait_for_checkpoint()  # the last save's failure is raised here, not lost at exit
         return result
 
-    _swap(Trainer, "train", train_then_wait)
-    _swap(module, "get_last_checkpoint", _last_complete(module.get_last_checkpoint))
-    _ORIGINAL["utils_get_last_checkpoint"] = (trainer_utils, "get_last_checkpoint", trainer_utils.get_last_checkpoint)
-    trainer_utils.get_last_checkpoint = _last_complete(trainer_utils.get_last_checkpoint)
+    return train_then_wait
+
+
+def _targets(module: ModuleType, trainer_utils: ModuleType) -> list[tuple[Any, str, Callable[[Any], Any]]]:
+    """What the patch wraps: ``(owner, attribute, wrapper factory)`` for this ``transformers.trainer`` module."""
+    trainer = module.Trainer
+    # transformers 5 calls the module's rotate_checkpoints(); 4.x the method Trainer._rotate_checkpoints
+    rotate = ((module, "rotate_checkpoints") if hasattr(module, "rotate_checkpoints")
+              else (trainer, "_rotate_checkpoints"))
+    return [(*rotate, _rotate_when_complete),
+            (trainer, "_load_optimizer_and_scheduler", _fit_scheduler_after_load),
+            (trainer, "_save_checkpoint", _save_when_complete),
+            (trainer, "train", _train_then_wait),
+            (module, "get_last_checkpoint", _last_complete),
+            (trainer_utils, "get_last_checkpoint", _last_complete)]
+
+
+def _in_place(function: Any) -> bool:
+    return getattr(function, "_zero_bnb_patch", False)
+
+
+def _label(owner: Any, name: str) -> str:
+    """``owner.name`` as a user finds it (``transformers.trainer.Trainer.train``)."""
+    if isinstance(owner, type):
+        return f"{owner.__module__}.{owner.__qualname__}.{name}"
+    return f"{getattr(owner, '__name__', owner)}.{name}"
+
+
+def _patch_trainer(module: ModuleType, trainer_utils: ModuleType) -> None:
+    """Wrap Trainer's checkpoint calls (see the module docstring), each unless it is wrapped already (a reload of
+    ``transformers.trainer`` makes a new ``Trainer`` class, whose methods are wrapped then). Under ``_LOCK``."""
+    for owner, name, wrap in _targets(module, trainer_utils):
+        current = getattr(owner, name)
+        if _in_place(current):  # never wrapped twice (the module's get_last_checkpoint may be trainer_utils' one)
+            continue
+        wrapper = wrap(current)
+        wrapper._zero_bnb_patch = True
+        setattr(owner, name, wrapper)
+        if not any(o is owner and n == name for o, n in _PATCHED):
+            _PATCHED.append((owner, name))
+
+
+def _utils() -> ModuleType:
+    """``transformers.trainer_utils`` (imported with ``transformers.trainer``)."""
+    return sys.modules.get(_UTILS) or importlib.import_module(_UTILS)
 
 
 def _patch_if_wanted(module: ModuleType) -> None:
+    trainer_utils = _utils()  # outside _LOCK: nothing is imported while it is held
     with _LOCK:
-        if _WANTED and not _ORIGINAL:
-            _patch_trainer(module)
+        if _WANTED:
+            _patch_trainer(module, trainer_utils)
 
 
 def install_trainer_patch() -> None:
     """Wrap Trainer's checkpoint calls now if ``transformers.trainer`` is imported, else once it is (idempotent,
-    thread-safe): the scheduler fitted to zero_bnb's groups on resume, saves marked unfinished until complete,
-    deletions of older checkpoints after that, ``resume_from_checkpoint=True`` skipping interrupted saves, and the
-    end of ``train()`` waiting for a pending asynchronous save."""
+    thread-safe; called again, it re-wraps what a reload of the module replaced): the scheduler fitted to zero_bnb's
+    groups on resume, saves marked unfinished until complete, deletions of older checkpoints after that,
+    ``resume_from_checkpoint=True`` skipping interrupted saves, and the end of ``train()`` waiting for a pending
+    asynchronous save."""
     global _WANTED
     with _LOCK:
         _WANTED = True
-    when_imported(_MODULE, _patch_if_wanted, lambda module: hasattr(module, "Trainer"))
+    when_imported(_MODULE, _patch_if_wanted, _ready)  # outside _LOCK: a watcher patches under Python's import lock
+
+
+def _ready(module: ModuleType) -> bool:
+    return hasattr(module, "Trainer")
+
+
+def missing_trainer_patch() -> list[str]:
+    """What the installed patch should have wrapped and has not, as one entry naming the calls and why
+    (:func:`zero_bnb.integrations.import_watch.unpatched_because`); empty while the patch is not wanted,
+    ``transformers.trainer`` is not imported (or still importing), or everything is in place. Changes nothing."""
+    with _LOCK:
+        wanted = _WANTED
+    module, trainer_utils = sys.modules.get(_MODULE), sys.modules.get(_UTILS)
+    if not wanted or module is None or trainer_utils is None or importing(module) or not _ready(module):
+        return []
+    lost = [_label(owner, name) for owner, name, _ in _targets(module, trainer_utils)
+            if not _in_place(getattr(owner, name, None))]
+    return [f"{', '.join(lost)}: {unpatched_because(_MODULE)}"] if lost else []
+
+
+def _unwrapped(function: Any) -> Any:
+    while _in_place(function):
+        function = function.__wrapped__
+    return function
 
 
 def remove_trainer_patch() -> None:
-    """Undo :func:`install_trainer_patch` (a no-op when it is not installed)."""
+    """Undo :func:`install_trainer_patch` (a no-op when it is not installed): every call it wrapped, in this module
+    and in the classes a reload left behind, gets back what it wrapped."""
     global _WANTED
+    stop_watching(_MODULE)  # before _LOCK: the watcher's lock (Python's import lock) is always taken first
     with _LOCK:
         _WANTED = False
-        stop_watching(_MODULE)
-        for owner, name, original in _ORIGINAL.values():
-            setattr(owner, name, original)
-        _ORIGINAL.clear()
+        module, trainer_utils = sys.modules.get(_MODULE), sys.modules.get(_UTILS)
+        owners = list(_PATCHED)
+        if module is not None and trainer_utils is not None and _ready(module):
+            owners += [(owner, name) for owner, name, _ in _targets(module, trainer_utils)]
+        for owner, name in owners:
+            current = getattr(owner, name, None)
+            if _in_place(current):
+                setattr(owner, name, _unwrapped(current))
+        _PATCHED.clear()
