@@ -412,6 +412,19 @@ def test_ranks_that_disagree_on_the_switch_get_a_clear_error_instead_of_a_hang(t
     assert not os.path.exists(folder / "ckpt" / "mixed")
 
 
+def test_the_staging_limit_message_shows_the_limit_and_the_need_apart():
+    # Issue 42: a limit of 0.1 MiB and a slightly larger save both read "0.1 MiB".
+    from zero_bnb.checkpoint.staging import StagingLimitError, StagingPool
+
+    pool = StagingPool(limit_bytes=int(0.1 * 2**20))
+    pool.begin()
+    with pytest.raises(StagingLimitError) as raised:
+        pool.snapshot({"a": torch.zeros(26215)})  # 104,860 bytes: 3 over the 104,857-byte limit
+    assert str(raised.value) == ("this save stages more than zero_checkpoint_async_max_staging_mb allows: the limit is "
+                                 "0.099999 MiB (104857 bytes), this save needs at least 0.1 MiB (104860 "
+                                 "bytes, 3 over)"), raised.value
+
+
 def test_a_staged_storage_freed_by_its_owner_is_not_mistaken_for_a_new_tensor_at_the_same_address():
     """The review's finding: a snapshotted temporary, freed, let a new tensor take its address, and view_or_copy
     returned the old copy. The pool now keeps each staged source until the staging ends."""

@@ -93,6 +93,9 @@ def test_a_stage2_checkpoint_loaded_at_stage3_elsewhere_names_the_real_sizes_sta
         f"state1, state2: fp32 -> 8-bit (uint8) in group 5 (quantized once: {PRECISION}; regrouped by parameter name)"
     ), warning
     assert not any("another precision than the checkpoint" in message for *_, message in records["stage3"])
+    # Issue 42: the regroup module's WARNING repeated this one; it is INFO now (one WARNING per load)
+    assert [name for level, name, _ in records["stage3"] if level == "WARNING"] == ["zero_bnb.ds.engine"]
+    assert any(level == "INFO" and name == "zero_bnb.checkpoint.regroup" for level, name, _ in records["stage3"])
 
 
 def test_the_same_stage_at_another_dp_size_names_the_group_whose_precision_changed(logged):

@@ -305,8 +305,8 @@ def _regroup(saved: SavedState, live: list[tuple[ParamEntry, ...]], spec: Optimi
             counters={k: v for k, (kind, v) in others[first].items() if kind is StateKind.COUNTER},
             replicated={k: v for k, (kind, v) in others[first].items() if kind is StateKind.REPLICATED},
         ))
-    if log:
-        logger.warning(
+    if log:  # INFO: the load's own WARNING names each group whose state was requantized (checkpoint/precision.py)
+        logger.info(
             "zero_bnb: the checkpoint's %d flat groups differ from the optimizer's %d (bitsandbytes overrides isolate "
             "parameters in groups of their own, stock DeepSpeed does not; ZeRO stage 3 keeps one group per parameter, "
             "stages 1 and 2 one per param group); state mapped by parameter name, 8-bit moments dequantized and "

@@ -37,6 +37,16 @@ def _pinnable(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cuda"
 
 
+def _distinct_mib(limit: int, needed: int) -> tuple[str, str]:
+    """``limit`` and ``needed`` bytes in MiB with the fewest significant digits (at least 4) that tell them apart: a
+    limit of 0.1 MiB and a save of 0.1000038 MiB do not both read "0.1"."""
+    for digits in range(4, 17):
+        shown = f"{limit / 2**20:.{digits}g}", f"{needed / 2**20:.{digits}g}"
+        if shown[0] != shown[1]:
+            return shown
+    return shown
+
+
 @dataclass
 class StagingPool:
     """Host buffers for the tensors of successive saves, matched by position and shape.
@@ -80,10 +90,12 @@ class StagingPool:
         """The next buffer of this save, reused when the last save had one of this shape, dtype and pinning."""
         nbytes = math.prod(shape) * dtype.itemsize
         if self.limit_bytes is not None and self._staged_bytes + nbytes > self.limit_bytes:
+            needed = self._staged_bytes + nbytes
+            limit_mib, needed_mib = _distinct_mib(self.limit_bytes, needed)
             raise StagingLimitError(
-                f"this save stages more than zero_checkpoint_async_max_staging_mb allows "
-                f"({self.limit_bytes / 2**20:.4g} MiB, {self.limit_bytes} bytes): at least "
-                f"{(self._staged_bytes + nbytes) / 2**20:.4g} MiB ({self._staged_bytes + nbytes} bytes)")
+                f"this save stages more than zero_checkpoint_async_max_staging_mb allows: the limit is {limit_mib} MiB "
+                f"({self.limit_bytes} bytes), this save needs at least {needed_mib} MiB ({needed} bytes, "
+                f"{needed - self.limit_bytes} over)")
         buffer = self._buffers[self._cursor] if self._cursor < len(self._buffers) else None
         if buffer is None or buffer.dtype != dtype or tuple(buffer.shape) != shape or buffer.is_pinned() != pin:
             buffer = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
