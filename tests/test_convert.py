@@ -1,17 +1,24 @@
 """Checkpoint tools: inspect/verify/convert/export through the real CLI, and resuming what they write.
 
 Sources are real checkpoints (zero_bnb and stock DeepSpeed, Adam8bit, DP=2, ZeRO stages 1 and 3); converted
-ones are loaded by stock DeepSpeed (universal, ``torch.optim.AdamW``) and by zero_bnb at DP=1 and DP=3.
+ones are loaded by stock DeepSpeed (universal, ``torch.optim.AdamW``) and by zero_bnb at DP=1 and DP=3. The last
+section checks that what the tools say when something goes wrong is what happened (issue 42).
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
+import errno
 import io
 import json
 import math
+import os
 import shutil
+import signal
+import subprocess
+import sys
 
 import bitsandbytes.functional as bnb_functional
 import pytest
@@ -20,7 +27,11 @@ from convert_scenarios import MORE, ONE_STATE, STEPS, resume_converted, write_so
 from safetensors.torch import load_file
 from scenarios import Recorded, cli, within, worst_relative
 
-from zero_bnb.cli import main
+import zero_bnb
+from zero_bnb.cli import main, zero_to_fp32
+from zero_bnb.errors import CheckpointFormatError
+from zero_bnb.format.durable import set_io_hook
+from zero_bnb.format.manifest import SUBDIR, Manifest, read_manifest
 
 #: Bounds: each at least 5x the worst figure measured under seven instruction-set variants (docs/bounds.md,
 #: 2026-11-27). Requantized once (stock partitions off the block grid), relative loss over the following steps: worst
@@ -526,3 +537,151 @@ def test_damaged_or_mixed_stock_stage3_checkpoints_are_refused_in_one_line(work,
         assert code == 1 and message in err and err.count("\n") == 1, (folder, stdout, err)
         assert not out.exists(), folder
     assert not sentinel.exists()
+
+
+# -- what the tools say when something goes wrong (issue 42): on the fixture's stock DP=2 checkpoint (stock/s3), its
+# migration (rescued) and zero_bnb's own (zero_bnb) --------------------------------------------------------------
+
+PREVIOUS = b"the previous export"
+
+
+class _Hook:
+    """An I/O hook that raises ``error`` at the first ``event`` on ``path`` (see ``zero_bnb.format.durable``)."""
+
+    def __init__(self, event: str, path: str, error: BaseException) -> None:
+        self.event, self.path, self.error, self.fired = event, path, error, False
+
+    def __call__(self, event: str, path: str) -> None:
+        if not self.fired and event == self.event and os.path.abspath(path) == self.path:
+            self.fired = True
+            raise self.error
+
+
+def _export_with(hook: _Hook, workdir, out) -> tuple[int, str, str]:
+    previous = set_io_hook(hook)
+    try:
+        return cli("export", workdir / "rescued", "--to", "fp32", out, "--force")
+    finally:
+        set_io_hook(previous)
+
+
+def _messages(err: str) -> list[str]:
+    """The lines of stderr a command printed itself (not its progress bars)."""
+    return [line for line in err.splitlines() if line.startswith(("zero-bnb ", "zero_to_fp32: "))]
+
+
+def _leftovers(folder) -> list[str]:
+    return [name for name in os.listdir(folder) if name.endswith(".zero_bnb-tmp")]
+
+
+@pytest.mark.parametrize("moment", ["before the rename", "after the rename"])
+def test_an_interrupted_export_says_whether_the_new_file_is_in_place(work, tmp_path, moment):
+    # Issue 42: `export --force` interrupted at its last folder fsync said "nothing was published and temporary
+    # files were removed", while the file had been replaced.
+    workdir = work[0]
+    out = tmp_path / "weights.safetensors"
+    out.write_bytes(PREVIOUS)
+    event, target = ("replace", out) if moment == "before the rename" else ("fsync_dir", tmp_path)
+    hook = _Hook(event, str(target), KeyboardInterrupt())
+    code, _, err = _export_with(hook, workdir, out)
+    assert hook.fired and code == 130, (code, err)
+    assert len(_messages(err)) == 1 and "Traceback" not in err, err
+    assert not _leftovers(tmp_path)
+    if moment == "before the rename":
+        assert out.read_bytes() == PREVIOUS
+        assert "interrupted; nothing was published and temporary files were removed" in err, err
+    else:
+        assert "0.weight" in load_file(out)  # the new file, complete
+        assert "nothing was published" not in err, err
+        for part in (f"interrupted after {out} was renamed into place", "the new output is there and complete",
+                     "before the folder naming it was synced to disk", "Run `sync`"):
+            assert part in err, (part, err)
+
+
+def test_an_export_whose_folder_sync_fails_after_the_rename_says_the_new_file_is_in_place(work, tmp_path):
+    workdir = work[0]
+    out = tmp_path / "weights.safetensors"
+    out.write_bytes(PREVIOUS)
+    hook = _Hook("fsync_dir", str(tmp_path), OSError(errno.EIO, os.strerror(errno.EIO)))
+    code, _, err = _export_with(hook, workdir, out)
+    assert hook.fired and code == 1, (code, err)
+    assert "0.weight" in load_file(out) and not _leftovers(tmp_path)
+    assert "nothing was written" not in err and "unchanged" not in err, err
+    for part in (f"wrote {out}: the new file is in place and complete", "syncing the folder that names it failed",
+                 "Input/output error", "Run `sync`"):
+        assert part in err, (part, err)
+
+
+def _zero_to_fp32(checkpoint, out) -> tuple[int, str, str]:
+    """``python zero_to_fp32.py CHECKPOINT OUT`` (the script in the save folder runs this ``main``), in process."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = zero_to_fp32.main([str(checkpoint), str(out)])
+    return code, stdout.getvalue(), stderr.getvalue()
+
+
+@pytest.mark.parametrize("command", ["zero_to_fp32", "export", "convert to zero_bnb", "convert to universal"])
+def test_an_output_path_through_an_existing_file_is_named_with_the_fix(work, tmp_path, command):
+    # Issue 42: `zero_to_fp32.py CKPT afile/sub` printed a NotADirectoryError traceback; export and convert into
+    # afile/x said "FileExistsError: ... File exists: 'afile'" (export after reading the whole checkpoint).
+    workdir = work[0]
+    blocking = tmp_path / "afile"
+    blocking.write_bytes(b"a user's file")
+    if command == "zero_to_fp32":
+        code, _, err = _zero_to_fp32(workdir / "rescued", blocking / "sub")
+    elif command == "export":
+        code, _, err = cli("export", workdir / "rescued", "--to", "fp32", blocking / "x.safetensors")
+    elif command == "convert to zero_bnb":
+        code, _, err = cli("convert", workdir / "stock" / "s3", "--to", "zero_bnb", blocking / "x")
+    else:
+        code, _, err = cli("convert", workdir / "rescued", "--to", "universal", blocking / "x" / "s3_universal")
+    assert code != 0 and len(_messages(err)) == 1 and "Traceback" not in err, (code, err)
+    for part in ("CheckpointUsageError", f"{blocking} is a file", "Choose another output path", "nothing was written"):
+        assert part in err, (part, err)
+    assert blocking.read_bytes() == b"a user's file" and os.listdir(tmp_path) == ["afile"]
+
+
+def test_a_command_piped_into_a_reader_that_stops_ends_quietly(work):
+    # Issue 42: `zero-bnb inspect CKPT | head` ended with a BrokenPipeError. The reader here is gone before the
+    # command prints anything (it closes the pipe at once), so every write meets the broken pipe.
+    workdir = work[0]
+    root = os.path.dirname(os.path.dirname(zero_bnb.__file__))  # the zero_bnb this test imports
+    process = subprocess.Popen([sys.executable, "-m", "zero_bnb", "inspect", str(workdir / "rescued")], cwd=root,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()
+    err = process.stderr.read().decode()
+    assert process.wait(60) == 128 + signal.SIGPIPE, err
+    for noise in ("Traceback", "BrokenPipeError", "Exception ignored"):
+        assert noise not in err, err
+
+
+def test_a_migrated_stock_checkpoint_reports_the_dp_size_it_was_saved_at(work):
+    # Issue 42: `zero-bnb verify` said "saved at DP=1" for a stock checkpoint saved at DP=2 and migrated (the DP=1
+    # layout convert writes), while convert's own report said saved_dp_size: 2.
+    workdir, runs, _, _ = work
+    assert "saved_dp_size: 2" in _ok(runs, "rescue").splitlines()
+    code, out, err = cli("verify", workdir / "rescued")
+    assert code == 0, err
+    assert out.strip().endswith("saved at DP=2 by stock DeepSpeed (migrated offline into zero_bnb's format, stored as "
+                                "DP=1; it loads at any DP size)"), out
+    code, out, err = cli("inspect", workdir / "rescued")
+    assert code == 0 and "  saved at DP=2 by stock DeepSpeed (migrated offline" in out, (out, err)
+    code, out, err = cli("inspect", workdir / "rescued", "--json")
+    summary = json.loads(out)
+    assert (summary["saved_dp_size"], summary["stored_dp_size"]) == (2, 1), summary
+    assert summary["migrated_from"] == {"format": "stock DeepSpeed", "dp_world_size": 2}
+
+
+def test_migrated_from_is_recorded_only_where_it_applies_and_checked(work):
+    workdir = work[0]
+    manifest = read_manifest(str(workdir / "rescued" / "s3" / SUBDIR))
+    assert (manifest.dp_world_size, manifest.saved_dp_size) == (1, 2)
+    assert "migrated_from" in manifest.to_json() and "migrated_from" not in read_manifest(
+        str(workdir / "zero_bnb" / "s3" / SUBDIR)).to_json()  # a training run's manifest: as before the field
+    trained = Manifest.from_json(dataclasses.replace(manifest, migrated_from={}).to_json())
+    assert trained.saved_dp_size == 1 and "migrated_from" not in trained.to_json()
+    for bad in ({"format": "stock DeepSpeed", "dp_world_size": 0}, {"format": "", "dp_world_size": 2},
+                {"format": "stock DeepSpeed", "dp_world_size": 2, "extra": 1}, {"dp_world_size": True, "format": "x"},
+                ["stock DeepSpeed", 2]):
+        with pytest.raises(CheckpointFormatError, match="migrated_from"):
+            Manifest.from_json(dataclasses.replace(manifest, migrated_from=bad).to_json())

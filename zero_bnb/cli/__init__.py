@@ -8,12 +8,18 @@ import signal
 import sys
 
 from zero_bnb.cli import tools
+from zero_bnb.cli.pipes import quiet_on_broken_pipe
 
 __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` and run the chosen command; returns the exit code."""
+    """Parse ``argv`` and run the chosen command; returns the exit code (141, quietly, when standard output's reader
+    went away: ``zero-bnb inspect CKPT | head``, see :mod:`zero_bnb.cli.pipes`)."""
+    return quiet_on_broken_pipe(lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="zero-bnb", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train at DP=2, checkpoint, resume at DP=3 and compare (CPU)")

@@ -2,9 +2,11 @@
 
 Each prints a readable result on stdout (``--json`` where a machine reads it) and returns an
 exit code: 0 success, 1 a checkpoint that fails a check, 2 a usage error (bad arguments, an
-output over its input or over an existing output without ``--force``, a reserved tag, a
-stock or universal checkpoint given to a command that reads zero_bnb checkpoints). Errors are
-one line on stderr that names what was wrong and what to do.
+output over its input or over an existing output without ``--force``, an output path through an
+existing file, a reserved tag, a stock or universal checkpoint given to a command that reads
+zero_bnb checkpoints), 130 interrupted (what it left is said), 141 stdout's reader went away
+(``| head``; nothing more is printed). Errors are one line on stderr that names what was wrong and
+what to do.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from zero_bnb.core.state_spec import UNIVERSAL_TARGETS, UnsupportedOptimizerError
 from zero_bnb.errors import CheckpointError, CheckpointUsageError
-from zero_bnb.format.durable import noting_publications
+from zero_bnb.format.durable import Publication, noting_publications
 from zero_bnb.format.reader import verify_checkpoint
 from zero_bnb.tools import checkpoint_paths
 
@@ -84,9 +86,19 @@ _MASTERS = {"fp32": "fp32 master weights in the shards",
             "module+low16": "the bf16 module weights of DeepSpeed's model file + 16-bit residuals in the shards"}
 
 
+def _saved_at(saved_dp: int, stored_dp: int, migrated_from: dict[str, Any] | None) -> str:
+    """``saved at DP=N``, and for a checkpoint migrated offline, from what and how it is stored (``verify``,
+    ``inspect``)."""
+    if not migrated_from:
+        return f"saved at DP={saved_dp}"
+    return (f"saved at DP={saved_dp} by {migrated_from.get('format', 'another writer')} (migrated offline into zero_bnb's "
+            f"format, stored as DP={stored_dp}; it loads at any DP size)")
+
+
 def _print_summary(summary: dict[str, Any]) -> None:
     print(f"checkpoint {summary['path']} (tag {summary['tag']}, format {summary['format_version']})")
-    print(f"  saved at DP={summary['saved_dp_size']}, block size {summary['block_size']}, "
+    print(f"  {_saved_at(summary['saved_dp_size'], summary['stored_dp_size'], summary['migrated_from'])}, "
+          f"block size {summary['block_size']}, "
           f"{summary['parameters']:,} parameters, {_size(summary['bytes'])} on disk in {len(summary['files'])} files")
     print("  bytes: " + ", ".join(f"{kind} {_size(count)}" for kind, count in summary["bytes_by_kind"].items()))
     print(f"  optimizer {summary['optimizer_class']} ({summary['optimizer_family']})")
@@ -131,13 +143,21 @@ def run(args: argparse.Namespace) -> int:
             return _run(args)
         except KeyboardInterrupt as interrupt:
             what = "terminated" if isinstance(interrupt, Terminated) else "interrupted"
-            if published:  # the last moment: the output was already in place
-                print(f"zero-bnb {args.command}: {what} after {', '.join(published)} was published complete; "
-                      f"only tidying after it was cut short", file=sys.stderr)
-            else:
-                print(f"zero-bnb {args.command}: {what}; nothing was published and temporary files were removed",
-                      file=sys.stderr)
+            print(f"zero-bnb {args.command}: {what}{_interrupted_after(published)}", file=sys.stderr)
             return EXIT_INTERRUPTED
+
+
+def _interrupted_after(published: list[Publication]) -> str:
+    """What an interrupt left, told by the outputs published before it (see :func:`noting_publications`)."""
+    if not published:
+        return "; nothing was published and temporary files were removed"
+    unsynced = [record.path for record in published if not record.durable]
+    if unsynced:  # between the rename and the sync of its folder
+        return (f" after {', '.join(unsynced)} was renamed into place: the new output is there and complete, but the "
+                f"interrupt came before the folder naming it was synced to disk, so a power failure or crash of the "
+                f"machine may still bring back the previous one. Run `sync` to make it durable")
+    return (f" after {', '.join(record.path for record in published)} was published complete; only tidying after it "
+            f"was cut short")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -163,7 +183,8 @@ def _run(args: argparse.Namespace) -> int:
             reader = verify_checkpoint(save_dir, tag, progress=True)
             folder, manifest = reader.tag_folder, reader.manifest
             print(f"OK: {folder}: {len(manifest.files)} files match their SHA-256, manifest format "
-                  f"{manifest.format_version}, saved at DP={manifest.dp_world_size}")
+                  f"{manifest.format_version}, "
+                  f"{_saved_at(manifest.saved_dp_size, manifest.dp_world_size, manifest.migrated_from)}")
         elif args.command == "convert" and args.target == "universal":
             from zero_bnb.tools import convert
 
@@ -176,6 +197,8 @@ def _run(args: argparse.Namespace) -> int:
 
             _print_report(views.export_fp32(args.checkpoint, args.out, tag=args.tag, moments_too=args.moments,
                                               force=args.force, progress=True))
+    except BrokenPipeError:
+        raise  # stdout's reader is gone (``| head``): zero_bnb.cli.main ends quietly, this is no checkpoint error
     except CheckpointUsageError as error:
         _print_error(args.command, error)
         return EXIT_USAGE

@@ -20,7 +20,9 @@ import sys
 
 import torch
 
+from zero_bnb.cli.pipes import quiet_on_broken_pipe
 from zero_bnb.errors import CheckpointError, CheckpointUsageError
+from zero_bnb.tools.outputs import check_output_parents
 from zero_bnb.tools.recovery import get_fp32_state_dict_from_zero_checkpoint
 from zero_bnb.tools.shards import parse_shard_size, write_shards
 
@@ -48,6 +50,7 @@ def _write(checkpoint_dir: str, output_dir: str, *, dtype: torch.dtype | str, sa
     dtype = _output_dtype(dtype)
     if max_shard_size is not None:
         parse_shard_size(max_shard_size)  # a wrong size is named before the checkpoint is read
+    check_output_parents(os.fspath(output_dir), folder=True)  # so is an output folder that is (or is under) a file
     state = get_fp32_state_dict_from_zero_checkpoint(os.fspath(checkpoint_dir), tag, exclude_frozen_parameters)
     if dtype != torch.float32:  # buffers that are not floating point keep their dtype, as in DeepSpeed's
         cast: dict[int, torch.Tensor] = {}  # tied names keep sharing one tensor
@@ -73,7 +76,8 @@ def convert_zero_checkpoint_to_state_dict(checkpoint_dir, output_dir, dtype: tor
     complete, the index last. Returns the file's path (the index's when sharded).
 
     Raises:
-        CheckpointUsageError: an unsupported ``dtype`` or ``max_shard_size``.
+        CheckpointUsageError: an unsupported ``dtype`` or ``max_shard_size``, or an ``output_dir`` that is, or lies
+            under, an existing file; nothing is read or written.
         CheckpointError: the checkpoint cannot be read (named, with the fix); nothing is written.
     """
     return _write(checkpoint_dir, output_dir, dtype=dtype, safe_serialization=safe_serialization, tag=tag,
@@ -104,7 +108,12 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv``, write the consolidated weights; returns the exit code (1 on a checkpoint error)."""
+    """Parse ``argv``, write the consolidated weights; returns the exit code (1 on a checkpoint error or another
+    failure to write, said in one line; 141, quietly, when standard output's reader went away)."""
+    return quiet_on_broken_pipe(lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description="consolidated fp32 weights of a zero_bnb checkpoint")
     parser.add_argument("checkpoint_dir", help="the save folder (holding 'latest') or a tag folder")
     parser.add_argument("output_dir", help="folder for pytorch_model.bin (or model.safetensors)")
@@ -120,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
                               safe_serialization=args.safe_serialization, tag=args.tag,
                               exclude_frozen_parameters=args.exclude_frozen_parameters,
                               max_shard_size=args.max_shard_size)
-    except CheckpointError as error:  # a full disk included: nothing written, one line
+    except (CheckpointError, OSError) as error:  # a full disk included: nothing written, one line
+        if isinstance(error, BrokenPipeError):
+            raise  # stdout's reader is gone: main ends quietly
         print(f"zero_to_fp32: {type(error).__name__}: {' '.join(str(error).split())}", file=sys.stderr)
         return 1
     print(f"zero_bnb: wrote {written} to {out}")

@@ -55,6 +55,8 @@ __all__ = [
     "makedirs",
     "note_published",
     "noting_publications",
+    "Publication",
+    "PublishedNotDurableError",
     "publish_folder",
     "remove_tree",
     "replace_text",
@@ -87,14 +89,35 @@ _PARALLEL_HASH_BYTES = 1 << 20
 _HASH_PIECE = 1 << 15
 
 
-_published: list[str] | None = None
+@dataclass(slots=True)
+class Publication:
+    """An output renamed into place, complete (see :func:`noting_publications`).
+
+    ``durable`` is false from the rename until the folder that names it was synced: until then readers see the new
+    output, but a power failure or a crash of the machine may bring back the previous one (or none).
+    """
+
+    path: str
+    durable: bool = False
+
+
+class PublishedNotDurableError(OSError):
+    """The output ``filename`` was renamed into place, complete, but syncing the folder that names it failed.
+
+    Readers see the new output now; only its durability is unconfirmed (a power failure or a crash of the machine may
+    bring back the previous one). Unlike any other ``OSError`` of this module, the destination was changed. ``errno``
+    is the failed sync's; ``__cause__`` is its error.
+    """
+
+
+_published: list[Publication] | None = None
 
 
 @contextmanager
-def noting_publications() -> Iterator[list[str]]:
+def noting_publications() -> Iterator[list[Publication]]:
     """Collect, in the yielded list, the outputs published (renamed into place, complete) inside the block by
-    :func:`note_published`: what a command interrupted afterwards must not call unpublished. Local; not nested
-    across threads."""
+    :func:`note_published`, and whether each was made durable: what a command interrupted afterwards must not call
+    unpublished. Local; not nested across threads."""
     global _published
     previous, _published = _published, []
     try:
@@ -103,10 +126,29 @@ def noting_publications() -> Iterator[list[str]]:
         _published = previous
 
 
-def note_published(path: str) -> None:
-    """Record that the output ``path`` is now in place and complete (see :func:`noting_publications`)."""
-    if _published is not None:
-        _published.append(path)
+def note_published(path: str, *, durable: bool = True) -> None:
+    """Record that the output ``path`` is now in place and complete (see :func:`noting_publications`); ``durable``:
+    the folder naming it was synced too (a second call with ``durable=True`` marks an earlier record so)."""
+    if _published is None:
+        return
+    for record in _published:
+        if record.path == path:
+            record.durable = record.durable or durable
+            return
+    _published.append(Publication(path, durable))
+
+
+def _sync_published(path: str, folder: str) -> None:
+    """``fsync_dir(folder)``, the folder naming ``path``, which was just renamed into place.
+
+    Raises:
+        PublishedNotDurableError: the sync failed (``path`` is in place all the same).
+    """
+    try:
+        fsync_dir(folder)
+    except OSError as error:
+        raise PublishedNotDurableError(error.errno, f"{path} was put in place, but syncing its folder {folder} failed "
+                                                    f"({type(error).__name__}: {error.strerror or error})", path) from error
 
 
 def set_io_hook(hook: IoHook | None) -> IoHook | None:
@@ -407,10 +449,11 @@ class StagedFile:
     :attr:`path` (zero_bnb's writers, or a library's own ``torch.save``/``save_file``: nobody else can
     put a link there), then :meth:`publish` renames it over ``dest`` (a link at ``dest`` is
     replaced, never followed) and :meth:`discard` removes the private folder, published or not.
-    Local: any process.
+    ``note``: the destination is a command's output, recorded with :func:`note_published` once
+    renamed and again once its folder is synced. Local: any process.
     """
 
-    def __init__(self, destination: str) -> None:
+    def __init__(self, destination: str, *, note: bool = False) -> None:
         self.destination = destination
         parent = os.path.dirname(os.path.abspath(destination))
         name = os.path.basename(destination)
@@ -418,10 +461,20 @@ class StagedFile:
         _remove_stale_private_folders(parent, name)
         self.folder, self._descriptor = _claim_private_folder(parent, name)
         self.path = os.path.join(self.folder, name)
+        #: Record the destination with :func:`note_published` (an output of a command), renamed and then durable.
+        self.note = note
+        #: Renamed over the destination: from then on the destination is the new file.
         self.published = False
+        #: And the destination's folder synced: the new file survives a power failure.
+        self.durable = False
 
     def publish(self) -> None:
-        """Flush the written file to disk and rename it over the destination (atomic)."""
+        """Flush the written file to disk, rename it over the destination (atomic), then sync the destination's folder.
+
+        Raises:
+            OSError: before the rename: the destination is unchanged.
+            PublishedNotDurableError: the sync after the rename failed; the destination is the new file.
+        """
         descriptor = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         try:
             _event("fsync", self.path)
@@ -431,7 +484,12 @@ class StagedFile:
         _event("replace", self.destination)
         os.replace(self.path, self.destination)
         self.published = True
-        fsync_dir(os.path.dirname(os.path.abspath(self.destination)))
+        if self.note:
+            note_published(self.destination, durable=False)
+        _sync_published(self.destination, os.path.dirname(os.path.abspath(self.destination)))
+        self.durable = True
+        if self.note:
+            note_published(self.destination)
 
     def discard(self) -> None:
         """Remove the private folder (and the file, if it was not published), then let its flock go. Idempotent;
@@ -443,13 +501,15 @@ class StagedFile:
 
 
 @contextmanager
-def replacing(destination: str) -> Iterator[str]:
+def replacing(destination: str, *, note: bool = False) -> Iterator[str]:
     """Yield a path to write; when the block succeeds it atomically replaces ``destination``.
 
     If the block (or the rename) fails, ``destination`` is unchanged and nothing temporary is
-    left (see :class:`StagedFile`).
+    left (see :class:`StagedFile`). A failure after the rename (syncing the folder) raises
+    :class:`PublishedNotDurableError`: ``destination`` is then the new file. ``note``: record
+    ``destination`` with :func:`note_published` once renamed (an output of a command).
     """
-    staged = StagedFile(destination)
+    staged = StagedFile(destination, note=note)
     try:
         yield staged.path
         staged.publish()
@@ -486,11 +546,16 @@ def publish_folder(staging: str, final: str, aside: str, trash: str) -> None:
         if moved_aside:
             os.rename(aside, final)
         raise
-    note_published(final)
+    note_published(final, durable=False)
 
 
 def finish_publish(final: str, aside: str, trash: str) -> None:
     """After :func:`publish_folder`: make the rename durable, then remove the previous folder at ``aside`` (renamed
-    to ``trash`` first: a loader that found it at ``aside`` reads it whole or is told it was replaced)."""
-    fsync_dir(os.path.dirname(final) or ".")
+    to ``trash`` first: a loader that found it at ``aside`` reads it whole or is told it was replaced).
+
+    Raises:
+        PublishedNotDurableError: syncing the folder naming ``final`` failed (``final`` is the new folder).
+    """
+    _sync_published(final, os.path.dirname(final) or ".")
+    note_published(final)
     remove_tree(aside, via=trash)

@@ -66,7 +66,10 @@ from zero_bnb.tools.checkpoint_paths import locate, open_verified
 from zero_bnb.tools.offline import QuantizationReport, quantize_moment, write_checkpoint
 from zero_bnb.tools.outputs import check_output_folder
 
-__all__ = ["TARGET_OPTIMIZERS", "from_universal", "rescue_stock", "to_universal"]
+__all__ = ["STOCK_FORMAT", "TARGET_OPTIMIZERS", "from_universal", "rescue_stock", "to_universal"]
+
+#: ``Manifest.migrated_from["format"]`` of a checkpoint :func:`rescue_stock` wrote.
+STOCK_FORMAT = "stock DeepSpeed"
 
 # Keys of DeepSpeed's universal checkpoint files (deepspeed.checkpoint.constants), part of their format.
 PARAM, CAT_DIM, PARAM_GROUPS = "param", "cat_dim", "param_groups"
@@ -354,7 +357,8 @@ def rescue_stock(path: str, out_dir: str, *, tag: str | None = None, out_tag: st
     at stage 3 at any DP size without another requantization (and at stages 1/2 as any stage-3
     checkpoint does). Works for every declared bitsandbytes family: Adam and AdEMAMix are told by
     their state keys, the one-state families (Lion, SGD, RMSprop, Adagrad) need ``optimizer`` (the
-    class name, e.g. ``"Lion8bit"``). Returns the error introduced.
+    class name, e.g. ``"Lion8bit"``). Returns the error introduced. The output's manifest records the DP size the
+    stock checkpoint was saved at (``migrated_from``), which ``inspect`` and ``verify`` report as its saved DP size.
     """
     tag_folder, out_tag = _target(path, tag, out_dir, out_tag, latest=LATEST_NAME, force=force)
     stock, spec, model_name, model_file = _read_stock(tag_folder, optimizer)
@@ -371,7 +375,8 @@ def rescue_stock(path: str, out_dir: str, *, tag: str | None = None, out_tag: st
     wrapper = dict(stock.replicated.wrapper)
     published = write_checkpoint(out_dir, out_tag, groups, spec=spec,
                                  block_size=spec.block_size, optimizer_class="bitsandbytes (rescued)",
-                                 wrapper=wrapper, extra_files={model_name: model_file}, replace=force)
+                                 wrapper=wrapper, extra_files={model_name: model_file}, replace=force,
+                                 migrated_from={"format": STOCK_FORMAT, "dp_world_size": stock.manifest.dp_world_size})
     return {"output": published, "saved_dp_size": stock.manifest.dp_world_size,
             "zero_stage": 3 if is_stage3_model_file(model_name) else "1 or 2",
             "requantized_elements": report.quantized_elements,

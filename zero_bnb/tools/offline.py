@@ -84,6 +84,7 @@ def write_checkpoint(
     extra_files: dict[str, str | Callable[[str, str], FileRecord]],
     save_latest: bool = True,
     replace: bool = False,
+    migrated_from: dict[str, Any] | None = None,
 ) -> str:
     """Write ``groups`` as a DP=1 zero_bnb checkpoint ``save_dir/tag``, committed atomically, and
     ``save_dir/zero_to_fp32.py`` (zero_bnb's, replacing stock DeepSpeed's) as saves do.
@@ -94,6 +95,9 @@ def write_checkpoint(
             ``engine.load_checkpoint`` finds the weights).
         wrapper: the ZeRO wrapper's scalars (loss scaler, ...).
         replace: replace an existing ``save_dir/tag`` (else it is refused, under the lock).
+        migrated_from: the checkpoint these groups come from, recorded in the manifest
+            (``{"format": "stock DeepSpeed", "dp_world_size": 2}``: the DP size it was saved at,
+            which ``inspect`` and ``verify`` report beside the DP=1 layout written here).
 
     Returns:
         The published tag folder.
@@ -125,6 +129,7 @@ def write_checkpoint(
             files.append(copy_file(source, target, root=staging) if isinstance(source, str) else source(target, staging))
         manifest = Manifest.create(dp_world_size=1, block_size=block_size, optimizer_class=optimizer_class,
                                    optimizer_spec=spec.name, groups=tuple(entries), files=files,
+                                   migrated_from=migrated_from,
                                    source=f"the checkpoint being written to {os.path.join(save_dir, tag)}")
         write_manifest(manifest, folder, root=staging)
     published = os.path.join(save_dir, tag)

@@ -13,12 +13,47 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from zero_bnb.errors import CheckpointSaveError, CheckpointUsageError
-from zero_bnb.format.durable import note_published, replacing
+from zero_bnb.format.durable import PublishedNotDurableError, replacing
 from zero_bnb.format.lock import LOCK_NAME
 from zero_bnb.format.ownership import CHECKPOINT_MARKERS
 from zero_bnb.format.paths import RESERVED_TAGS, inside, overlaps, resolved
 
-__all__ = ["check_output_file", "check_output_folder", "replacing_file"]
+__all__ = ["check_output_file", "check_output_folder", "check_output_parents", "replacing_file"]
+
+
+def _blocking_component(path: str) -> str | None:
+    """The nearest existing path component of ``path`` (``path`` itself, or a folder above it) when it is not a folder
+    (a file, a link to none, a FIFO): where creating ``path`` or a folder above it fails; ``None`` otherwise."""
+    current = os.path.normpath(path)
+    while current and not os.path.lexists(current):
+        parent = os.path.dirname(current)
+        if parent == current:  # the root
+            return None
+        current = parent
+    return current if current and not os.path.isdir(current) else None
+
+
+def _kind(path: str) -> str:
+    if os.path.islink(path):
+        return "a link to something that is no folder"
+    return "a file" if os.path.isfile(path) else "not a folder"
+
+
+def check_output_parents(path: str, *, folder: bool = False) -> None:
+    """Refuse an output ``path`` that cannot be created because a path component above it (or, with ``folder``,
+    ``path`` itself: an output folder) is an existing file, before anything is read or written.
+
+    Raises:
+        CheckpointUsageError: names the component, what it is, and the fix.
+    """
+    blocking = _blocking_component(path if folder else os.path.dirname(os.path.normpath(path)))
+    if blocking is not None:
+        what = "the output folder" if folder and os.path.normpath(blocking) == os.path.normpath(path) else \
+            "a folder on the output's path"
+        raise CheckpointUsageError(
+            f"the output {path} cannot be created: {blocking} is {_kind(blocking)}, but it would have to be "
+            f"{what}. Choose another output path (or move {blocking} away); nothing was written"
+        )
 
 
 def check_output_folder(target: str, *, source_tag_folder: str, force: bool) -> None:
@@ -35,6 +70,7 @@ def check_output_folder(target: str, *, source_tag_folder: str, force: bool) -> 
     Raises:
         CheckpointUsageError: names both paths and the fix.
     """
+    check_output_parents(target)
     if overlaps(target, source_tag_folder):
         raise CheckpointUsageError(
             f"the output {target} overlaps the checkpoint being read ({source_tag_folder}): writing it would "
@@ -70,6 +106,7 @@ def check_output_file(path: str, *, source_tag_folder: str, source_save_dir: str
             f"the output {path} is part of the checkpoint being read ({source_tag_folder}) or a name zero_bnb "
             f"reserves in its save folder; write it elsewhere"
         )
+    check_output_parents(path)
     if os.path.isdir(path):
         raise CheckpointUsageError(f"the output {path} is a folder; name the file to write, e.g. "
                                    f"{os.path.join(path, 'model.safetensors')}")
@@ -89,16 +126,24 @@ def replacing_file(path: str) -> Iterator[str]:
     Raises:
         CheckpointSaveError: the write failed (a full disk, say: ``OSError``, safetensors'
             ``SafetensorError``, ``torch.save``'s ``RuntimeError``); ``path`` is unchanged and
-            nothing temporary is left. One line, naming the cause.
+            nothing temporary is left. Or the new file was renamed into place but syncing its folder
+            failed: then the message says that ``path`` is the new file, whose durability is unconfirmed.
+            One line, naming the cause.
     """
     from safetensors import SafetensorError
 
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with replacing(path) as temporary:
+        # A hidden file is a step of a larger output, not one: not noted as published.
+        with replacing(path, note=not os.path.basename(path).startswith(".")) as temporary:
             yield temporary
-        if not os.path.basename(path).startswith("."):  # a hidden file is a step of a larger output, not one
-            note_published(path)
+    except PublishedNotDurableError as error:
+        raise CheckpointSaveError(
+            f"wrote {path}: the new file is in place and complete, but syncing the folder that names it failed "
+            f"({type(error.__cause__).__name__}: {' '.join(str(error.__cause__).split()):.300}), so a power failure "
+            f"or crash of the machine may still bring back the previous one. Run `sync` (or the command again) once "
+            f"the disk is healthy"
+        ) from error
     except (OSError, SafetensorError, RuntimeError) as error:
         cause = " ".join(str(error).split())
         raise CheckpointSaveError(

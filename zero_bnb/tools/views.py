@@ -30,7 +30,9 @@ def inspect_checkpoint(path: str, tag: str | None = None) -> dict[str, Any]:
     Per group: its parameters, how its fp32 master weights are stored (whole, or derived from the
     module weights in DeepSpeed's model file) and their bytes, and per state key the kind, dtype,
     bytes on disk, and whether it is 8-bit; plus the saved DP size, block size, optimizer, versions,
-    total bytes and bytes per kind (``bytes_by_kind``).
+    total bytes and bytes per kind (``bytes_by_kind``). ``saved_dp_size`` is the DP size of the run that saved the
+    state (for a checkpoint migrated offline from stock DeepSpeed, the stock run's, named in ``migrated_from``);
+    ``stored_dp_size`` the number of partitions the files hold.
     """
     folder_tag, reader = open_verified(path, tag, command="inspect")
     manifest = reader.manifest
@@ -64,7 +66,9 @@ def inspect_checkpoint(path: str, tag: str | None = None) -> dict[str, Any]:
     return {
         "path": reader.tag_folder,
         "tag": folder_tag,
-        "saved_dp_size": manifest.dp_world_size,
+        "saved_dp_size": manifest.saved_dp_size,
+        "stored_dp_size": manifest.dp_world_size,
+        "migrated_from": dict(manifest.migrated_from) or None,
         "block_size": manifest.block_size,
         "optimizer_class": manifest.optimizer_class,
         "optimizer_family": manifest.optimizer_spec,
