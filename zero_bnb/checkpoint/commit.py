@@ -157,13 +157,13 @@ def _publish(save_dir: str, tag: str, staging: str, latest_name: str | None, own
     try:
         if pointer is not None:
             write_text(tag, pointer.path, root=pointer.folder)  # before anything is visible: a full disk fails here
-        if owned_only and os.path.isdir(aside) and checkpoint_strangers(aside):
+        if owned_only and _real_folder(aside) and checkpoint_strangers(aside):
             _keep(save_dir, tag, aside, "a save of the same tag was interrupted while replacing it")
         publish_folder(staging, final, aside, trash)
         try:
             # The replaced folder, as it is now that nothing can arrive in it any more: removed only if it holds
             # nothing zero_bnb did not write, else renamed to a visible name, without zero_bnb's own files.
-            if owned_only and os.path.isdir(aside) and checkpoint_strangers(aside):
+            if owned_only and _real_folder(aside) and checkpoint_strangers(aside):
                 _keep(save_dir, tag, aside, f"the new checkpoint took the place of {final}")
             else:
                 _finish_even_if_interrupted(final, aside, trash)
@@ -184,6 +184,11 @@ def _publish(save_dir: str, tag: str, staging: str, latest_name: str | None, own
         if pointer is not None:
             pointer.discard()
     return final
+
+
+def _real_folder(path: str) -> bool:
+    """A folder, not a link to one (a link planted at a hidden name is removed as a leftover, never followed)."""
+    return os.path.isdir(path) and not os.path.islink(path)
 
 
 def _keep(save_dir: str, tag: str, aside: str, why: str) -> None:

@@ -198,6 +198,8 @@ def remove_own_files(tag_folder: str) -> tuple[list[str], int]:
     Returns:
         The entries kept (relative paths, :func:`checkpoint_strangers`) and the bytes removed.
     """
+    if os.path.islink(tag_folder) or not os.path.isdir(tag_folder):  # never through a link
+        return [os.path.basename(tag_folder)], 0
     strangers = checkpoint_strangers(tag_folder)
     kept = set(strangers)
     manifest_path = os.path.join(SUBDIR, MANIFEST_NAME)
