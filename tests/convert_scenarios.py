@@ -8,6 +8,7 @@ trains on.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import bitsandbytes as bnb
@@ -138,7 +139,19 @@ def _zero_bnb_resume(folder: str, family: str = "Adam8bit", module: bool = False
         # A rescued stock checkpoint trains on as stock does: with bitsandbytes' CPU arithmetic.
         config = {"zero_cpu_update": "bitsandbytes"} if folder.startswith("rescued") else {}
         engine = make_engine(c["world"], family, **config)
-        engine.load_checkpoint(os.path.join(c["workdir"], folder))
+        logged: list[str] = []
+        handler = logging.Handler(logging.INFO)
+        handler.emit = lambda record: logged.append(record.getMessage())
+        logger = logging.getLogger("zero_bnb.ds.engine")
+        level = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(handler)
+        try:
+            engine.load_checkpoint(os.path.join(c["workdir"], folder))
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+        out[f"{folder}_log"] = [message for message in logged if "loaded checkpoint" in message]
         out[folder] = consolidated_state(engine)
         if module:
             out[f"{folder}_module"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}

@@ -657,8 +657,11 @@ def test_a_command_piped_into_a_reader_that_stops_ends_quietly(work):
 
 def test_a_migrated_stock_checkpoint_reports_the_dp_size_it_was_saved_at(work):
     # Issue 42: `zero-bnb verify` said "saved at DP=1" for a stock checkpoint saved at DP=2 and migrated (the DP=1
-    # layout convert writes), while convert's own report said saved_dp_size: 2.
-    workdir, runs, _, _ = work
+    # layout convert writes), while convert's own report said saved_dp_size: 2; so did the load's log line.
+    workdir, runs, _, resumed = work
+    [logged] = resumed[3]["rescued_log"]
+    assert " saved at DP=2 by stock DeepSpeed (migrated offline, stored as DP=1) into DP=3 at ZeRO stage " in logged, \
+        logged
     assert "saved_dp_size: 2" in _ok(runs, "rescue").splitlines()
     code, out, err = cli("verify", workdir / "rescued")
     assert code == 0, err

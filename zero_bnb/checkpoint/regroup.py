@@ -99,7 +99,8 @@ def masters_by_name(saved: SavedState, live: list[tuple[ParamEntry, ...]],
     old = saved.manifest
     manifest = Manifest(dp_world_size=1, block_size=block, optimizer_class=old.optimizer_class,
                         optimizer_spec=old.optimizer_spec, groups=tuple(entries), shards=("regrouped",),
-                        non_finite=old.non_finite, versions=old.versions, batch=old.batch)
+                        non_finite=old.non_finite, versions=old.versions, batch=old.batch,
+                        migrated_from=old.migrated_from)
     empty = ReplicatedGroup(param_group={}, counters={}, replicated={})
     state = RegroupedState(manifest, ReplicatedPayload((empty,) * len(live), saved.replicated.wrapper), pieces,
                            origin_dp=saved_dp(saved), source_dtypes=({},) * len(live))
@@ -316,7 +317,8 @@ def _regroup(saved: SavedState, live: list[tuple[ParamEntry, ...]], spec: Optimi
     old = saved.manifest
     manifest = Manifest(dp_world_size=1, block_size=block, optimizer_class=old.optimizer_class,
                         optimizer_spec=old.optimizer_spec, groups=tuple(entries), shards=("regrouped",),
-                        non_finite=old.non_finite, versions=old.versions, batch=old.batch)
+                        non_finite=old.non_finite, versions=old.versions, batch=old.batch,
+                        migrated_from=old.migrated_from)
     return RegroupedState(manifest, ReplicatedPayload(tuple(replicated_groups), saved.replicated.wrapper), pieces,
                           origin_dp=saved_dp(saved), source_dtypes=tuple(source_dtypes))
 

@@ -542,18 +542,21 @@ class ZeroBnbEngine(DeepSpeedEngine):
             layout = "same partitions"
         else:
             layout = "every tensor re-split" + (f", {moved}" if moved else "")
+        migrated = plan.saved.manifest.migrated_from  # a stock checkpoint rewritten offline: its own DP size
+        saved_at = (f"DP={migrated.get('dp_world_size')} by {migrated.get('format')} (migrated offline, stored as "
+                    f"DP={restore.saved_dp})" if migrated else f"DP={restore.saved_dp}")
         logger.info(
-            "zero_bnb: loaded checkpoint %s saved at DP=%d into DP=%d at ZeRO stage %d (%s); %s; rank 0's optimizer "
+            "zero_bnb: loaded checkpoint %s saved at %s into DP=%d at ZeRO stage %d (%s); %s; rank 0's optimizer "
             "state 8-bit in %d of %d groups, %.2f B/param",
-            folder, restore.saved_dp, self.optimizer.dp_size, stage, layout,
+            folder, saved_at, self.optimizer.dp_size, stage, layout,
             "optimizer state loaded" if restore.load_optimizer_states else "weights only",
             len(described["eight_bit_groups"]), len(described["groups"]), described["state_bytes_per_param"],
         )
         converted = describe_conversions([group.conversions for group in restore.groups])
         if converted is not None:
             logger.warning(
-                "zero_bnb: checkpoint %s (saved at DP=%d, ZeRO stage %s; now DP=%d, ZeRO stage %d): %s", folder,
-                restore.saved_dp, "unknown" if saved_stage is None else saved_stage, self.optimizer.dp_size, stage,
+                "zero_bnb: checkpoint %s (saved at %s, ZeRO stage %s; now DP=%d, ZeRO stage %d): %s", folder,
+                saved_at, "unknown" if saved_stage is None else saved_stage, self.optimizer.dp_size, stage,
                 converted,
             )
 
