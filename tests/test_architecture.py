@@ -102,3 +102,34 @@ def test_every_package_says_what_it_owns_and_may_import():
     for package in ALLOWED:
         doc = (zero_bnb.__dict__.get(package) or __import__(f"zero_bnb.{package}", fromlist=["_"])).__doc__
         assert doc and "May import" in doc, package
+
+
+#: Log calls whose logger is a library module's: ``logger.<level>(...)``.
+_LEVELS = ("debug", "info", "warning", "error", "exception", "critical")
+
+
+def _log_calls(path: str) -> list[tuple[int, str | None]]:
+    """(line, the message's literal start or ``None`` when it is not a literal) of each log call in ``path``."""
+    with open(path, encoding="utf-8") as handle:
+        tree = ast.parse(handle.read())
+    calls = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _LEVELS
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "logger" and node.args):
+            first = node.args[0]
+            if isinstance(first, ast.JoinedStr) and first.values:
+                first = first.values[0]
+            calls.append((node.lineno, first.value if isinstance(first, ast.Constant) and isinstance(first.value, str)
+                          else None))
+    return calls
+
+
+def test_every_library_log_line_names_zero_bnb():
+    # Issue 42: a line without the prefix ("building ...", "Deleting 2 checkpoints ...") reads as another library's.
+    # zero_bnb.testing (test helpers) is not the library.
+    unnamed = [f"{os.path.relpath(os.path.join(root, name), ROOT)}:{line}: {text!r}"
+               for root, _, names in os.walk(ROOT) if os.sep + "testing" not in root + os.sep
+               for name in names if name.endswith(".py")
+               for line, text in _log_calls(os.path.join(root, name))
+               if text is None or not text.startswith(("zero_bnb: ", "zero_bnb."))]
+    assert not unnamed, unnamed

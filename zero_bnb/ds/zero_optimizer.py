@@ -75,7 +75,7 @@ class BlockAlignedZeroOptimizer(BlockAligned, DeepSpeedZeroOptimizer):
             raise ZeroLayoutError("mixture-of-experts layers are not supported by zero_bnb")
         self._check_partitions([flat.numel() for flat in self.bit16_groups_flat], list(self.partition_size))
         logger.debug(
-            "block-aligned ZeRO partitions: %s",
+            "zero_bnb: block-aligned ZeRO partitions: %s",
             [(self.geometry(i).numel, self.geometry(i).partition_numel) for i in range(self.num_groups)],
         )
 

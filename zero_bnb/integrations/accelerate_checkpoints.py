@@ -55,7 +55,8 @@ def _delete_oldest(folders: list[str], limit: int) -> None:
     the save, oldest first) the oldest go, so that ``limit`` stay with the new one."""
     doomed = folders[: len(folders) + 1 - limit]
     if doomed:
-        logger.warning("Deleting %d checkpoints to make room for the new checkpoint (complete now).", len(doomed))
+        logger.warning("zero_bnb: deleting %d checkpoints to make room for the new checkpoint (complete now; Accelerate's "
+                       "total_limit)", len(doomed))
     for path in doomed:
         if os.path.lexists(path):
             shutil.rmtree(path)
