@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import os
 
 import bitsandbytes as bnb
@@ -330,7 +331,17 @@ def _moe_engine(world: int):
 
 def save_all(rank, world, workdir):
     out = {}
-    engine = _override_engine(world)
+    plan_lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: plan_lines.append(record.getMessage())
+    plan_logger = logging.getLogger("zero_bnb.ds.precision_plan")
+    plan_logger.setLevel(logging.INFO)
+    plan_logger.addHandler(handler)
+    try:
+        engine = _override_engine(world)
+    finally:
+        plan_logger.removeHandler(handler)
+    out["override_plan"] = plan_lines
     train_steps(engine, RUN, 0, STEPS)
     engine.save_checkpoint(os.path.join(workdir, "override"), tag="a")
     out["override"] = consolidated_state(engine)

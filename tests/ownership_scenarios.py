@@ -33,6 +33,71 @@ def _plant(folder: str, files: dict[str, bytes]) -> None:
             handle.write(data)
 
 
+def _dirs(folder: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(root, name), folder) for root, names, _ in os.walk(folder)
+                  for name in names)
+
+
+def _probe_findings(rank: int, save_dir: str, engine, out: dict) -> None:
+    """What an adversarial probe of the kept-files step found (issue 42, point 3)."""
+    import zero_bnb.checkpoint.commit as commit
+
+    # An empty folder of the user's, one listed file owned by another user (root only) and a link planted for the
+    # zero_bnb/ folder of a copy: kept, never removed or followed.
+    engine.save_checkpoint(save_dir, tag="probe")
+    dist.barrier()
+    if rank == 0:
+        os.makedirs(os.path.join(save_dir, "probe", "my_empty", "deeper"))
+        _plant(os.path.join(save_dir, "probe"), {"notes.txt": b"mine"})
+        if os.geteuid() == 0:
+            os.chown(os.path.join(save_dir, "probe", "mp_rank_00_model_states.pt"), 65534, 65534)
+    dist.barrier()
+    engine.save_checkpoint(save_dir, tag="probe")
+    dist.barrier()
+    [kept] = [name for name in sorted(os.listdir(save_dir)) if name.startswith("probe.replaced-")]
+    out["probe_kept"] = (_dirs(os.path.join(save_dir, kept)), sorted(_tree(os.path.join(save_dir, kept))))
+    out["probe_root"] = os.geteuid() == 0
+    # A save killed between its two renames left the tag at its hidden name, with a user's file: the next save keeps
+    # it whole until the new checkpoint is in place; killed before that (the rename of the new one fails here), the
+    # previous checkpoint is whole under the visible name.
+    engine.save_checkpoint(save_dir, tag="left")
+    dist.barrier()
+    if rank == 0:
+        _plant(os.path.join(save_dir, "left"), {"notes.txt": b"mine"})
+        os.rename(os.path.join(save_dir, "left"), os.path.join(save_dir, ".left.zero_bnb-replaced"))
+    dist.barrier()
+    whole = sorted(_tree(os.path.join(save_dir, ".left.zero_bnb-replaced")))
+    original = commit.publish_folder
+
+    def killed(*args):
+        raise OSError(5, "injected: killed before the new folder's rename")
+
+    commit.publish_folder = killed
+    try:
+        out["left_error"] = _error(lambda: engine.save_checkpoint(save_dir, tag="left"))
+    finally:
+        commit.publish_folder = original
+    dist.barrier()
+    [kept] = [name for name in sorted(os.listdir(save_dir)) if name.startswith("left.replaced-")]
+    out["left_kept_whole"] = sorted(_tree(os.path.join(save_dir, kept))) == whole and "notes.txt" in whole
+    # Removing zero_bnb's own files from a kept folder fails (a read-only folder for another user): the new checkpoint
+    # is saved and 'latest' names it all the same.
+    original_remove = commit.remove_own_files
+
+    def refused(folder):
+        raise PermissionError(13, "injected: permission denied", folder)
+
+    if rank == 0:
+        _plant(os.path.join(save_dir, "mine"), {"again.json": b"{}"})
+    dist.barrier()
+    commit.remove_own_files = refused
+    try:
+        out["strip_failed"] = _error(lambda: engine.save_checkpoint(save_dir, tag="mine"))
+    finally:
+        commit.remove_own_files = original_remove
+    out["strip_failed_latest"] = open(os.path.join(save_dir, "latest")).read()
+
+
 def saves_over_foreign_folders(rank: int, world: int, workdir: str) -> None:
     out: dict = {}
     save_dir = os.path.join(workdir, "ckpt")
@@ -119,5 +184,6 @@ def saves_over_foreign_folders(rank: int, world: int, workdir: str) -> None:
         out[f"attack_{attack}"] = {name: data for name, data in _tree(os.path.join(save_dir, kept[0])).items()
                                    if name in planted} if len(kept) == 1 else kept
     out["attacks"] = attacks
+    _probe_findings(rank, save_dir, engine, out)
     engine.destroy()
     _save_result(os.path.join(workdir, "ownership.pt"), out)

@@ -5,13 +5,16 @@ sentence itself (:mod:`zero_bnb.checkpoint.precision`) and the saved stage read 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import types
 
 import load_log_scenarios
 import pytest
 
 from zero_bnb.checkpoint.model_file import saved_zero_stage
 from zero_bnb.checkpoint.precision import Conversion, describe_conversions
+from zero_bnb.ds.precision_plan import announce_precision
 from zero_bnb.testing.launch import run_distributed
 
 ROOT = "zero_bnb: checkpoint {folder} (saved at DP=3, ZeRO stage 2; now DP=2, ZeRO stage {stage}): "
@@ -45,8 +48,8 @@ def test_initialize_warns_once_when_an_8bit_optimizer_keeps_fp32_state_below_min
         "group 1 (256 elements a partition at DP=3), group 2 (3072 elements a partition at DP=3; 8-bit while DP <= 2) "
         "are below bitsandbytes' min_8bit_size=4096 (under ZeRO stages 1 and 2 the tensor bitsandbytes sees is each "
         "rank's partition of a flat group). To keep them 8-bit pass a smaller min_8bit_size to the optimizer, e.g. "
-        "bnb.optim.AdamW8bit(params, lr=..., min_8bit_size=256), or train at fewer ranks; "
-        "zero_bnb.describe(engine)['below_min_8bit_size'] lists them"
+        "bnb.optim.AdamW8bit(params, lr=..., min_8bit_size=256) (partitions shrink as DP grows: it holds at this DP "
+        "size or fewer), or train at DP <= 2; zero_bnb.describe(engine)['below_min_8bit_size'] lists them"
     ], warnings
     assert all(not any(level == "WARNING" for level, *_ in other["log"]) for other in init_logs[1:])  # rank 0 says it
     records = [{"group": 1, "numel": 346, "partition_numel": 256, "min_8bit_size": 4096, "eight_bit_up_to_dp": None,
@@ -57,6 +60,43 @@ def test_initialize_warns_once_when_an_8bit_optimizer_keeps_fp32_state_below_min
     assert [entry["after_steps"] for entry in init_logs][0] == records
     # every rank's describe() lists the same groups (its own partition's size)
     assert all([r["group"] for r in entry["below"]] == [1, 2] for entry in init_logs), init_logs
+
+
+class _Plans:
+    """A ZeRO wrapper's precision plans as announce_precision reads them (num_groups, dp_size, geometry,
+    state_precision): the sentence is pure formatting of these."""
+
+    def __init__(self, dp_size, plans, numels):
+        self.num_groups, self.dp_size, self._plans, self._numels = len(plans), dp_size, plans, numels
+
+    def state_precision(self, index):
+        return self._plans[index]
+
+    def geometry(self, index):
+        return types.SimpleNamespace(numel=self._numels[index])
+
+
+def _plan(partition, eight_bit, up_to=None, whole=False):
+    plan = {"optim_bits": 8, "min_8bit_size": 4096, "partition_numel": partition, "eight_bit": eight_bit,
+            "eight_bit_up_to_dp": up_to}
+    return plan | {"decided_on": "whole parameter"} if whole else plan
+
+
+def test_the_warning_names_whole_parameters_at_stage_3_and_fewer_ranks_only_where_they_help(caplog):
+    # The adversarial probe: at stage 3 it said "256 elements a parameter" (the rank's padded slice) of a
+    # 400-element parameter and suggested min_8bit_size=256, which left a 20-element bias fp32; "or train at fewer
+    # ranks" was said where no DP size keeps the state 8-bit.
+    caplog.set_level(logging.WARNING, logger="zero_bnb.ds.precision_plan")
+    announce_precision(_Plans(2, [_plan(256, False, whole=True), _plan(256, False, whole=True)], [400, 20]))
+    [warning] = [record.getMessage() for record in caplog.records]
+    assert "group 0 (400 elements a parameter), group 1 (20 elements a parameter) are below" in warning, warning
+    assert "min_8bit_size=20)" in warning and "fewer" not in warning and "DP <=" not in warning, warning
+    caplog.clear()
+    announce_precision(_Plans(2, [_plan(512, False), _plan(5000, True)], [1000, 10000]))  # tiny at any DP size
+    assert not caplog.records  # the biases of a larger model: fp32 under bitsandbytes' own rule too
+    announce_precision(_Plans(1, [_plan(1000, False)], [1000]))  # a tiny model at DP=1: fewer ranks cannot help
+    [warning] = [record.getMessage() for record in caplog.records]
+    assert "min_8bit_size=1000) (partitions shrink" in warning and "DP <=" not in warning, warning
 
 
 def test_no_warning_where_the_state_is_8bit_or_bitsandbytes_alone_decides(logged):

@@ -136,6 +136,9 @@ def test_bitsandbytes_override_gets_its_own_flat_group_and_survives_resume(matri
     assert saved["override_groups"] == [["2.weight"], ["0.bias", "2.bias", "4.bias"], ["4.weight"], ["0.weight"]]
     # 0.weight (9600 elements) would be 8-bit; its 32-bit override holds, alone in its group, at DP=2 and DP=3.
     assert saved["override_dtypes"] == ["torch.uint8", "torch.float32", "torch.uint8", "torch.float32"]
+    # initialize's plan is logged once the override is attached (it said "8-bit state (optim_bits=8" for group 3)
+    [line] = [line for line in saved["override_plan"] if line.startswith("zero_bnb: group 3:")]
+    assert "-> fp32 state (optim_bits=32," in line, saved["override_plan"]
     assert loaded["override"]["dtypes"][3] == "torch.float32"
     assert not state_differences(saved["override"], loaded["override"]["state"])[1]
 

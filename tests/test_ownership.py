@@ -50,6 +50,19 @@ def test_repeated_saves_over_a_users_file_keep_the_users_files_not_copies_of_the
     assert "eval-4.json" in runs["best_now"] and "zero_bnb/manifest.json" in runs["best_now"]
 
 
+def test_the_kept_files_step_keeps_empty_folders_foreign_files_and_a_checkpoint_killed_mid_replacement(runs):
+    # The adversarial probe of point 3: an empty user folder was removed; as root, a listed file another user owns
+    # was removed; a save killed while a leftover was being replaced lost the tag's only complete copy; a failed
+    # removal of zero_bnb's own files failed a save that was already published.
+    folders, files = runs["probe_kept"]
+    assert folders == ["my_empty", "my_empty/deeper"], folders
+    expected = (["mp_rank_00_model_states.pt"] if runs["probe_root"] else []) + ["notes.txt"]
+    assert files == expected, files
+    assert runs["left_error"] is not None and "injected: killed" in runs["left_error"], runs["left_error"]
+    assert runs["left_kept_whole"]
+    assert runs["strip_failed"] is None and runs["strip_failed_latest"] == "mine"
+
+
 def test_a_manifest_another_user_could_write_proves_nothing(runs):
     # Issue 42, point 4: a re-signed manifest listing the user's files made a save delete them.
     for attack in runs["attacks"]:

@@ -13,6 +13,7 @@ from zero_bnb.core import quant
 from zero_bnb.core.config import (
     DEEPSPEED_ZERO_KEYS,
     OWN_KEYS,
+    ZERO_SECTION_KEYS,
     ZeroBnbConfig,
     ZeroBnbConfigError,
     load_ds_config,
@@ -87,6 +88,26 @@ def test_unknown_top_level_zero_keys_are_refused_naming_the_closest(typo, closes
     known = {key: None for key in (*OWN_KEYS, *DEEPSPEED_ZERO_KEYS)} | {"zero_optimization": {"stage": 2}}
     assert split_config(known)[1] == {key: None for key in DEEPSPEED_ZERO_KEYS} | {"zero_optimization": {"stage": 2}}
     assert split_config({"train_batch_size": 8, "zeroes": 1})[1] == {"train_batch_size": 8, "zeroes": 1}
+
+
+@pytest.mark.parametrize("key, said", [("Zero_checkpoint_async", "did you mean 'zero_checkpoint_async'"),
+                                       ("ZERO_CHECKPOINT_ASYNC", "did you mean 'zero_checkpoint_async'"),
+                                       (" zero_checkpoint_async", "did you mean 'zero_checkpoint_async'"),
+                                       ("zero-checkpoint-async", "did you mean 'zero_checkpoint_async'"),
+                                       ("zero_stage", 'a zero_optimization field: put it there as "stage"'),
+                                       ("zero_hpz_partition_size", "a zero_optimization field: put it there as "
+                                                                   '"zero_hpz_partition_size"')])
+def test_other_spellings_of_zero_keys_and_misplaced_zero_optimization_fields_are_refused(key, said):
+    # The adversarial probe: these were accepted and did nothing, or got a misleading guess.
+    with pytest.raises(ZeroBnbConfigError, match=said.replace("(", "\\(")):
+        split_config({key: 1})
+
+
+def test_zero_optimization_fields_named_zero_are_deepspeeds():
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    fields = {name for name in DeepSpeedZeroConfig.model_fields if name.startswith("zero_")}
+    assert fields == {key for key, field in ZERO_SECTION_KEYS.items() if key == field}, fields
 
 
 def test_deepspeed_top_level_zero_keys_are_the_installed_deepspeeds():

@@ -157,14 +157,18 @@ def _publish(save_dir: str, tag: str, staging: str, latest_name: str | None, own
     try:
         if pointer is not None:
             write_text(tag, pointer.path, root=pointer.folder)  # before anything is visible: a full disk fails here
-        if owned_only and _real_folder(aside) and checkpoint_strangers(aside):
-            _keep(save_dir, tag, aside, "a save of the same tag was interrupted while replacing it")
+        # A save killed while replacing the tag left its previous folder at the hidden name, with what the user
+        # added: renamed whole now, stripped of zero_bnb's files only once the new checkpoint is in place.
+        leftover = (_keep(save_dir, tag, aside, "a save of the same tag was interrupted while replacing it")
+                    if owned_only and _real_folder(aside) and checkpoint_strangers(aside) else None)
         publish_folder(staging, final, aside, trash)
         try:
+            if leftover is not None:
+                _strip(leftover)
             # The replaced folder, as it is now that nothing can arrive in it any more: removed only if it holds
             # nothing zero_bnb did not write, else renamed to a visible name, without zero_bnb's own files.
             if owned_only and _real_folder(aside) and checkpoint_strangers(aside):
-                _keep(save_dir, tag, aside, f"the new checkpoint took the place of {final}")
+                _strip(_keep(save_dir, tag, aside, f"the new checkpoint took the place of {final}"))
             else:
                 _finish_even_if_interrupted(final, aside, trash)
             if pointer is not None:
@@ -191,19 +195,36 @@ def _real_folder(path: str) -> bool:
     return os.path.isdir(path) and not os.path.islink(path)
 
 
-def _keep(save_dir: str, tag: str, aside: str, why: str) -> None:
+def _keep(save_dir: str, tag: str, aside: str, why: str) -> str:
     """Rename the replaced folder ``aside``, which holds files zero_bnb did not write, to a visible
-    ``<tag>.replaced-<UTC time>``, then remove from it the files its manifest proves zero_bnb wrote: repeated saves
-    over a folder the user adds a file to keep the user's files, not copies of the checkpoint. A crash while removing
-    leaves the visible folder with some of zero_bnb's files still in it, never a hidden one a later save removes."""
+    ``<tag>.replaced-<UTC time>``, saying so; returns the new name. :func:`_strip` then removes zero_bnb's own files
+    from it, so that repeated saves over a folder the user adds a file to keep the user's files, not copies of the
+    checkpoint. A crash in between leaves the visible folder whole, never a hidden one a later save removes."""
     keep = _kept_name(save_dir, tag)
+    kept = checkpoint_strangers(aside)
     os.rename(aside, keep)
     fsync_dir(save_dir)
-    kept, removed = remove_own_files(keep)
-    what = (f"zero_bnb's own files of that checkpoint ({removed / 2**20:.3g} MiB) were removed from it" if removed
-            else "it is kept whole (nothing in it is proven zero_bnb's)")
-    logger.warning("zero_bnb: %s; the previous folder held files zero_bnb did not write (%s), now in %s: %s. Remove "
-                   "it when you no longer need them", why, _shown(kept), keep, what)
+    logger.warning("zero_bnb: %s; the previous folder held files zero_bnb did not write (%s): they are in %s (remove "
+                   "it when you no longer need them)", why, _shown(kept), keep)
+    return keep
+
+
+def _strip(keep: str) -> None:
+    """Remove from the kept folder ``keep`` the files its manifest proves zero_bnb wrote (the new checkpoint is in
+    place). Cleanup only: a failure is logged, never raised (the new checkpoint is published and ``latest`` is still
+    to be moved)."""
+    try:
+        _, removed = remove_own_files(keep)
+    except OSError as error:
+        logger.warning("zero_bnb: could not remove zero_bnb's own files of the previous checkpoint from %s (%r); "
+                       "the new checkpoint is saved. Remove what you do not need of %s yourself", keep, error, keep)
+        return
+    if removed:
+        logger.info("zero_bnb: %s: zero_bnb's own files of that checkpoint (%.3g MiB) were removed from it", keep,
+                    removed / 2**20)
+    else:
+        logger.warning("zero_bnb: %s is kept whole: nothing in it is proven zero_bnb's (a stock DeepSpeed checkpoint, "
+                       "another user's, or one whose manifest others can write)", keep)
 
 
 def _finish_even_if_interrupted(final: str, aside: str, trash: str) -> None:

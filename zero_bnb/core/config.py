@@ -34,6 +34,7 @@ __all__ = [
     "UNSHARDED_KEYS",
     "UNSHARDED_MAX_NUMEL",
     "UPDATE_MAX_NUMEL",
+    "ZERO_SECTION_KEYS",
     "ZeroBnbConfig",
     "ZeroBnbConfigError",
     "load_ds_config",
@@ -61,6 +62,11 @@ OWN_KEYS = (UNSHARDED_KEYS, UNSHARDED_MAX_NUMEL, NONFINITE_CHECK, CHECKPOINT_VER
 #: against the installed DeepSpeed). Any other top-level ``zero_`` key is a typo: DeepSpeed ignores unknown top-level
 #: keys, so a misspelt zero_bnb key would silently do nothing.
 DEEPSPEED_ZERO_KEYS = ("zero_optimization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer")
+#: Fields of DeepSpeed's ``zero_optimization`` section that start with ``zero_`` (checked against the installed
+#: DeepSpeed by a test), and Accelerate's name for the stage: at the top level they are put back where they belong.
+ZERO_SECTION_KEYS = {"zero_hpz_partition_size": "zero_hpz_partition_size", "zero_quantized_weights":
+                     "zero_quantized_weights", "zero_quantized_nontrainable_weights": "zero_quantized_nontrainable_weights",
+                     "zero_quantized_gradients": "zero_quantized_gradients", "zero_stage": "stage"}
 _NONFINITE_MODES = ("error", "warn", "off")
 #: DeepSpeed's top-level key that makes it refuse every client optimizer under optimizer offload.
 FORCE_DS_CPU_OPTIMIZER = "zero_force_ds_cpu_optimizer"
@@ -233,8 +239,9 @@ def split_config(ds_config: Mapping[str, Any]) -> tuple[ZeroBnbConfig, dict[str,
 
 
 def refuse_unknown_keys(ds_config: Mapping[str, Any]) -> None:
-    """Refuse top-level keys that start with ``zero_`` and are neither zero_bnb's (:data:`OWN_KEYS`) nor DeepSpeed's
-    (:data:`DEEPSPEED_ZERO_KEYS`), naming the closest known key. Local, pure.
+    """Refuse top-level keys that look like ``zero_*`` (in any case, with hyphens or surrounding spaces) and are
+    neither zero_bnb's (:data:`OWN_KEYS`) nor DeepSpeed's (:data:`DEEPSPEED_ZERO_KEYS`), naming the closest known key,
+    or ``zero_optimization`` for one of its own fields put at the top level. Local, pure.
 
     DeepSpeed ignores unknown top-level keys (its validator checks only inside its sections), so
     ``"zero_checkpoint_asynch": true`` would leave saves synchronous without a word.
@@ -243,12 +250,17 @@ def refuse_unknown_keys(ds_config: Mapping[str, Any]) -> None:
         ZeroBnbConfigError: naming each unknown key, its closest known key and the known keys.
     """
     known = (*OWN_KEYS, *DEEPSPEED_ZERO_KEYS)
-    unknown = sorted(key for key in ds_config if isinstance(key, str) and key.startswith("zero_") and key not in known)
+    unknown = sorted((key for key in ds_config if isinstance(key, str) and key not in known
+                      and _normalized(key).startswith("zero_")), key=str)
     if not unknown:
         return
     guesses = []
     for key in unknown:
-        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        if _normalized(key) in ZERO_SECTION_KEYS:
+            field = ZERO_SECTION_KEYS[_normalized(key)]
+            guesses.append(f"{key!r} (a zero_optimization field: put it there as \"{field}\")")
+            continue
+        close = difflib.get_close_matches(_normalized(key), known, n=1, cutoff=0.6)
         guesses.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
     raise ZeroBnbConfigError(
         f"unknown top-level key{'s' if len(unknown) > 1 else ''} in the DeepSpeed config: {', '.join(guesses)}. zero_bnb "
@@ -256,6 +268,11 @@ def refuse_unknown_keys(ds_config: Mapping[str, Any]) -> None:
         f"keys are zero_bnb's {', '.join(OWN_KEYS)} and DeepSpeed's {', '.join(DEEPSPEED_ZERO_KEYS)}. Correct or "
         f"remove the key"
     )
+
+
+def _normalized(key: str) -> str:
+    """``key`` as a config key it may be a misspelling of: lower case, hyphens as underscores, no surrounding space."""
+    return key.strip().lower().replace("-", "_")
 
 
 def refuse_optimizer_section(ds_config: Mapping[str, Any], client_optimizer: Any) -> None:

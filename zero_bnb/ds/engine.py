@@ -57,7 +57,6 @@ from zero_bnb.checkpoint.state_checks import find_non_finite, verify_replicated_
 from zero_bnb.core.config import ZeroBnbConfig
 from zero_bnb.core.state_spec import StateRule, declared, spec_for
 from zero_bnb.ds.checkpoint_engine import DurableCheckpointEngine
-from zero_bnb.ds.precision_plan import announce_precision
 from zero_bnb.ds.stage3 import BlockAlignedStage3Optimizer
 from zero_bnb.ds.zero_optimizer import BlockAlignedBF16Optimizer, BlockAlignedZeroOptimizer
 from zero_bnb.errors import CheckpointSaveError, CheckpointUsageError
@@ -178,8 +177,6 @@ class ZeroBnbEngine(DeepSpeedEngine):
             uninstall_chunked_update(optimizer)  # the user's optimizer leaves a failed construction as it came
             uninstall_cpu_update(optimizer)
             raise
-        if self.global_rank == 0:
-            announce_precision(wrapper)
         return wrapper
 
     def _configure_checkpointing(self, *args):  # DeepSpeed 0.17.0 passes dist_init_required

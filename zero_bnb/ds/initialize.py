@@ -21,6 +21,7 @@ from zero_bnb.core.config import (
 )
 from zero_bnb.core.state_spec import family_of
 from zero_bnb.ds.engine import ZeroBnbEngine, swapped_attribute
+from zero_bnb.ds.precision_plan import announce_precision
 from zero_bnb.ds.stage3 import refuse_stage3_settings
 from zero_bnb.ds.substitute import calling_deepspeed, underlying_initialize
 from zero_bnb.versions import check_supported
@@ -165,4 +166,6 @@ def initialize(
             f"DeepSpeed built a {type(result[0]).__name__} (pipeline or hybrid engine), which zero_bnb does not "
             f"support; pass a plain torch.nn.Module and no hybrid_engine section"
         )
+    if result[0].global_rank == 0:  # once bitsandbytes' per-parameter overrides are attached (optim_bits=32)
+        announce_precision(result[0].optimizer)
     return result

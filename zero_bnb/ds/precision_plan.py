@@ -75,18 +75,21 @@ def announce_precision(optimizer: Any) -> None:
 
 def _describe(small: list[dict[str, Any]], dp_size: int, fp32_numel: int, eight_bit_numel: int) -> str:
     whole = small[0]["decided_on"] == "whole parameter"
+    size = "numel" if whole else "partition_numel"  # what bitsandbytes compares with min_8bit_size
     unit = "parameter" if whole else f"partition at DP={dp_size}"
-    named = ", ".join(f"group {record['group']} ({record['partition_numel']} elements a {unit}"
+    named = ", ".join(f"group {record['group']} ({record[size]} elements a {unit}"
                       + (f"; 8-bit while DP <= {record['eight_bit_up_to_dp']}" if record["eight_bit_up_to_dp"] else "")
                       + ")" for record in small[:_NAMED_GROUPS])
     more = f" and {len(small) - _NAMED_GROUPS} more" if len(small) > _NAMED_GROUPS else ""
     threshold = small[0]["min_8bit_size"]
-    smallest = min(record["partition_numel"] for record in small)
+    smallest = max(1, min(record[size] for record in small))
     where = ("bitsandbytes decides per tensor, and here the tensors are small" if whole else
              "under ZeRO stages 1 and 2 the tensor bitsandbytes sees is each rank's partition of a flat group")
+    fewer = [record["eight_bit_up_to_dp"] for record in small if record["eight_bit_up_to_dp"]]
     return (f"the 8-bit optimizer keeps fp32 state (4 bytes per moment, not 1) for {fp32_numel} of its "
             f"{eight_bit_numel} elements: {named}{more} {'are' if len(small) > 1 else 'is'} below bitsandbytes' "
             f"min_8bit_size={threshold} ({where}). To keep them 8-bit pass a smaller min_8bit_size to the optimizer, "
-            f"e.g. bnb.optim.AdamW8bit(params, lr=..., min_8bit_size={max(1, smallest)})"
-            + ("" if whole else ", or train at fewer ranks") + "; zero_bnb.describe(engine)['below_min_8bit_size'] "
-            "lists them")
+            f"e.g. bnb.optim.AdamW8bit(params, lr=..., min_8bit_size={smallest})"
+            + ("" if whole else " (partitions shrink as DP grows: it holds at this DP size or fewer)")
+            + (f", or train at DP <= {max(fewer)}" if fewer and not whole else "")
+            + "; zero_bnb.describe(engine)['below_min_8bit_size'] lists them")

@@ -22,9 +22,9 @@ import os
 import stat
 from dataclasses import dataclass
 
-from zero_bnb.errors import CheckpointFormatError
+from zero_bnb.errors import CheckpointError
 from zero_bnb.format.durable import digest_file, fsync_dir, replacing
-from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR, owner_only, read_manifest
+from zero_bnb.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, SUBDIR, Manifest, decode_manifest, owner_only
 from zero_bnb.format.stock_files import MODEL_STATES, UNIVERSAL_STATE
 
 __all__ = ["CHECKPOINT_MARKERS", "RECORD_FORMAT", "RECORD_NAME", "OutputRecord", "checkpoint_strangers", "distrust",
@@ -64,14 +64,85 @@ def _warn_distrusted(path: str, reason: str, means: str) -> None:
                        "(chown, chmod go-w)", path, reason, means)
 
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+@dataclass(frozen=True, slots=True)
+class _Proof:
+    """A tag folder's trusted manifest and the status of the file it was read from."""
+
+    manifest: Manifest
+    info: os.stat_result
+
+
+def _open_folder(parts: list[str], base: int) -> int:
+    """A descriptor of folder ``base/parts...``, each step opened without following a link (raises ``OSError``)."""
+    fd = os.dup(base)
+    try:
+        for part in parts:
+            inner = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _proof(tag_folder: str) -> _Proof | None:
+    """The manifest of ``tag_folder`` when it proves anything: read through descriptors opened without following a
+    link (the tag folder, ``zero_bnb/``, the manifest), checked by :func:`distrust` on the open file it is read
+    from; ``None`` otherwise (no manifest, unreadable, damaged, distrusted)."""
+    path = os.path.join(tag_folder, SUBDIR, MANIFEST_NAME)
+    try:
+        top = os.open(tag_folder, _DIR_FLAGS)
+    except OSError:
+        return None
+    try:
+        folder = _open_folder([SUBDIR], top)
+        try:
+            fd = os.open(MANIFEST_NAME, _FILE_FLAGS, dir_fd=folder)
+        finally:
+            os.close(folder)
+        with os.fdopen(fd, "rb") as handle:
+            info = os.fstat(handle.fileno())
+            reason = distrust(info)
+            if reason is not None:
+                _warn_distrusted(path, reason, "every file of the folder counts as not written by zero_bnb")
+                return None
+            raw = handle.read(MAX_MANIFEST_BYTES + 1)
+        return _Proof(decode_manifest(raw, path), info)
+    except (CheckpointError, OSError, ValueError):
+        return None
+    finally:
+        os.close(top)
+
+
+def _proven(info: os.stat_result, size: int, proof: _Proof) -> bool:
+    """Whether a listed file with status ``info`` (``lstat``) is the one the manifest names: a regular file of the
+    listed size, owned by the manifest's owner, not modified after the manifest."""
+    return (stat.S_ISREG(info.st_mode) and info.st_size == size and info.st_uid == proof.info.st_uid
+            and info.st_mtime_ns <= proof.info.st_mtime_ns)
+
+
+def _folders_on_the_way(paths: list[str]) -> set[str]:
+    """Every folder (relative, ending with the separator) that holds one of ``paths``, at any depth."""
+    return {os.sep.join(parts[:depth]) + os.sep for parts in (path.rstrip(os.sep).split(os.sep) for path in paths)
+            for depth in range(1, len(parts))}
+
+
 def checkpoint_strangers(tag_folder: str) -> list[str]:
-    """Entries of ``tag_folder`` (paths relative to it) that are not files of the zero_bnb checkpoint its manifest
-    describes: ``[]`` when it is such a checkpoint and holds nothing else, or is empty. Without a readable zero_bnb
-    manifest every entry is a stranger. Links are strangers; so are a folder that cannot be listed (what it holds is
-    unknown), a file the manifest lists at another size, and one changed after the manifest was written (modified
-    later than it: the save writes the manifest last; a copy that keeps times, ``cp -a`` or ``rsync -a``, keeps
-    this true). A manifest :func:`distrust` refuses (another user's, or one others can write) proves nothing."""
+    """Entries of ``tag_folder`` (paths relative to it; folders end with the separator) that are not files of the
+    zero_bnb checkpoint its manifest describes: ``[]`` when it is such a checkpoint and holds nothing else, or is
+    empty. Without a manifest that proves anything (:func:`_proof`) every entry is a stranger. Links are strangers;
+    so are a folder that cannot be listed (what it holds is unknown), a folder holding no file at all (a user's empty
+    folder: zero_bnb writes none), a listed file at another size, owned by another user, or changed after the manifest
+    was written (modified later than it: the save writes the manifest last; a copy that keeps times, ``cp -a`` or
+    ``rsync -a``, keeps this true). A manifest :func:`distrust` refuses (another user's, or one others can write),
+    or one reached through a link, proves nothing."""
     entries: list[str] = []
+    folders_seen: list[str] = []
 
     def unlistable(error: OSError) -> None:
         entries.append(os.path.relpath(error.filename or tag_folder, tag_folder) + os.sep)
@@ -79,26 +150,19 @@ def checkpoint_strangers(tag_folder: str) -> list[str]:
     for root, folders, files in os.walk(tag_folder, onerror=unlistable, followlinks=False):
         for name in files + [folder for folder in folders if os.path.islink(os.path.join(root, folder))]:
             entries.append(os.path.relpath(os.path.join(root, name), tag_folder))
-    if not entries:
+        folders_seen += [os.path.relpath(os.path.join(root, folder), tag_folder) + os.sep for folder in folders
+                         if not os.path.islink(os.path.join(root, folder))]
+    # folders with no file in them, at any depth (a user's empty folders: those with files are named by their files)
+    holding = _folders_on_the_way(entries)
+    empty = [folder for folder in folders_seen if folder not in holding]
+    if not entries and not empty:
         return []
+    proof = _proof(tag_folder)
+    if proof is None:
+        return sorted(entries + empty)
     manifest_path = os.path.join(SUBDIR, MANIFEST_NAME)
-    try:
-        before = os.lstat(os.path.join(tag_folder, manifest_path))
-        reason = distrust(before)
-        if reason is not None:
-            _warn_distrusted(os.path.join(tag_folder, manifest_path), reason,
-                             "every file of the folder counts as not written by zero_bnb")
-            return sorted(entries)
-        manifest = read_manifest(os.path.join(tag_folder, SUBDIR))
-        after = os.lstat(os.path.join(tag_folder, manifest_path))
-        if (after.st_ino, after.st_mtime_ns, after.st_uid, after.st_mode) != (
-                before.st_ino, before.st_mtime_ns, before.st_uid, before.st_mode):
-            return sorted(entries)  # replaced while it was read: proves nothing
-        written = after.st_mtime_ns
-    except (CheckpointFormatError, OSError, ValueError):
-        return sorted(entries)
-    sizes = {record.path: record.size for record in manifest.files}
-    strangers = []
+    sizes = {record.path: record.size for record in proof.manifest.files}
+    strangers = list(empty)
     for path in entries:
         if path == manifest_path:
             continue
@@ -107,8 +171,7 @@ def checkpoint_strangers(tag_folder: str) -> list[str]:
         except OSError:
             strangers.append(path)
             continue
-        if (path not in sizes or not stat.S_ISREG(info.st_mode) or info.st_size != sizes[path]
-                or info.st_mtime_ns > written):
+        if path not in sizes or not _proven(info, sizes[path], proof):
             strangers.append(path)
     return sorted(strangers)
 
@@ -192,37 +255,57 @@ class OutputRecord:
 
 def remove_own_files(tag_folder: str) -> tuple[list[str], int]:
     """Remove from ``tag_folder`` (a replaced checkpoint, already out of the loaders' way) the files its trusted
-    manifest proves zero_bnb wrote, the manifest last, and the folders that leaves empty; what zero_bnb did not
-    write stays where it is. Local; the caller holds the save folder's lock.
+    manifest lists and proves zero_bnb wrote (:func:`checkpoint_strangers`), the manifest last, and the folders that
+    held them once empty; nothing else. Each file is checked again just before it is removed, through descriptors
+    opened without following a link, so a link swapped in meanwhile sends nothing anywhere. Local; the caller holds
+    the save folder's lock.
 
     Returns:
         The entries kept (relative paths, :func:`checkpoint_strangers`) and the bytes removed.
+
+    Raises:
+        OSError: a removal failed (what was removed before stays removed; the rest stays).
     """
-    if os.path.islink(tag_folder) or not os.path.isdir(tag_folder):  # never through a link
-        return [os.path.basename(tag_folder)], 0
     strangers = checkpoint_strangers(tag_folder)
+    proof = None if os.path.islink(tag_folder) else _proof(tag_folder)
+    if proof is None:
+        return strangers, 0
     kept = set(strangers)
     manifest_path = os.path.join(SUBDIR, MANIFEST_NAME)
+    listed = [(record.path, record.size) for record in proof.manifest.files if record.path not in kept]
     removed = 0
-    ours = sorted((os.path.relpath(os.path.join(root, name), tag_folder)
-                   for root, _, names in os.walk(tag_folder, followlinks=False) for name in names),
-                  key=lambda path: path == manifest_path)  # the proof goes last
-    if not os.path.isfile(os.path.join(tag_folder, manifest_path)) or manifest_path in kept:
-        return strangers, 0
     emptied: set[str] = set()
-    for path in ours:
-        if path in kept:
-            continue
-        full = os.path.join(tag_folder, path)
-        removed += os.lstat(full).st_size
-        os.unlink(full)
-        parent = os.path.dirname(path)
-        while parent:  # the folders that held it, up to the tag folder
-            emptied.add(parent)
-            parent = os.path.dirname(parent)
-    for folder in sorted(emptied, key=len, reverse=True):  # deepest first; only folders that held zero_bnb's files
-        if not os.listdir(os.path.join(tag_folder, folder)):
-            os.rmdir(os.path.join(tag_folder, folder))
-    for root, _, _ in os.walk(tag_folder, followlinks=False):
-        fsync_dir(root)
+    top = os.open(tag_folder, _DIR_FLAGS)
+    try:
+        for path, size in [*sorted(listed), (manifest_path, proof.info.st_size)]:  # the proof goes last
+            parts = path.split(os.sep)
+            folder = _open_folder(parts[:-1], top)
+            try:
+                info = os.stat(parts[-1], dir_fd=folder, follow_symlinks=False)
+                same = ((info.st_dev, info.st_ino) == (proof.info.st_dev, proof.info.st_ino) if path == manifest_path
+                        else _proven(info, size, proof))
+                if not same:  # changed since the check: it is not ours any more
+                    continue
+                os.unlink(parts[-1], dir_fd=folder)
+                os.fsync(folder)
+            finally:
+                os.close(folder)
+            removed += size
+            emptied.update(os.sep.join(parts[:depth]) for depth in range(1, len(parts)))
+        for path in sorted(emptied, key=lambda folder: folder.count(os.sep), reverse=True):  # deepest first
+            parts = path.split(os.sep)
+            parent = _open_folder(parts[:-1], top)
+            try:
+                inner = _open_folder(parts[-1:], parent)
+                try:
+                    empty = not os.listdir(inner)
+                finally:
+                    os.close(inner)
+                if empty:
+                    os.rmdir(parts[-1], dir_fd=parent)
+                    os.fsync(parent)
+            finally:
+                os.close(parent)
+    finally:
+        os.close(top)
     return strangers, removed
