@@ -204,7 +204,8 @@ def _remove_staging_when(event_wanted: str, file_wanted: str):
     done = [False]
 
     def hook(event: str, path: str) -> None:
-        if not done[0] and event == event_wanted and os.path.basename(path).startswith(file_wanted):
+        if (not done[0] and event == event_wanted and os.path.basename(path).startswith(file_wanted)
+                and ".zero_bnb-staging" in path):
             done[0] = True
             staging = path
             while ".zero_bnb-staging" not in os.path.basename(staging):

@@ -9,6 +9,7 @@ import shutil
 import bitsandbytes as bnb
 import deepspeed
 import torch.distributed as dist
+from async_scenarios import _remove_staging_when
 from hostile_scenarios import resign
 from scenarios import _error, _save_result
 
@@ -96,6 +97,14 @@ def _probe_findings(rank: int, save_dir: str, engine, out: dict) -> None:
     finally:
         commit.remove_own_files = original_remove
     out["strip_failed_latest"] = open(os.path.join(save_dir, "latest")).read()
+    # The staging folder removed by something else at the save's first file: named as the cause (the shard's folder
+    # was made again under the removed path, and the commit blamed ranks saving into different folders).
+    if rank == 0:
+        durable.set_io_hook(_remove_staging_when("create", ""))
+    try:
+        out["staging_removed_early"] = _error(lambda: engine.save_checkpoint(save_dir, tag="early"))
+    finally:
+        durable.set_io_hook(None)
 
 
 def saves_over_foreign_folders(rank: int, world: int, workdir: str) -> None:

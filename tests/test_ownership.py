@@ -61,6 +61,9 @@ def test_the_kept_files_step_keeps_empty_folders_foreign_files_and_a_checkpoint_
     assert runs["left_error"] is not None and "injected: killed" in runs["left_error"], runs["left_error"]
     assert runs["left_kept_whole"]
     assert runs["strip_failed"] is None and runs["strip_failed_latest"] == "mine"
+    message = runs["staging_removed_early"]
+    assert message is not None and "was removed while the save ran" in message and "same shared folder" not in \
+        message, message
 
 
 def test_a_manifest_another_user_could_write_proves_nothing(runs):

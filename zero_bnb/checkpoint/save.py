@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -80,6 +81,8 @@ class LocalPayload:
             The files written, with paths relative to ``tag_folder``.
         """
         folder = os.path.join(tag_folder, SUBDIR)
+        if not os.path.isdir(tag_folder):  # never made again here: the commit then names what removed it
+            raise FileNotFoundError(errno.ENOENT, "the save's staging folder was removed while the save ran", tag_folder)
         makedirs(folder)
         records = [write_shard(self.shard, folder, root=tag_folder)]
         if self.replicated is not None:
