@@ -190,6 +190,15 @@ def _publish(save_dir: str, tag: str, staging: str, latest_name: str | None, own
     return final
 
 
+def _identity(path: str) -> tuple[int, int] | None:
+    """The (device, inode) of folder ``path``, ``None`` when there is none."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return (info.st_dev, info.st_ino)
+
+
 def _real_folder(path: str) -> bool:
     """A folder, not a link to one (a link planted at a hidden name is removed as a leftover, never followed)."""
     return os.path.isdir(path) and not os.path.islink(path)
@@ -289,6 +298,7 @@ class SaveTransaction:
         self.latest_name = LATEST_NAME if save_latest else None
         self.staging_tag = ""
         self.staging_folder = ""
+        self._staging_id: tuple[int, int] | None = None  # rank 0's: the staging folder it made
         self.files: list[FileRecord] = []
         self.errors: list[str] = []
         #: the first exception a :meth:`guard` caught on this rank (chained to the error raised for it)
@@ -315,6 +325,7 @@ class SaveTransaction:
                 self._lock, staging = _prepare(self.save_dir, self.tag, self.latest_name, uuid.uuid4().hex[:12],
                                                durable_lock=durable_lock)
                 token = [os.path.basename(staging)]
+                self._staging_id = _identity(staging)  # the commit checks that it is still this folder
         reports: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(reports, ("; ".join(self.errors) or None, token[0]))
         self.staging_tag = reports[0][1] or ""
@@ -391,7 +402,8 @@ class SaveTransaction:
         outcome: list[Any] = [None]
         if dist.get_rank() == 0:
             try:
-                if not os.path.isdir(self.staging_folder):  # before the ranks' errors: it is their cause
+                if _identity(self.staging_folder) != self._staging_id:  # before the ranks' errors: their cause
+                    # gone, or made again (a rank's makedirs after it was removed) as another folder
                     raise CheckpointSaveError(
                         f"the staging folder {self.staging_folder} was removed while the save ran, by something other "
                         f"than this save (a user, a cleaner of old files such as systemd-tmpfiles, another job); nothing "
