@@ -449,14 +449,14 @@ def test_a_killed_writers_private_folder_is_removed_by_the_next_writer_and_a_liv
     import os
     import signal
 
-    from zero_bnb.format import durable
+    from zero_bnb.format import publish
 
     destination = str(tmp_path / "w.safetensors")
     ready_read, ready_write = os.pipe()
     child = os.fork()
     if child == 0:  # the other writer: stages a file, reports its folder, then waits to be killed
         try:
-            staged = durable.StagedFile(destination)
+            staged = publish.StagedFile(destination)
             open(staged.path, "w").write("partial")
             os.write(ready_write, staged.folder.encode())
             signal.pause()
@@ -466,7 +466,7 @@ def test_a_killed_writers_private_folder_is_removed_by_the_next_writer_and_a_liv
         os.close(ready_write)
         folder = os.read(ready_read, 4096).decode()
         assert os.path.basename(folder).startswith(".w.safetensors.") and os.path.isdir(folder), folder
-        with durable.replacing(destination) as temporary:  # while the other writer lives
+        with publish.replacing(destination) as temporary:  # while the other writer lives
             open(temporary, "w").write("mine")
         assert os.path.isdir(folder) and open(os.path.join(folder, "w.safetensors")).read() == "partial"
     finally:
@@ -474,14 +474,14 @@ def test_a_killed_writers_private_folder_is_removed_by_the_next_writer_and_a_liv
         os.waitpid(child, 0)
     (tmp_path / ".w.safetensors.x.y.zero_bnb-tmp").mkdir()  # not a name StagedFile gives: left alone
     (tmp_path / ".w.safetensors.link.zero_bnb-tmp").symlink_to(tmp_path / "elsewhere")
-    original, durable.try_flock = durable.try_flock, lambda descriptor, operation: False  # NFS without lockd
+    original, publish.try_flock = publish.try_flock, lambda descriptor, operation: False  # NFS without lockd
     try:
-        with caplog.at_level(logging.WARNING, logger="zero_bnb.format.durable"):
-            durable.StagedFile(destination).discard()
+        with caplog.at_level(logging.WARNING, logger="zero_bnb.format.publish"):
+            publish.StagedFile(destination).discard()
     finally:
-        durable.try_flock = original
+        publish.try_flock = original
     assert os.path.isdir(folder) and f"rm -rf {folder!r}" in caplog.text, caplog.text
-    with durable.replacing(destination) as temporary:
+    with publish.replacing(destination) as temporary:
         open(temporary, "w").write("after the kill")
     assert sorted(os.listdir(tmp_path)) == [".w.safetensors.link.zero_bnb-tmp", ".w.safetensors.x.y.zero_bnb-tmp",
                                             "w.safetensors"]
@@ -497,7 +497,7 @@ def test_staged_files_are_written_where_a_folder_cannot_be_flocked_exclusively(t
     import logging
     import os
 
-    from zero_bnb.format import durable
+    from zero_bnb.format import publish
 
     real_flock = fcntl.flock
 
@@ -509,8 +509,8 @@ def test_staged_files_are_written_where_a_folder_cannot_be_flocked_exclusively(t
     monkeypatch.setattr(fcntl, "flock", nfs_flock)
     left = tmp_path / ".latest.k1ll3d.zero_bnb-tmp"
     left.mkdir()
-    with caplog.at_level(logging.WARNING, logger="zero_bnb.format.durable"):
-        durable.replace_text("global_step7", str(tmp_path / "latest"))
+    with caplog.at_level(logging.WARNING, logger="zero_bnb.format.publish"):
+        publish.replace_text("global_step7", str(tmp_path / "latest"))
     assert (tmp_path / "latest").read_text() == "global_step7"
     assert left.is_dir() and f"rm -rf {str(left)!r}" in caplog.text, caplog.text
     assert sorted(os.listdir(tmp_path)) == [left.name, "latest"]

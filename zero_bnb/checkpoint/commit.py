@@ -45,17 +45,8 @@ import torch.distributed as dist
 from zero_bnb.checkpoint.collective import raise_reported
 from zero_bnb.checkpoint.recovery_script import SCRIPT_NAME
 from zero_bnb.errors import CheckpointError, CheckpointSaveError, CheckpointUsageError, failure_kind
-from zero_bnb.format.durable import (
-    TEMP_SUFFIX,
-    FileRecord,
-    StagedFile,
-    finish_publish,
-    fsync_dir,
-    makedirs,
-    publish_folder,
-    remove_tree,
-    write_text,
-)
+from zero_bnb.format.durable import FileRecord, fsync_dir, makedirs, remove_tree, write_text
+from zero_bnb.format.publish import TEMP_SUFFIX, StagedFile, finish_publish, publish_folder
 from zero_bnb.format.lock import SaveFolderLock
 from zero_bnb.format.manifest import SUBDIR, Manifest, write_manifest
 from zero_bnb.format.ownership import CHECKPOINT_MARKERS, checkpoint_strangers, remove_own_files

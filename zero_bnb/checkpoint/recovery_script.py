@@ -11,7 +11,8 @@ import logging
 import os
 import stat
 
-from zero_bnb.format.durable import replacing, write_text
+from zero_bnb.format.durable import write_text
+from zero_bnb.format.publish import replacing
 
 __all__ = ["SCRIPT_NAME", "write_recovery_script"]
 

@@ -11,7 +11,7 @@ import shutil
 
 import torch
 
-from zero_bnb.format.durable import replacing
+from zero_bnb.format.publish import replacing
 from zero_bnb.testing.consolidate import state_differences
 from zero_bnb.testing.launch import run_distributed
 from zero_bnb.testing.toy import DEFAULT_RUN as RUN

@@ -18,7 +18,7 @@ from typing import Any
 
 from zero_bnb.core.state_spec import UNIVERSAL_TARGETS, UnsupportedOptimizerError
 from zero_bnb.errors import CheckpointError, CheckpointUsageError
-from zero_bnb.format.durable import Publication, noting_publications
+from zero_bnb.format.publish import Publication, noting_publications
 from zero_bnb.format.reader import verify_checkpoint
 from zero_bnb.tools import checkpoint_paths
 

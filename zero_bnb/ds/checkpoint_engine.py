@@ -19,7 +19,8 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
 
 from zero_bnb.checkpoint.commit import SaveTransaction
 from zero_bnb.checkpoint.staging import StagingLimitError, StagingPool
-from zero_bnb.format.durable import makedirs, replacing, save_torch
+from zero_bnb.format.durable import makedirs, save_torch
+from zero_bnb.format.publish import replacing
 from zero_bnb.format.unpickle import safe_load
 
 __all__ = ["DurableCheckpointEngine"]

@@ -35,6 +35,7 @@ from zero_bnb.core.layout import ceil_div
 from zero_bnb.core.state_spec import StateKind
 from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
 from zero_bnb.format.durable import FileRecord, write_text
+from zero_bnb.format.manifest_json import MAX_MANIFEST_BYTES, MAX_MANIFEST_DEPTH, check_bounds, check_types, json_is
 from zero_bnb.format.masters import FULL, STORAGES
 from zero_bnb.format.paths import check_name, check_relative_path
 
@@ -257,7 +258,7 @@ class Manifest:
                 f"{source} was modified or damaged: its content hashes to sha256 {actual[:16]}..., but it records "
                 f"{match.group(1)[:16]}...; load an earlier checkpoint tag"
             )
-        _check_bounds(text, source)
+        check_bounds(text, source)
         try:
             data = json.loads(text)
         except json.JSONDecodeError as error:
@@ -270,7 +271,7 @@ class Manifest:
                 f"{list(READABLE_VERSIONS)}; load it with the zero_bnb release that wrote it "
                 f"(versions recorded: {data.get('versions')!r:.200})"
             )
-        _check_types(data, source)
+        check_types(data, source)
         try:
             groups = tuple(
                 GroupEntry(
@@ -346,7 +347,7 @@ class Manifest:
         if self.migrated_from and not (
                 set(self.migrated_from) == {"format", "dp_world_size"}
                 and isinstance(self.migrated_from["format"], str) and 0 < len(self.migrated_from["format"]) <= _MAX_ORIGIN
-                and _is(self.migrated_from["dp_world_size"], int) and 1 <= self.migrated_from["dp_world_size"] <= _MAX_DP):
+                and json_is(self.migrated_from["dp_world_size"], int) and 1 <= self.migrated_from["dp_world_size"] <= _MAX_DP):
             fail("migrated_from", self.migrated_from, f"it must be {{}} or {{format: a string of 1 to {_MAX_ORIGIN} "
                                                       f"characters, dp_world_size: an integer in [1, {_MAX_DP}]}}")
         for g, group in enumerate(self.groups):
@@ -396,96 +397,6 @@ _MAX_BLOCK = 1 << 24
 _MAX_NUMEL = 1 << 50
 _MAX_LEAD = 64
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-#: Largest manifest read: about 500 000 parameters (zero_bnb writes ~130 bytes per parameter).
-MAX_MANIFEST_BYTES = 64 << 20
-#: Deepest JSON nesting read (zero_bnb writes 6 levels).
-MAX_MANIFEST_DEPTH = 32
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
-_INNERMOST = re.compile(r"\[\]|\{\}")
-_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
-    "dp_world_size": int, "block_size": int, "optimizer_class": str, "optimizer_spec": str, "groups": list,
-    "shards": list, "files": list, "non_finite": dict, "versions": dict, "format_version": int,
-}
-_OPTIONAL_TYPES: dict[str, type] = {"module_file": str, "module_sha256": str, "migrated_from": dict}
-
-
-def _check_bounds(text: str, source: str) -> None:
-    """Refuse, before parsing, a manifest larger than :data:`MAX_MANIFEST_BYTES` or nested deeper than
-    :data:`MAX_MANIFEST_DEPTH` (linear: strings and other characters dropped, then innermost pairs, level by level)."""
-    if len(text) > MAX_MANIFEST_BYTES:
-        raise CheckpointFormatError(
-            f"{source} holds {len(text)} characters, more than the {MAX_MANIFEST_BYTES} a manifest may have "
-            f"(about 500 000 parameters); it was not written by zero_bnb or was edited"
-        )
-    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
-    for _ in range(MAX_MANIFEST_DEPTH):
-        brackets, found = _INNERMOST.subn("", brackets)
-        if not found:
-            break
-    else:
-        found = _INNERMOST.search(brackets) is not None
-    if found or len(brackets) > MAX_MANIFEST_DEPTH:  # deeper, or a long run left unclosed (json would recurse)
-        raise CheckpointFormatError(
-            f"{source} nests JSON arrays or objects deeper than the {MAX_MANIFEST_DEPTH} levels a manifest may have; "
-            f"it was not written by zero_bnb or was edited"
-        )
-
-
-def _is(value: Any, kind: type | tuple[type, ...]) -> bool:
-    """``isinstance`` where a JSON ``true`` is not an int."""
-    return isinstance(value, kind) and not (isinstance(value, bool) and kind is int)
-
-
-def _items(value: Any) -> list:
-    """``value`` if it is a JSON array, else ``[]`` (its type is reported on its own)."""
-    return value if isinstance(value, list) else []
-
-
-def _check_types(data: dict[str, Any], source: str) -> None:
-    """Every field the readers index or compute with has its JSON type (bools are not ints)."""
-    problems = [f"{name} must be {getattr(kind, '__name__', kind)}" for name, kind in _FIELD_TYPES.items()
-                if not _is(data.get(name), kind)]
-    problems += [f"{name} must be {kind.__name__}" for name, kind in _OPTIONAL_TYPES.items()
-                 if name in data and not _is(data[name], kind)]
-    for g, group in enumerate(_items(data.get("groups"))):
-        if not isinstance(group, dict):
-            problems.append(f"groups[{g}] must be an object")
-            continue
-        ints = [("numel", group.get("numel"))]
-        ints += [(f"params[{p}].offset", param.get("offset")) for p, param in enumerate(_items(group.get("params")))
-                 if isinstance(param, dict)]
-        ints += [(f"params[{p}].shape", size) for p, param in enumerate(_items(group.get("params")))
-                 if isinstance(param, dict) for size in (param.get("shape") if isinstance(param.get("shape"), list) else [None])]
-        ints += [(name, bound) for name in ("element_ranges", "block_ranges")
-                 for pair in (group.get(name) if isinstance(group.get(name), list) else [[None]])
-                 for bound in (pair if isinstance(pair, list) else [None])]
-        ints += [(f"states[{s}].lead", size) for s, state in enumerate(_items(group.get("states")))
-                 if isinstance(state, dict) for size in (state.get("lead", []) if isinstance(state.get("lead", []), list) else [None])]
-        problems += [f"groups[{g}].{name} must hold integers" for name, value in ints if not _is(value, int)]
-        strings = [(f"params[{p}].name", param.get("name")) for p, param in enumerate(_items(group.get("params")))
-                   if isinstance(param, dict)]
-        strings += [("masters", group.get("masters", FULL))]
-        strings += [(f"states[{s}].{key}", state.get(key)) for s, state in enumerate(_items(group.get("states")))
-                    if isinstance(state, dict) for key in ("key", "dtype", "reason")]
-        problems += [f"groups[{g}].{name} must be a string" for name, value in strings if not isinstance(value, str)]
-    batch = data.get("batch", {})
-    if not (isinstance(batch, dict) and (not batch or (set(batch) == {"global", "micro", "accumulation", "dp"} and all(
-            _is(value, int) and value > 0 for value in batch.values())))):
-        problems.append("batch must be {} or {global, micro, accumulation, dp: positive integers}")
-    non_finite = data.get("non_finite")
-    if isinstance(non_finite, dict) and not all(isinstance(v, list) and all(isinstance(k, str) for k in v)
-                                                for v in non_finite.values()):
-        problems.append("non_finite must map parameter names to lists of strings")
-    for f, record in enumerate(_items(data.get("files"))):
-        if not (isinstance(record, dict) and isinstance(record.get("path"), str) and _is(record.get("size"), int)
-                and isinstance(record.get("sha256"), str)):
-            problems.append(f"files[{f}] must be {{path: string, size: integer, sha256: string}}")
-    if problems:
-        raise CheckpointFormatError(f"{source} has malformed fields: {'; '.join(problems[:8])}; the manifest was not "
-                                    f"written by zero_bnb or was edited")
-
-
 def owner_only(path_or_fd: str | int) -> None:
     """Remove group and other write permission from a proof file zero_bnb just wrote (a manifest, an output record),
     whatever the umask: :func:`zero_bnb.format.ownership.distrust` trusts only files no one else can write. Local."""

@@ -23,7 +23,8 @@ import stat
 from dataclasses import dataclass
 
 from zero_bnb.errors import CheckpointError
-from zero_bnb.format.durable import digest_file, fsync_dir, replacing
+from zero_bnb.format.durable import digest_file, fsync_dir
+from zero_bnb.format.publish import replacing
 from zero_bnb.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, SUBDIR, Manifest, decode_manifest, owner_only
 from zero_bnb.format.stock_files import MODEL_STATES, UNIVERSAL_STATE
 

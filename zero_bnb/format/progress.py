@@ -30,7 +30,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from zero_bnb.errors import CheckpointError, CheckpointSaveError
-from zero_bnb.format.durable import fsync_dir, fsync_file, makedirs, remove_tree, replace_text
+from zero_bnb.format.durable import fsync_dir, fsync_file, makedirs, remove_tree
+from zero_bnb.format.publish import replace_text
 from zero_bnb.format.lock import LOCK_NAME, holder_alive, read_holder
 from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR
 from zero_bnb.format.tags import LATEST_NAME, resolve_tag

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from zero_bnb.errors import CheckpointSaveError, CheckpointUsageError
-from zero_bnb.format.durable import PublishedNotDurableError, replacing
+from zero_bnb.format.publish import PublishedNotDurableError, replacing
 from zero_bnb.format.lock import LOCK_NAME
 from zero_bnb.format.ownership import CHECKPOINT_MARKERS
 from zero_bnb.format.paths import RESERVED_TAGS, inside, overlaps, resolved
@@ -120,7 +120,7 @@ def replacing_file(path: str) -> Iterator[str]:
     """Yield a path to write; once the block succeeds, that file atomically replaces ``path``.
 
     The file is written in a fresh private folder beside ``path`` and renamed over it
-    (:func:`zero_bnb.format.durable.replacing`): a link planted at ``path`` is replaced, never
+    (:func:`zero_bnb.format.publish.replacing`): a link planted at ``path`` is replaced, never
     followed; missing folders above ``path`` are created.
 
     Raises:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from zero_bnb.errors import CheckpointSaveError, CheckpointUsageError
-from zero_bnb.format.durable import fsync_dir, makedirs, note_published
+from zero_bnb.format.durable import fsync_dir, makedirs
+from zero_bnb.format.publish import note_published
 from zero_bnb.format.lock import SaveFolderLock
 from zero_bnb.format.ownership import OutputRecord
 from zero_bnb.tools.outputs import replacing_file
