@@ -289,7 +289,9 @@ class SaveTransaction:
         self.latest_name = LATEST_NAME if save_latest else None
         self.staging_tag = ""
         self.staging_folder = ""
-        self._staging_id: tuple[int, int] | None = None  # rank 0's: the staging folder it made
+        #: Rank 0's descriptor of the staging folder it made, held until the commit: the folder's inode cannot be
+        #: reused meanwhile, so a folder removed and made again under its name is told apart.
+        self._staging_fd = -1
         self.files: list[FileRecord] = []
         self.errors: list[str] = []
         #: the first exception a :meth:`guard` caught on this rank (chained to the error raised for it)
@@ -316,7 +318,7 @@ class SaveTransaction:
                 self._lock, staging = _prepare(self.save_dir, self.tag, self.latest_name, uuid.uuid4().hex[:12],
                                                durable_lock=durable_lock)
                 token = [os.path.basename(staging)]
-                self._staging_id = _identity(staging)  # the commit checks that it is still this folder
+                self._staging_fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
         reports: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(reports, ("; ".join(self.errors) or None, token[0]))
         self.staging_tag = reports[0][1] or ""
@@ -393,8 +395,7 @@ class SaveTransaction:
         outcome: list[Any] = [None]
         if dist.get_rank() == 0:
             try:
-                if _identity(self.staging_folder) != self._staging_id:  # before the ranks' errors: their cause
-                    # gone, or made again (a rank's makedirs after it was removed) as another folder
+                if not self._staging_intact():  # before the ranks' errors: it is their cause
                     raise CheckpointSaveError(
                         f"the staging folder {self.staging_folder} was removed while the save ran, by something other "
                         f"than this save (a user, a cleaner of old files such as systemd-tmpfiles, another job); nothing "
@@ -432,8 +433,19 @@ class SaveTransaction:
             f"unchanged. Fix the cause named here and save again. Cause: ",
         )
 
+    def _staging_intact(self) -> bool:
+        """Whether the staging folder rank 0 made is still there under its name (not removed, nor removed and made
+        again as another folder by a rank's makedirs). Rank 0."""
+        if self._staging_fd < 0:
+            return True
+        held = os.fstat(self._staging_fd)
+        return held.st_nlink > 0 and _identity(self.staging_folder) == (held.st_dev, held.st_ino)
+
     def abort(self) -> None:
         """Remove the staging folder (if still there) and release the lock. Local; idempotent."""
+        if self._staging_fd >= 0:
+            descriptor, self._staging_fd = self._staging_fd, -1
+            os.close(descriptor)
         if self._lock is None:
             return
         try:

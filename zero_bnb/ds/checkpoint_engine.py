@@ -8,6 +8,7 @@ background writer; inside a load it serves the objects the load's plan already r
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from collections.abc import Callable
@@ -51,6 +52,10 @@ class DurableCheckpointEngine(TorchCheckpointEngine):
             makedirs(path)
             return
         with self.transaction.guard():  # DeepSpeed calls it outside any error handling of its own
+            staging = self.transaction.staging_folder
+            if not os.path.isdir(staging):  # never made again here: the commit names what removed it
+                raise FileNotFoundError(errno.ENOENT, "the save's staging folder was removed while the save ran",
+                                        staging)
             makedirs(path)
 
     def save(self, state_dict, path: str) -> None:
