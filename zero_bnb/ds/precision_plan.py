@@ -20,11 +20,12 @@ logger = logging.getLogger(__name__)
 _NAMED_GROUPS = 8
 
 
-def below_min_8bit_size(optimizer: Any) -> list[dict[str, Any]]:
+def below_min_8bit_size(optimizer: Any, plans: list[dict[str, Any] | None] | None = None) -> list[dict[str, Any]]:
     """The groups whose state is fp32 only because they are below ``min_8bit_size``.
 
     Args:
         optimizer: a zero_bnb ZeRO wrapper (``num_groups``, ``state_precision``).
+        plans: ``optimizer.state_precision(index)`` of every group, when the caller already has them.
 
     Returns:
         One record per such group: ``group``, ``numel`` (the whole flat group), ``partition_numel`` (this rank's),
@@ -32,9 +33,10 @@ def below_min_8bit_size(optimizer: Any) -> list[dict[str, Any]]:
         does, or where the decision is made on the whole parameter) and ``decided_on`` (``"partition"`` or
         ``"whole parameter"``). Groups of optimizers that are not 8-bit bitsandbytes ones are never listed.
     """
+    if plans is None:
+        plans = [optimizer.state_precision(index) for index in range(optimizer.num_groups)]
     found = []
-    for index in range(optimizer.num_groups):
-        plan = optimizer.state_precision(index)
+    for index, plan in enumerate(plans):
         if plan is None or plan["optim_bits"] != 8 or plan["eight_bit"]:
             continue
         found.append({"group": index, "numel": optimizer.geometry(index).numel,
@@ -64,7 +66,7 @@ def announce_precision(optimizer: Any) -> None:
             "decided on the whole parameter: the same at every DP size" if plan.get("decided_on")
             else "fp32 at every DP size",
         )
-    small = below_min_8bit_size(optimizer)
+    small = below_min_8bit_size(optimizer, plans)
     eight_bit_numel = sum(optimizer.geometry(index).numel for index, plan in enumerate(plans)
                           if plan is not None and plan["optim_bits"] == 8)
     fp32_numel = sum(record["numel"] for record in small)

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from zero_bnb.errors import CheckpointError
 from zero_bnb.format.durable import digest_file, fsync_dir
-from zero_bnb.format.publish import replacing
 from zero_bnb.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, SUBDIR, Manifest, decode_manifest, owner_only
+from zero_bnb.format.publish import FOLDER_FLAGS, replacing
 from zero_bnb.format.stock_files import MODEL_STATES, UNIVERSAL_STATE
 
 __all__ = ["CHECKPOINT_MARKERS", "RECORD_FORMAT", "RECORD_NAME", "OutputRecord", "checkpoint_strangers", "distrust",
@@ -65,7 +65,6 @@ def _warn_distrusted(path: str, reason: str, means: str) -> None:
                        "(chown, chmod go-w)", path, reason, means)
 
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -82,7 +81,7 @@ def _open_folder(parts: list[str], base: int) -> int:
     fd = os.dup(base)
     try:
         for part in parts:
-            inner = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            inner = os.open(part, FOLDER_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = inner
     except BaseException:
@@ -97,7 +96,7 @@ def _proof(tag_folder: str) -> _Proof | None:
     from; ``None`` otherwise (no manifest, unreadable, damaged, distrusted)."""
     path = os.path.join(tag_folder, SUBDIR, MANIFEST_NAME)
     try:
-        top = os.open(tag_folder, _DIR_FLAGS)
+        top = os.open(tag_folder, FOLDER_FLAGS)
     except OSError:
         return None
     try:
@@ -276,7 +275,7 @@ def remove_own_files(tag_folder: str) -> tuple[list[str], int]:
     listed = [(record.path, record.size) for record in proof.manifest.files if record.path not in kept]
     removed = 0
     emptied: set[str] = set()
-    top = os.open(tag_folder, _DIR_FLAGS)
+    top = os.open(tag_folder, FOLDER_FLAGS)
     try:
         for path, size in [*sorted(listed), (manifest_path, proof.info.st_size)]:  # the proof goes last
             parts = path.split(os.sep)

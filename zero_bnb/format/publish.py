@@ -24,6 +24,7 @@ from zero_bnb.format.durable import fsync_dir, io_event, remove_tree, write_text
 from zero_bnb.format.lock import try_flock
 
 __all__ = [
+    "FOLDER_FLAGS",
     "TEMP_SUFFIX",
     "Publication",
     "PublishedNotDurableError",
@@ -40,8 +41,8 @@ logger = logging.getLogger(__name__)
 
 #: Suffix of the private folders single files are written in before they are renamed into place.
 TEMP_SUFFIX = ".zero_bnb-tmp"
-#: Opens a folder itself (a link there is refused), for its flock.
-_FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+#: Opens a folder itself (a link there is refused): for its flock, or to work inside it by descriptor.
+FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _CLAIM_ATTEMPTS = 5
 
 
@@ -155,7 +156,7 @@ def _remove_stale_private_folders(parent: str, name: str) -> None:
             continue
         path = os.path.join(parent, entry)
         try:
-            descriptor = os.open(path, _FOLDER_FLAGS)
+            descriptor = os.open(path, FOLDER_FLAGS)
         except OSError:
             continue  # a link, a file, or gone meanwhile: not a folder zero_bnb left
         try:
@@ -186,7 +187,7 @@ def _claim_private_folder(parent: str, name: str) -> tuple[str, int]:
     for _ in range(_CLAIM_ATTEMPTS):
         folder = tempfile.mkdtemp(prefix=f".{name}.", suffix=TEMP_SUFFIX, dir=parent)
         try:
-            descriptor = os.open(folder, _FOLDER_FLAGS)
+            descriptor = os.open(folder, FOLDER_FLAGS)
         except FileNotFoundError:
             continue
         try:
