@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessExitedException
 
-from zero_bnb.testing.launch import child_environment_for, gpus_missing, run_distributed
+from zero_bnb.testing.launch import SHM_COMM_OP, child_environment_for, gpus_missing, run_distributed
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD_KEYS = ("OMP_NUM_THREADS", "DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES")
 
 
@@ -22,8 +25,9 @@ def _where_am_i() -> dict:
     the device of a tensor it makes there, and the process group's backend."""
     import torch
     from deepspeed.accelerator import get_accelerator
+    from deepspeed.comm import comm
 
-    return {**{key: os.environ.get(key, "unset") for key in CHILD_KEYS},
+    return {"shm_comm_op": repr(comm.cdb.shm_comm_op), **{key: os.environ.get(key, "unset") for key in CHILD_KEYS},
             "cuda_devices": torch.cuda.device_count(), "accelerator": get_accelerator().device_name(),
             "tensor_device": torch.ones(1, device=get_accelerator().current_device_name()).device.type,
             "backend": dist.get_backend()}
@@ -50,7 +54,8 @@ def test_a_native_abort_in_a_child_prints_its_python_stack(tmp_path, capfd):
     seen = [json.loads((tmp_path / f"env{rank}").read_text()) for rank in (0, 1)]
     # On a machine with one GPU, DeepSpeed's CUDA accelerator gave rank 1 "cuda:1" and the launch died at once; with
     # several, gloo ranks got CUDA tensors. CPU ranks see no CUDA device, whatever the machine has.
-    assert seen == [{"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "cuda_devices": 0,
+    # DeepSpeed's shared-memory op is not loaded (its JIT build under a lock without timeout could hang the suite)
+    assert seen == [{"shm_comm_op": "None", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "cuda_devices": 0,
                      "accelerator": "cpu", "tensor_device": "cpu", "backend": "gloo"}] * 2, seen
     assert os.environ.get("OMP_NUM_THREADS") == before  # the parent's environment is restored
 
@@ -70,6 +75,27 @@ def test_cpu_ranks_stay_on_the_cpu_whatever_the_parent_sets(tmp_path, monkeypatc
 def record_where(rank: int, world_size: int, folder: str) -> None:
     with open(os.path.join(folder, f"env{rank}"), "w") as handle:
         json.dump(_where_am_i(), handle)
+
+
+def test_the_op_the_launcher_leaves_out_is_deepspeeds_shared_memory_op():
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    assert SHM_COMM_OP == ShareMemCommBuilder.NAME
+
+
+def test_a_rank_that_skips_finalization_still_runs_its_exit_handlers_and_keeps_their_status():
+    # zero_bnb's report of a lost asynchronous save is an atexit handler that exits with status 1
+    script = ("import atexit, os, sys\n"
+              "atexit.register(lambda: (print('handler ran', flush=True), os._exit(1)))\n"
+              "from zero_bnb.testing.launch import exit_skipping_finalization\n"
+              "print('done', flush=True)\n"
+              "exit_skipping_finalization()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert (done.returncode, done.stdout) == (1, "done\nhandler ran\n"), done
+    done = subprocess.run([sys.executable, "-c", script.replace("os._exit(1)", "None")], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert (done.returncode, done.stdout) == (0, "done\nhandler ran\n"), done
 
 
 def test_the_launcher_names_its_devices_and_refuses_gpu_ranks_it_cannot_place():

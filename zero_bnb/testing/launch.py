@@ -39,6 +39,10 @@ _BACKEND = {"cpu": "gloo", "cuda": "nccl"}
 DEVICES = tuple(_CHILD_ENV)
 
 
+#: DeepSpeed's name of its CPU shared-memory communication op (``ShareMemCommBuilder.NAME``).
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
 def child_environment_for(device: str) -> dict[str, str]:
     """The environment variables :func:`run_distributed` gives its children for ``device`` (a copy)."""
     if device not in DEVICES:
@@ -64,6 +68,10 @@ def init_worker(rank: int, world_size: int, store: str, device: str = "cpu") -> 
     A file rendezvous (``store``: a path no process group has used) avoids picking a TCP port
     that another process may take before the group binds it. Processes not started by
     :func:`run_distributed` get its environment here, before torch first touches CUDA.
+
+    DeepSpeed's shared-memory all-reduce op (used only by its inference all-reduce) is not loaded: a CPU start
+    otherwise JIT-builds it under torch's extension lock, which has no timeout, so a rank killed during the build (the
+    fault campaign kills ranks) would leave every later CPU start on the machine waiting for ever.
     """
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -77,6 +85,7 @@ def init_worker(rank: int, world_size: int, store: str, device: str = "cpu") -> 
     import torch
 
     torch.set_num_threads(1)
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
     if device == "cuda":
         torch.cuda.set_device(rank)
     deepspeed.init_distributed(dist_backend=_BACKEND[device], init_method=f"file://{store}", rank=rank,
