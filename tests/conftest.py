@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import resource
 import tempfile
 
 import pytest
@@ -43,3 +44,35 @@ def pytest_collection_finish(session) -> None:
     allocate. DeepSpeed's zero_to_fp32 collects once per file it writes, 1.3 to 1.9 s each on this suite's heap
     (tests/test_stage3.py calls it in process). Spawned workers do the same (zero_bnb.testing.launch)."""
     gc.freeze()
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    item.stash[_CHILDREN_AT_START] = _children_cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """``-m "not launch"`` must select only in-process tests: a test without the ``launch`` marker whose setup or call
+    waited for child processes that spent over a second of CPU (``RUSAGE_CHILDREN``, counted once they are reaped:
+    one rank importing torch alone spends more; a compiler's version probe spends a few milliseconds) fails. Teardown
+    is not counted: a shared server started by a marked module may be reaped at any later test's teardown."""
+    outcome = yield
+    report = outcome.get_result()
+    if call.when == "call" and report.passed and item.get_closest_marker("launch") is None:
+        spent = _children_cpu_seconds() - item.stash.get(_CHILDREN_AT_START, float("inf"))
+        if spent > LAUNCH_CPU_SECONDS:
+            report.outcome = "failed"
+            report.longrepr = (f"{item.nodeid} waited for child processes ({spent:.2f} s of their CPU) but is not "
+                               f"marked 'launch': add pytestmark = pytest.mark.launch to its module")
+
+
+_CHILDREN_AT_START = pytest.StashKey[float]()
+#: Child CPU seconds above which a test counts as launching processes.
+LAUNCH_CPU_SECONDS = 1.0

@@ -23,6 +23,8 @@ import zero_bnb
 import zero_bnb.testing.launch as launch
 from zero_bnb.testing.launch import run_distributed
 
+pytestmark = [pytest.mark.launch, pytest.mark.slow]
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -441,6 +443,7 @@ def test_a_staged_storage_freed_by_its_owner_is_not_mistaken_for_a_new_tensor_at
         pool.trim()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: pinned staging of device tensors")
 def test_device_tensors_are_staged_into_pinned_buffers_holding_the_values_at_the_call():
     """On a GPU: a device view of a snapshotted storage is a view of its pinned copy; one of a storage nobody

@@ -12,6 +12,8 @@ from census_scenarios import CASES, PHASES, census_by_phase
 from zero_bnb.core.residual import CHUNK
 from zero_bnb.testing.launch import run_distributed
 
+pytestmark = pytest.mark.launch
+
 SLACK_BYTES_PER_PARAM = 0.1
 #: What a zero_bnb save or load may allocate beyond stock's, by design, per element of this rank's partition: a
 #: save's CPU copy of each 8-bit moment for the writer (1 B each) and, in bf16, the 16-bit residuals of the fp32

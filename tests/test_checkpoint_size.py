@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from scenarios import within
 from size_scenarios import checkpoint_sizes
 
 from zero_bnb.testing.launch import run_distributed
+
+pytestmark = pytest.mark.launch
 
 
 def test_default_checkpoints_stay_under_6_1_bytes_per_parameter_in_fp32_and_bf16(tmp_path):

@@ -47,6 +47,7 @@ def test_limit_below_one_block_is_refused():
         ChunkedUpdate(optimizer, spec_for(optimizer), 100)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_properties(0).total_memory < 60 * 2**30,
                     reason="needs a CUDA device with >= 60 GiB to hold a 2^31 + 4096-element partition and its state")
 def test_a_real_partition_above_2_31_elements_on_gpu():
@@ -99,6 +100,7 @@ def test_pieces_of_paged_state_stay_tagged_paged():
     assert len(seen) == 5 and all(tags == {key: (True, 0) for key in tags} and len(tags) == 4 for tags in seen), seen
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="paged optimizer state needs CUDA managed memory")
 @pytest.mark.parametrize("name", ["PagedAdamW8bit", "PagedLion8bit"])
 def test_a_paged_optimizer_on_gpu_updates_in_pieces_exactly(name):

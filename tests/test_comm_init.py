@@ -18,6 +18,8 @@ import pytest
 import zero_bnb.testing.launch as launch
 from zero_bnb.integrations import comm
 
+pytestmark = pytest.mark.launch
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 #: The variables of a launch; a test's own process must not pass its own on to the scripts it starts.

@@ -177,6 +177,7 @@ def test_zero_cpu_update_is_validated_and_stripped_from_the_deepspeed_config():
         split_config({"zero_cpu_update": "fast"})
 
 
+@pytest.mark.launch  # runs the compiler
 def test_build_kernels_compiles_into_the_cache_and_reuses_it(tmp_path, monkeypatch, capsys):
     """``zero-bnb build-kernels`` (and ``python -m zero_bnb.kernels.build``): a real compile into an empty cache."""
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
@@ -198,6 +199,7 @@ def test_build_kernels_compiles_into_the_cache_and_reuses_it(tmp_path, monkeypat
     assert capsys.readouterr().out.splitlines()[0] != path and len(glob.glob(os.path.join(tmp_path, "*.so"))) == 2
 
 
+@pytest.mark.launch  # runs the compiler
 @pytest.mark.parametrize("cxx", ["/nonexistent", "c++ 'unclosed"])
 def test_build_kernels_with_a_bad_compiler_names_it_and_the_fix(tmp_path, monkeypatch, capsys, cxx):
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "cache"))
@@ -212,6 +214,7 @@ def test_build_kernels_with_a_bad_compiler_names_it_and_the_fix(tmp_path, monkey
     assert not os.path.exists(tmp_path / "cache") or os.listdir(tmp_path / "cache") == []
 
 
+@pytest.mark.launch  # runs the compiler
 def test_build_kernels_reports_a_failed_compilation_with_the_compiler_output(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv("CXX", "c++ -fno-such-option-zero-bnb")

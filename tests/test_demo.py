@@ -11,6 +11,8 @@ from scenarios import within
 
 from zero_bnb.cli.demo import LOSS_BOUND, relative_differences, report
 
+pytestmark = pytest.mark.launch
+
 #: The first resumed step runs on bit-identical weights and state: the uninterrupted loss up to the order in which 3
 #: ranks instead of 2 sum the same per-sample losses. 0 here and in the full demo under every variant of
 #: docs/bounds.md; bound: the first-step bound of the other resumes (their worst 9.8e-8).

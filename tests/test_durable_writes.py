@@ -13,6 +13,8 @@ import torch
 
 from zero_bnb.format import direct_io, durable
 
+pytestmark = pytest.mark.launch
+
 
 #: The tree whose zero_bnb these tests import (for a child process).
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(durable.__file__))))

@@ -16,6 +16,8 @@ from zero_bnb.testing.consolidate import state_differences
 from zero_bnb.testing.launch import gpus_missing, run_distributed
 from zero_bnb.tools.views import inspect_checkpoint
 
+pytestmark = pytest.mark.launch
+
 #: Relative difference of a resumed loss from the uninterrupted run. The state is restored bit for bit, so the
 #: difference is the order in which 3 ranks instead of 2 reduce the fp16 gradients, seen as whole fp16 ulps of one
 #: micro batch's loss (2^-12 of about 0.4, over 12 micro batches: 5.1e-5 each). Measured at most 5.6e-5 natively
@@ -67,6 +69,7 @@ def _one_gpu(rank: int, world: int, workdir: str, side: str) -> None:
     (save_and_continue if side == "save" else resume)(rank, world, workdir)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(gpus_missing(1) is not None, reason=str(gpus_missing(1)))
 def test_an_fp16_run_with_overflow_skipped_steps_resumes_on_a_gpu(tmp_path):
     run_distributed(_one_gpu, 1, str(tmp_path), "save", device="cuda")

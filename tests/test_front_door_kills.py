@@ -13,6 +13,8 @@ from scenarios import within, worst_relative
 from test_front_doors_hf import RESUMED_BOUND
 from test_front_doors_lightning import LIGHTNING_BOUND
 
+pytestmark = [pytest.mark.launch, pytest.mark.slow]
+
 logger = logging.getLogger(__name__)
 
 #: Resumed losses at DP=3 against the uninterrupted run at DP=2 (relative): the front doors' own resume bounds.

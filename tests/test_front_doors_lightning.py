@@ -17,6 +17,8 @@ from scenarios import within, worst_relative
 
 from zero_bnb.testing.launch import run_distributed
 
+pytestmark = pytest.mark.launch
+
 
 # Bounds: each at least 5x the worst figure measured under seven instruction-set variants (docs/bounds.md,
 # 2026-11-27, the fused CPU 8-bit update).

@@ -14,6 +14,8 @@ import tempfile
 import pytest
 import torch
 
+pytestmark = [pytest.mark.launch, pytest.mark.slow]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECK = os.path.join(ROOT, "benchmarks", "gpu", "check.sh")
 

@@ -31,6 +31,8 @@ import zipfile
 
 import pytest
 
+pytestmark = pytest.mark.launch
+
 pytest.importorskip("build", reason="building the sdist needs the `build` package (the test extra installs it)")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

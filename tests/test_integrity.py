@@ -9,6 +9,8 @@ from scenarios import result
 
 from zero_bnb.testing.launch import run_distributed
 
+pytestmark = pytest.mark.launch
+
 EXPECTED = {
     "flipped_shard_of_rank_1": ("CheckpointCorruptError", "zero_bnb/shard_00001-of-00002.pt (sha256", "differs from what was saved"),
     "truncated_replicated": ("CheckpointCorruptError", "zero_bnb/replicated.pt has", "truncated"),

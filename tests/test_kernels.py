@@ -55,6 +55,8 @@ from zero_bnb.kernels.fused import fused_quantize, fused_update, quantizer_path
 from zero_bnb.kernels.hyper import BLOCK, FAMILIES, TWO_STATE, UpdateHyper, step_scalars
 from zero_bnb.kernels.reference import quantize_codes, reference_update, sign_fix
 
+pytestmark = pytest.mark.launch
+
 QMAP1 = F.create_dynamic_map(signed=True)
 QMAP2 = F.create_dynamic_map(signed=False)
 TINY_STEP = QMAP1.clone()

@@ -38,6 +38,8 @@ from zero_bnb.kernels import build
 from zero_bnb.kernels.hyper import BLOCK, FAMILIES, TWO_STATE, StepScalars, UpdateHyper, step_scalars
 from zero_bnb.kernels.reference import reference_update
 
+pytestmark = pytest.mark.launch
+
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "kernel_driver.cpp")
 INSTALL = "apt-get install g++-aarch64-linux-gnu qemu-user"
 AARCH64 = platform.machine() in ("aarch64", "arm64")

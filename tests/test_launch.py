@@ -16,6 +16,8 @@ from torch.multiprocessing.spawn import ProcessExitedException
 
 from zero_bnb.testing.launch import SHM_COMM_OP, child_environment_for, gpus_missing, run_distributed
 
+pytestmark = pytest.mark.launch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD_KEYS = ("OMP_NUM_THREADS", "DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES")
 
@@ -109,6 +111,7 @@ def test_the_launcher_names_its_devices_and_refuses_gpu_ranks_it_cannot_place():
         run_distributed(record_where, too_many, "unused", device="cuda")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(gpus_missing(2) is not None, reason=str(gpus_missing(2)))
 def test_gpu_ranks_get_one_device_each_and_nccl(tmp_path):
     run_distributed(record_where_gpu, 2, str(tmp_path), device="cuda")

@@ -17,6 +17,8 @@ from zero_bnb.checkpoint.precision import Conversion, describe_conversions
 from zero_bnb.ds.precision_plan import announce_precision
 from zero_bnb.testing.launch import run_distributed
 
+pytestmark = pytest.mark.launch
+
 ROOT = "zero_bnb: checkpoint {folder} (saved at DP=3, ZeRO stage 2; now DP=2, ZeRO stage {stage}): "
 PRECISION = ("this run keeps it in another precision (bitsandbytes' min_8bit_size, decided per partition at ZeRO "
              "stages 1/2 and per whole parameter at stage 3, or a 32-bit override)")

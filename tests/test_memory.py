@@ -9,6 +9,8 @@ from memory_scenarios import CASES, load_keeps_nothing_alive
 
 from zero_bnb.testing.launch import run_distributed
 
+pytestmark = pytest.mark.launch
+
 
 @pytest.fixture(scope="module")
 def memory_runs(tmp_path_factory):

@@ -26,6 +26,8 @@ from zero_bnb.core.state_spec import UnsupportedOptimizerError, spec_for
 from zero_bnb.testing.consolidate import state_differences
 from zero_bnb.testing.launch import run_distributed
 
+pytestmark = [pytest.mark.launch, pytest.mark.slow]
+
 GPU_ONLY = ("fp16 needs 3 CUDA devices: DeepSpeed's CPU accelerator raises 'Type fp16 is not supported on your "
             "device', and the matrix saves at DP=2 and loads at DP=3, one device per rank")
 
@@ -65,8 +67,15 @@ def matrix(matrix_dir):
     return load("saved_dp2.pt"), load("loaded_dp3.pt"), load("loaded_dp1.pt")
 
 
+def _gpu_marks(case: str) -> list:
+    """fp16 rows are GPU rows: marked ``gpu`` and skipped where the machine lacks the devices."""
+    if "-fp16-" not in case:
+        return []
+    return [pytest.mark.gpu, pytest.mark.skipif(not runnable(case), reason=GPU_ONLY)]
+
+
 def _rows(cases):
-    return [pytest.param(case, marks=pytest.mark.skipif(not runnable(case), reason=GPU_ONLY)) for case in cases]
+    return [pytest.param(case, marks=_gpu_marks(case)) for case in cases]
 
 
 def _views_differ(saved: dict, loaded: dict) -> list[str]:
@@ -175,7 +184,7 @@ def test_offload_settings_deepspeed_cannot_honour_at_stages_1_and_2_are_refused(
 
 
 def _offload_runnable(cases):
-    return [pytest.param(case, marks=pytest.mark.skipif(not runnable(case), reason=GPU_ONLY)) for case in cases]
+    return [pytest.param(case, marks=_gpu_marks(case)) for case in cases]
 
 
 def _assert_resumed(saved_state, reference_losses, resumed, *, offloaded: bool, rel: float, label: str):

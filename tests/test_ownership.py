@@ -13,6 +13,8 @@ from ownership_scenarios import DOCUMENTS, saves_over_foreign_folders
 from zero_bnb.format.ownership import RECORD_NAME, OutputRecord, checkpoint_strangers, distrust
 from zero_bnb.testing.launch import run_distributed
 
+pytestmark = pytest.mark.launch
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):

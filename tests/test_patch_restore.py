@@ -14,6 +14,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.launch
+
 #: The user's import hook and the probes, shared by both scenarios.
 PRELUDE = '''if True:
     import importlib, importlib.abc, importlib.machinery, json, logging, sys

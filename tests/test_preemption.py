@@ -11,9 +11,13 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from scenarios import within, worst_relative
 from test_comm_init import HERE, _environment
 from test_elastic import LOSS_BOUND
+
+pytestmark = [pytest.mark.launch, pytest.mark.slow]
 
 STEPS = 8
 SIGNAL_AFTER = 3

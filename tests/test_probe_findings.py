@@ -16,6 +16,8 @@ from zero_bnb.format import durable
 from zero_bnb.format.ownership import checkpoint_strangers
 from zero_bnb.testing.launch import run_distributed
 
+pytestmark = pytest.mark.launch
+
 
 @pytest.fixture(scope="module")
 def findings(tmp_path_factory):

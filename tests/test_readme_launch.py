@@ -17,6 +17,8 @@ from readme_examples import README, block
 
 from zero_bnb.testing.launch import child_environment_for
 
+pytestmark = [pytest.mark.launch, pytest.mark.slow]
+
 ROOT = os.path.dirname(README)
 #: The option each launcher takes its rendezvous port by.
 PORT_OPTION = {"torchrun": "--master_port", "deepspeed": "--master_port", "accelerate launch": "--main_process_port"}

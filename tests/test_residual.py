@@ -203,6 +203,7 @@ def test_module_weights_back_to_back_in_one_storage_are_read_in_place(storage):
         assert torch.equal(rebuilt.view(torch.int32), master.view(torch.int32))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: module weights on a GPU")
 def test_device_weights_back_to_back_are_one_view_moved_by_one_copy():
     """On a GPU, DeepSpeed's flat 16-bit group is one device storage: the rank's range is one view of it (an

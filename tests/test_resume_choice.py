@@ -25,6 +25,8 @@ from zero_bnb.integrations.accelerate_checkpoints import newest_checkpoint
 from zero_bnb.integrations.lightning_resume import complete_checkpoint
 from zero_bnb.tools.checkpoint_paths import verify_target
 
+pytestmark = pytest.mark.launch
+
 
 def _committed(folder, tag: str, *, when: float | None = None) -> str:
     """A save folder whose ``latest`` names a committed zero_bnb tag (its manifest's time ``when``)."""

@@ -18,6 +18,8 @@ import zero_bnb
 from zero_bnb.core.config import ZeroBnbConfigError
 from zero_bnb.ds import substitute
 
+pytestmark = pytest.mark.launch
+
 STAGE_1 = {"train_batch_size": 2, "zero_optimization": {"stage": 1}}
 STAGE_0 = {"train_batch_size": 2, "zero_optimization": {"stage": 0}}
 
