@@ -133,8 +133,14 @@ def test_deepspeed_get_fp32_state_dict_on_a_lightning_checkpoint(lightning_runs)
 
     import zero_bnb.lightning  # noqa: F401 - routes DeepSpeed's function too
 
-    state = stock.get_fp32_state_dict_from_zero_checkpoint(str(lightning_runs[2] / "lightning.ckpt"))
-    assert state and all(value.dtype == torch.float32 for value in state.values())
+    ckpt = lightning_runs[2] / "lightning.ckpt"
+    state = stock.get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+    # the oracle is the model file DeepSpeed wrote: fp32 training, so its module weights are the master weights
+    tag = (ckpt / "latest").read_text().strip()
+    module = torch.load(ckpt / tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert state.keys() == module.keys()
+    for name, value in module.items():
+        assert state[name].dtype == torch.float32 and torch.equal(state[name], value), name
 
 
 def test_strategy_names_and_stage_check():
@@ -182,6 +188,17 @@ def test_stage3_strategy_saves_at_2_and_resumes_offloaded_at_3(lightning_runs):
            worst_relative(saved["losses"][4:5], resumed["losses"][:1]), LIGHTNING_STAGE3_FIRST_BOUND)
     within("Lightning ZeRO-3 resumed loss vs uninterrupted (rel.)", worst_relative(saved["losses"][4:],
                                                                                  resumed["losses"]), LIGHTNING_STAGE3_BOUND)
+
+
+def test_stage3_offloaded_resume_gives_the_losses_of_the_resume_without_offload(lightning_runs):
+    """docs/front-doors.md: "deepspeed_zero_bnb_stage_3_offload" resumes with losses equal to the resume without
+    offload (the same checkpoint, the same 3 processes, in the same launch)."""
+    _, dp3, _ = lightning_runs
+    offloaded, kept = _phase(dp3, "stage3"), _phase(dp3, "stage3_no_offload")
+    assert offloaded["offload"] == {"optimizer": True, "param": True}
+    assert kept["offload"] == {"optimizer": False, "param": False} and kept["global_step"] == 8
+    assert len(kept["losses"]) == len(offloaded["losses"]) == 4
+    assert kept["losses"] == offloaded["losses"], (kept["losses"], offloaded["losses"])
 
 
 def test_stage3_strategy_refuses_what_zero_bnb_does_not_support_by_name(lightning_runs):
