@@ -35,4 +35,14 @@ def train_and_record(rank, world, folder):
     while not hasattr(fused, "fused_steps"):  # under zero_bnb's chunked update
         fused = fused.original
     with open(os.path.join(folder, f"rank{rank}.json"), "w") as handle:
-        json.dump({"messages": handler.messages, "fused_steps": fused.fused_steps}, handle)
+        json.dump({"messages": handler.messages, "fused_steps": fused.fused_steps,
+                   "eight_bit_groups": _eight_bit_groups(engine)}, handle)
+
+
+def _eight_bit_groups(engine) -> int:
+    """The flat groups of this rank whose state is 8-bit: each takes one fused update per step."""
+    import torch
+
+    wrapper = engine.optimizer
+    states = [wrapper.optimizer.state.get(wrapper.master_partition(index), {}) for index in range(wrapper.num_groups)]
+    return sum(1 for state in states if "state1" in state and state["state1"].dtype == torch.uint8)

@@ -357,6 +357,7 @@ def save_all(rank, world, workdir):
                          "hyper": hyper_parameters(engine),
                          "uninterrupted": train_steps(engine, RUN, STEPS, STEPS_AFTER)}
             out[f"{case}/fused_steps"] = _fused_steps(engine)
+            out[f"{case}/eight_bit_groups"] = _state_dtypes(engine).count("torch.uint8")
 
         phase.__name__ = case
         return phase

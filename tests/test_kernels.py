@@ -880,7 +880,9 @@ def test_only_rank_0_of_an_engine_says_which_kernel_library_it_loaded(tmp_path):
 
     run_distributed(kernel_log_scenarios.train_and_record, 2, str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-    assert all(rank["fused_steps"] > 0 for rank in ranks), ranks
+    # the first engine's 2 steps, each updating every 8-bit flat group of the rank once
+    assert all(rank["eight_bit_groups"] >= 1 and rank["fused_steps"] == 2 * rank["eight_bit_groups"]
+               for rank in ranks), ranks
     [said] = [m for m in ranks[0]["messages"] if m.startswith("zero_bnb: fused CPU 8-bit optimizer update:")]
     assert re.fullmatch(r"zero_bnb: fused CPU 8-bit optimizer update: (built|loaded the cached build) "
                         r"/\S+/zero_bnb_blockwise_update_[0-9a-f]{16}\.so \(quantizer: (scalar|gather|permute|avx2)\)",
