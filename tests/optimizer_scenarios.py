@@ -184,6 +184,9 @@ def bnb_view(engine, groups) -> dict | None:
             view["params"][names[param]] = {key: v[..., window].reshape(*v.shape[:-1], *param.shape)
                                             for key, v in whole.items()}
             offset += param.numel()
+        # every rank's step counters, not rank 0's alone: a rank that skipped or repeated a step shows
+        if any(part["counters"] and part["counters"] != parts[0]["counters"] for part in parts):
+            raise ValueError(f"group {index}'s counters differ between ranks: {[part['counters'] for part in parts]}")
         view["counters"].append(parts[0]["counters"])
     return view
 

@@ -64,7 +64,7 @@ def consolidated_state(engine, dst: int = 0) -> dict[str, Any] | None:
             elif kind is StateKind.REPLICATED:
                 raw[key] = value
             else:
-                counters[key] = value
+                counters[key] = _agreed([p["state"].get(key) for p in parts], f"group {index}'s {key!r}")
         values = {}
         for key, tensor in raw.items():
             triple = spec.triple_for(key)
@@ -81,6 +81,23 @@ def consolidated_state(engine, dst: int = 0) -> dict[str, Any] | None:
         result["counters"].append(counters)
         result["raw"].append(raw)
     return result
+
+
+def _agreed(values: list[Any], what: str) -> Any:
+    """The value every rank holds (a step counter, a scalar hyper-parameter); a rank that differs is an error. A rank
+    without the key (``None``: its partition of the group is empty, so the optimizer never made its state) is
+    skipped."""
+    values = [value for value in values if value is not None]
+    first = values[0]
+
+    def same(value: Any) -> bool:
+        if torch.is_tensor(value) or torch.is_tensor(first):
+            return torch.is_tensor(value) and torch.is_tensor(first) and torch.equal(value, first)
+        return value == first
+
+    if not all(map(same, values)):
+        raise ValueError(f"{what} differs between the data-parallel ranks: {values}")
+    return first
 
 
 def state_differences(saved: dict[str, Any], loaded: dict[str, Any]) -> tuple[int, list[str]]:
