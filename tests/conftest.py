@@ -9,6 +9,8 @@ import tempfile
 
 import pytest
 
+from zero_bnb.testing import warm
+
 #: Spelled as in tests/scenarios.py (run_phases appends each phase that raised there, on every rank).
 FAILED_PHASES_ENV = "ZERO_BNB_FAILED_PHASES"
 
@@ -18,6 +20,8 @@ def pytest_configure(config) -> None:
     folder = tempfile.mkdtemp(prefix="zero_bnb-phases-")
     os.environ[FAILED_PHASES_ENV] = os.path.join(folder, "failed.tsv")
     open(os.environ[FAILED_PHASES_ENV], "w").close()
+    # CPU launches fork from one server that imported torch, DeepSpeed and bitsandbytes once (zero_bnb.testing.warm)
+    os.environ[warm.WARM_ENV] = "1"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,7 +52,7 @@ def pytest_collection_finish(session) -> None:
 
 def _children_cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime + usage.ru_stime + warm.children_cpu_seconds()
 
 
 @pytest.hookimpl(hookwrapper=True)

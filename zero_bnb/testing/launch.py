@@ -21,8 +21,10 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["DEVICES", "child_environment_for", "exit_skipping_finalization", "gpus_missing", "init_worker",
-           "run_distributed"]
+from zero_bnb.testing import warm
+
+__all__ = ["DEVICES", "SHM_COMM_OP", "child_environment", "child_environment_for", "exit_skipping_finalization",
+           "gpus_missing", "init_worker", "run_distributed", "run_rank"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +112,10 @@ def exit_skipping_finalization(code: int = 0) -> None:
     os._exit(code)
 
 
-def _worker(rank: int, world_size: int, store: str, fn: Callable[..., Any], args: tuple, device: str) -> None:
+def run_rank(rank: int, world_size: int, store: str, fn: Callable[..., Any], args: tuple, device: str) -> None:
+    """One rank of a launch: join the process group, run ``fn(rank, world_size, *args)``, wait for the other ranks,
+    and end the process (:func:`exit_skipping_finalization`); an exception is logged and re-raised. Every rank calls
+    it, in a process of its own."""
     import torch.distributed as dist
 
     # A native abort (SIGABRT, SIGSEGV) in a child would otherwise leave only "terminate called ..." behind:
@@ -134,7 +139,8 @@ def _worker(rank: int, world_size: int, store: str, fn: Callable[..., Any], args
 
 
 @contextlib.contextmanager
-def _child_environment(device: str) -> Iterator[None]:
+def child_environment(device: str) -> Iterator[None]:
+    """The variables of :func:`child_environment_for` set in this process while the block runs."""
     values = child_environment_for(device)
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
@@ -149,7 +155,8 @@ def _child_environment(device: str) -> Iterator[None]:
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, device: str = "cpu") -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes (CPU ranks are forked by a warm server
+    instead where ``ZERO_BNB_WARM_LAUNCH=1``, as in the test suite: :mod:`zero_bnb.testing.warm`).
 
     ``fn`` must be importable (a module-level function). Each process joins a process group
     through ``deepspeed.init_distributed``; a child's exception is re-raised here.
@@ -161,7 +168,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, device:
     """
     if device == "cuda" and (reason := gpus_missing(world_size)) is not None:
         raise ValueError(f"run_distributed(device=\"cuda\") {reason}; use device=\"cpu\" or fewer ranks")
-    with tempfile.TemporaryDirectory(prefix="zero_bnb_rendezvous_") as folder, _child_environment(device):
+    if device == "cpu" and warm.warm_enabled():
+        warm.run_warm(fn, world_size, args)
+        return
+    with tempfile.TemporaryDirectory(prefix="zero_bnb_rendezvous_") as folder, child_environment(device):
         store = os.path.join(folder, "store")
-        mp.start_processes(_worker, args=(world_size, store, fn, args, device), nprocs=world_size,
+        mp.start_processes(run_rank, args=(world_size, store, fn, args, device), nprocs=world_size,
                            start_method="spawn")
