@@ -8,13 +8,15 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.spawn import ProcessExitedException
+from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
 from zero_bnb.testing.launch import SHM_COMM_OP, child_environment_for, gpus_missing, run_distributed
+from zero_bnb.testing.warm import WARM_ENV
 
 pytestmark = pytest.mark.launch
 
@@ -77,6 +79,48 @@ def test_cpu_ranks_stay_on_the_cpu_whatever_the_parent_sets(tmp_path, monkeypatc
 def record_where(rank: int, world_size: int, folder: str) -> None:
     with open(os.path.join(folder, f"env{rank}"), "w") as handle:
         json.dump(_where_am_i(), handle)
+
+
+def raise_on_rank_1(rank: int, world_size: int) -> None:
+    dist.barrier()
+    if rank == 1:
+        raise ValueError(f"rank {rank} of {world_size} refuses")
+
+
+@pytest.mark.parametrize("warm", ["1", "0"])
+def test_a_rank_that_raises_fails_the_launch_with_its_traceback_warm_or_spawned(monkeypatch, warm):
+    # the suite forks its ranks from a warm server (zero_bnb.testing.warm); the demo and benchmarks spawn them.
+    # torch's launcher reports whichever rank it reaps first, often rank 0, whose barrier broke when rank 1 left; the
+    # warm launch reports the rank that raised first.
+    monkeypatch.setenv(WARM_ENV, warm)
+    expected = r"Process 1 terminated with the following error:.*ValueError: rank 1 of 2 refuses" if warm == "1" else \
+        r"Process [01] terminated with the following error:"
+    with pytest.raises(ProcessRaisedException, match=f"(?s){expected}"):
+        run_distributed(raise_on_rank_1, 2)
+
+
+def test_launches_from_two_threads_run_at_once(tmp_path):
+    # tests/test_hostile.py runs two jobs into one folder at the same time: each waits for the other at a barrier file
+    threads = [threading.Thread(target=run_distributed, args=(meet, 1, str(tmp_path), side)) for side in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert sorted(os.listdir(tmp_path)) == ["a", "a.met", "b", "b.met"]
+
+
+def meet(rank: int, world_size: int, folder: str, side: str) -> None:
+    """Write this side's mark, then wait (up to 60 s) for the other side's: only launches running at once meet."""
+    import time
+
+    open(os.path.join(folder, side), "w").close()
+    other = os.path.join(folder, "b" if side == "a" else "a")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(other):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"side {side} never saw the other launch")
+        time.sleep(0.05)
+    open(os.path.join(folder, side + ".met"), "w").close()
 
 
 def test_the_op_the_launcher_leaves_out_is_deepspeeds_shared_memory_op():

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -129,7 +130,10 @@ def run_rank(rank: int, world_size: int, store: str, fn: Callable[..., Any], arg
     try:
         fn(rank, world_size, *args)
         dist.barrier()
-    except BaseException:
+    except BaseException as error:
+        # when it failed (CLOCK_MONOTONIC is system-wide): a warm launch reports the rank that failed first, not a
+        # peer whose collective broke because of it (zero_bnb.testing.warm)
+        error.zero_bnb_failed_at = time.monotonic()
         # Logged before the process group is torn down, so the cause survives a teardown that dies natively.
         logger.exception("rank %d of %d failed in %s", rank, world_size, getattr(fn, "__name__", fn))
         dist.destroy_process_group()

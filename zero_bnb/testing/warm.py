@@ -5,7 +5,8 @@ launches of 2 or 3 ranks in the suite. :func:`run_warm` hands a launch to a serv
 CPU ranks' environment, see :func:`zero_bnb.testing.launch.child_environment_for`) that has imported them and every
 module a launched function came from; it forks the ranks, which run exactly what a spawned rank runs
 (:func:`zero_bnb.testing.launch.run_rank`), in the caller's environment of the moment and writing to the caller's
-standard output and error (its descriptors are passed along). A failure raises what
+standard output and error (its descriptors are passed along). Each launch is a connection to the server's Unix socket
+(with a random key), run by a fork of the server: launches from several threads run at once. A failure raises what
 ``torch.multiprocessing.start_processes`` raises: the first failed rank's traceback, or the signal that ended it.
 
 Local to the calling process; CPU ranks only (CUDA cannot be used in a forked child).
@@ -14,13 +15,16 @@ Local to the calling process; CPU ranks only (CUDA cannot be used in a forked ch
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import logging
 import os
 import pickle
+import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -37,7 +41,8 @@ WARM_ENV = "ZERO_BNB_WARM_LAUNCH"
 _WARM_MODULES = ("torch", "torch.distributed", "deepspeed", "deepspeed.comm", "bitsandbytes", "zero_bnb",
                  "zero_bnb.testing.launch")
 
-_server: Any = None  # (process, connection) while one runs
+_server: Any = None  # (process, address, authkey) while one runs
+_starting = threading.Lock()  # launches may come from several threads at once
 _children_cpu = 0.0
 
 
@@ -69,9 +74,9 @@ def _rank(rank: int, world: int, store: str, fn: Callable[..., Any], args: bytes
         os.environ.clear()
         os.environ.update(env)
         run_rank(rank, world, store, fn, pickle.loads(args), "cpu")  # ends the process when fn returns
-    except BaseException:  # noqa: BLE001 - reported to the caller as a spawned rank's error would be
+    except BaseException as error:  # noqa: BLE001 - reported to the caller as a spawned rank's error would be
         with open(error_file, "w") as handle:
-            handle.write(traceback.format_exc())
+            handle.write(f"{getattr(error, 'zero_bnb_failed_at', time.monotonic())}\n{traceback.format_exc()}")
     finally:
         exit_skipping_finalization(code)
 
@@ -98,25 +103,10 @@ def _wait(pids: dict[int, int]) -> tuple[dict[int, int], float]:
     return codes, cpu
 
 
-def _serve(connection) -> None:
-    """The server's loop: one launch per message, until the connection closes."""
-    import importlib
-
-    for name in _WARM_MODULES:
-        importlib.import_module(name)
-    while True:
-        try:
-            message = connection.recv()
-        except EOFError:
-            return
-        if message is None:
-            return
-        fn_bytes, args, world, store, env, folder = message
-        fds = (reduction.recv_handle(connection), reduction.recv_handle(connection))
-        fn = pickle.loads(fn_bytes)  # imports fn's module here, once for every later launch
-        gc.freeze()  # what the server imported is shared by its forks and skipped by their collector
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
+def _leader(connection, fn: Callable[..., Any], args: bytes, world: int, store: str, env: dict[str, str],
+            folder: str, fds: tuple[int, int]) -> None:
+    """One launch, in a fork of the server: fork the ranks, wait for them, reply. Never returns."""
+    try:
         pids = {}
         for rank in range(world):
             pid = os.fork()
@@ -124,13 +114,47 @@ def _serve(connection) -> None:
                 connection.close()
                 _rank(rank, world, store, fn, args, env, os.path.join(folder, f"rank{rank}.error"), fds)
             pids[rank] = pid
+        connection.send(_wait(pids))
+    finally:
+        os._exit(0)  # no finalizer: the listener's socket file belongs to the server
+
+
+def _serve(address: str, authkey: bytes, ready) -> None:
+    """The server: each connection is one launch, run by a fork of the server (its leader), so launches from several
+    threads of the caller run at once; ``None`` ends it."""
+    import importlib
+    from multiprocessing.connection import Listener
+
+    listener = Listener(address, family="AF_UNIX", authkey=authkey)
+    ready.send(os.getpid())
+    ready.close()
+    for name in _WARM_MODULES:
+        importlib.import_module(name)
+    while True:
+        connection = listener.accept()
+        message = connection.recv()
+        if message is None:
+            connection.close()
+            listener.close()
+            return
+        fn_bytes, args, world, store, env, folder = message
+        fds = (reduction.recv_handle(connection), reduction.recv_handle(connection))
+        fn = pickle.loads(fn_bytes)  # imports fn's module here, once for every later launch
+        gc.freeze()  # what the server imported is shared by its forks and skipped by their collector
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        if os.fork() == 0:
+            _leader(connection, fn, args, world, store, env, folder, fds)
+        connection.close()
         for fd in fds:
             os.close(fd)
-        connection.send(_wait(pids))
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0]:  # the leaders that ended
+                pass
 
 
 def _started():
-    """The server, started now if none runs (or the last one died)."""
+    """The server (process, address, authkey), started now if none runs (or the last one died)."""
     global _server
     if _server is not None and _server[0].is_alive():
         return _server
@@ -138,13 +162,19 @@ def _started():
 
     from zero_bnb.testing.launch import child_environment
 
-    parent, child = multiprocessing.Pipe()
+    folder = tempfile.mkdtemp(prefix="zero_bnb-warm-")
+    address, authkey = os.path.join(folder, "server"), os.urandom(32)
+    receiver, sender = multiprocessing.Pipe(duplex=False)
     with child_environment("cpu"):
-        process = multiprocessing.get_context("spawn").Process(target=_serve, args=(child,), daemon=True,
-                                                                name="zero_bnb-warm-launch")
+        process = multiprocessing.get_context("spawn").Process(target=_serve, args=(address, authkey, sender),
+                                                                daemon=True, name="zero_bnb-warm-launch")
         process.start()
-    child.close()
-    _server = (process, parent)
+    sender.close()
+    if not receiver.poll(120):
+        process.kill()
+        raise RuntimeError("the warm launch server did not start listening within 120 s")
+    receiver.recv()
+    _server = (process, address, authkey)
     return _server
 
 
@@ -153,15 +183,17 @@ def stop_server() -> None:
     global _server
     if _server is None:
         return
-    process, connection = _server
+    from multiprocessing.connection import Client
+
+    process, address, authkey = _server
     _server = None
-    try:
-        connection.send(None)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError, EOFError):
+        with Client(address, family="AF_UNIX", authkey=authkey) as connection:
+            connection.send(None)
     process.join(timeout=10)
     if process.is_alive():
         process.kill()
+    shutil.rmtree(os.path.dirname(address), ignore_errors=True)
 
 
 atexit.register(stop_server)
@@ -175,36 +207,44 @@ def run_warm(fn: Callable[..., Any], world_size: int, args: tuple) -> None:
         torch.multiprocessing.ProcessExitedException: a rank ended by a signal or with a non-zero status.
         RuntimeError: the server itself died.
     """
+    from multiprocessing.connection import Client
+
     from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
-    process, connection = _started()
+    with _starting:
+        process, address, authkey = _started()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="zero_bnb_rendezvous_") as folder:
         try:
-            connection.send((pickle.dumps(fn), pickle.dumps(args), world_size, os.path.join(folder, "store"),
-                             dict(os.environ), folder))
-            for fd in (1, 2):
-                reduction.send_handle(connection, fd, process.pid)
-            codes, cpu = connection.recv()
+            with Client(address, family="AF_UNIX", authkey=authkey) as connection:
+                connection.send((pickle.dumps(fn), pickle.dumps(args), world_size, os.path.join(folder, "store"),
+                                 dict(os.environ), folder))
+                for fd in (1, 2):
+                    reduction.send_handle(connection, fd, process.pid)
+                codes, cpu = connection.recv()
         except (EOFError, OSError) as error:
-            stop_server()
-            raise RuntimeError(f"the warm launch server (pid {process.pid}) died: {error!r}; its exit code "
-                               f"{process.exitcode}") from error
+            raise RuntimeError(f"the warm launch server (pid {process.pid}) or this launch's leader died: "
+                               f"{error!r}; the server's exit code {process.exitcode}") from error
         global _children_cpu
-        _children_cpu += cpu
+        with _starting:
+            _children_cpu += cpu
         logger.debug("warm launch of %s on %d ranks: %.1f s", getattr(fn, "__name__", fn), world_size,
                      time.monotonic() - started)
         failed = [rank for rank in range(world_size) if codes[rank] != 0]
         if not failed:
             return
-        # the first rank that failed by itself: killed peers (SIGKILL) come after one that raised or aborted
-        rank = min(failed, key=lambda r: (codes[r] == -signal.SIGKILL, r))
-        error_file = os.path.join(folder, f"rank{rank}.error")
-        if os.path.exists(error_file):
-            with open(error_file) as handle:
-                trace = handle.read()
+        raised = {}
+        for rank in failed:
+            with contextlib.suppress(FileNotFoundError), open(os.path.join(folder, f"rank{rank}.error")) as handle:
+                at, _, trace = handle.read().partition("\n")
+                raised[rank] = (float(at), trace)
+        if raised:  # the rank that raised first: a peer's collective breaks after it
+            rank = min(raised, key=lambda r: raised[r][0])
+            trace = raised[rank][1]
             raise ProcessRaisedException(f"\n\n-- Process {rank:d} terminated with the following error:\n{trace}",
                                          rank, -1)
+        # the first rank that ended by itself (in the order they were reaped): the peers killed after it come later
+        rank = next(r for r in codes if codes[r] != 0)
         code = codes[rank]
         if code < 0:
             name = signal.Signals(-code).name
