@@ -212,6 +212,19 @@ def _module_only(context, out):
                                   "weights": weights, "init": init}
 
 
+def _reshaped(context, out):
+    """A stage-3 checkpoint loaded into a model whose ``2.weight`` is (160, 96) instead of (96, 160): the same number
+    of elements, so only the shapes tell; refused before the engine is touched."""
+    world, workdir = context["world"], context["workdir"]
+    model = build_model()
+    model[2] = torch.nn.Linear(96, 160)
+    engine, *_ = zero_bnb.initialize(model=model, optimizer=OPTIMIZERS["Adam8bit"](param_groups(model), lr=LR),
+                                     config=stage3_config(world))
+    before = consolidated_state(engine)
+    error = _error(lambda: engine.load_checkpoint(os.path.join(workdir, "adam8bit")))
+    out["reshaped"] = {"error": error, "before": before, "after": consolidated_state(engine)}
+
+
 def _frozen_engine(world: int, stage: int, zero_init: bool = False):
     """Adam8bit on the toy model whose first layer is frozen (LoRA-style), at ``stage``; ``zero_init``: the model is
     built under ``deepspeed.zero.Init`` (stage 3), partitioned as each parameter is created. Collective."""
@@ -330,7 +343,8 @@ def stage3_resume(rank, world, workdir):
     if world == 1:
         phases.append(_resume(OFFLOADED_AT_DP1, name=f"{OFFLOADED_AT_DP1}_offloaded"))
     if world == 3:
-        phases += [_resume("adam8bit", offload="optimizer", name="adam8bit_offloaded"), _across_stages, _module_only]
+        phases += [_resume("adam8bit", offload="optimizer", name="adam8bit_offloaded"), _across_stages, _module_only,
+                   _reshaped]
     run_phases(out, {"world": world, "workdir": workdir}, *phases)
     out["partitions"] = _partition_sizes(stage3_engine(world, "adam8bit"))
     _save_result(os.path.join(workdir, f"stage3_dp{world}.pt"), out)

@@ -564,3 +564,15 @@ def test_the_tools_read_a_stage3_checkpoint(runs, tmp_path, capsys):
     assert "zero_stage: 3" in capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "universal" / "zero" / "0.weight").iterdir()) == [
         "exp_avg.pt", "exp_avg_sq.pt", "fp32.pt", "step.pt"]
+
+
+def test_a_stage3_checkpoint_into_a_model_whose_parameter_changed_shape_is_refused_and_changes_nothing(runs):
+    """docs/checkpoints.md, checks before loading: parameter shapes (differences listed). 2.weight is (160, 96) in the
+    model and (96, 160) in the checkpoint (as many elements: a load by offsets alone would pass) and its bias (160,)
+    instead of (96,)."""
+    reshaped = _case(runs, 3, "reshaped")
+    error = reshaped["error"]
+    assert error is not None and error.startswith("CheckpointMismatchError"), error
+    for part in ("2.weight: saved (96, 160), model (160, 96)", "2.bias: saved (96,), model (160,)"):
+        assert part in error, (part, error)
+    _assert_same_state(reshaped["before"], reshaped["after"])
