@@ -6,4 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test,demo,hf,lightning
 . scripts/python.sh
+if [ "$#" -eq 0 ]; then
+    # the whole suite (README, .ci/run): a run past this many seconds fails (tests/conftest.py). 840 s measured on 2
+    # cores at the commit that set it; issue 44 aims at 720 once the fault campaigns run their trials side by side.
+    export ZERO_BNB_SUITE_BUDGET_S="${ZERO_BNB_SUITE_BUDGET_S:-1080}"
+fi
 exec "$PYTHON" -m pytest "$@"

@@ -6,6 +6,7 @@ import gc
 import os
 import resource
 import tempfile
+import time
 
 import pytest
 
@@ -80,3 +81,29 @@ def pytest_runtest_makereport(item, call):
 _CHILDREN_AT_START = pytest.StashKey[float]()
 #: Child CPU seconds above which a test counts as launching processes.
 LAUNCH_CPU_SECONDS = 1.0
+
+
+#: The full suite's time budget in seconds (scripts/test.sh sets it when it runs the whole suite): a run past it fails,
+#: so the suite cannot quietly grow back past CI's patience (issue 44: 12 minutes on 2 cores).
+SUITE_BUDGET_ENV = "ZERO_BNB_SUITE_BUDGET_S"
+_SESSION_START = pytest.StashKey[float]()
+
+
+def pytest_sessionstart(session) -> None:
+    session.stash[_SESSION_START] = time.monotonic()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus) -> None:
+    budget = os.environ.get(SUITE_BUDGET_ENV)
+    if not budget or _SESSION_START not in session.stash:
+        return
+    spent = time.monotonic() - session.stash[_SESSION_START]
+    if spent > float(budget):
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write("\n")
+            reporter.write_line(f"zero_bnb: the suite took {spent:.0f} s, over its budget of {float(budget):.0f} s "
+                                f"({SUITE_BUDGET_ENV}, set by scripts/test.sh): make the suite faster before adding "
+                                f"to it (pytest --durations=30 names the slowest)", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
