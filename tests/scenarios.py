@@ -43,14 +43,18 @@ def train_save_continue(rank, world, workdir, optimizer_name, steps_before, step
     losses = train_steps(engine, RUN, 0, steps_before)
     engine.save_checkpoint(os.path.join(workdir, "ckpt"), tag="mid")
     saved = consolidated_state(engine)
+    from optimizer_scenarios import bnb_view
+
+    saved_bnb = bnb_view(engine, param_groups(engine.module))
     after = train_steps(engine, RUN, steps_before, steps_after)
     final = consolidated_state(engine)
+    final_bnb = bnb_view(engine, param_groups(engine.module))
     # Reload into the same (advanced) engine: it must return exactly to the saved state.
     engine.load_checkpoint(os.path.join(workdir, "ckpt"), tag="mid")
     reloaded = consolidated_state(engine)
     _save_result(os.path.join(workdir, f"reference_dp{world}.pt"),
                  {"saved": saved, "final": final, "reloaded": reloaded, "losses": losses + after,
-                  "global_steps": engine.global_steps})
+                  "global_steps": engine.global_steps, "saved_bnb": saved_bnb, "final_bnb": final_bnb})
 
 
 def resume(rank, world, workdir, optimizer_name, steps_before, steps_after):
@@ -63,6 +67,25 @@ def resume(rank, world, workdir, optimizer_name, steps_before, steps_after):
     final = consolidated_state(engine)
     _save_result(os.path.join(workdir, f"resumed_dp{world}.pt"),
                  {"loaded": loaded, "final": final, "losses": after, "global_steps": global_steps})
+
+
+def round_trip_leg(rank, world, workdir, optimizer_name, source, target, steps_before, steps):
+    """One leg of a DP=2 -> 3 -> 2 round trip: load checkpoint folder ``source``, train ``steps`` steps from step
+    ``steps_before`` and (``target``) save into ``target``. Every view is bitsandbytes' (``optimizer_scenarios.bnb_view``:
+    each rank's partitions and state read straight from the optimizer, 8-bit codes dequantized by bitsandbytes), not
+    zero_bnb's consolidated one."""
+    from optimizer_scenarios import bnb_view
+
+    engine = make_engine(world, optimizer_name)
+    groups = param_groups(engine.module)
+    engine.load_checkpoint(os.path.join(workdir, source))
+    loaded = bnb_view(engine, groups)
+    global_steps = engine.global_steps
+    losses = train_steps(engine, RUN, steps_before, steps)
+    if target:
+        engine.save_checkpoint(os.path.join(workdir, target), tag="back")
+    _save_result(os.path.join(workdir, f"leg_{source}_dp{world}.pt"),
+                 {"loaded": loaded, "global_steps": global_steps, "losses": losses, "saved": bnb_view(engine, groups)})
 
 
 def _stock_engine(dp, optimizer_name="Adam8bit", **extra):

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import scenarios
-from requantized import ADAM_MAPS, assert_requantized_on_load, report, stock_flat_values
+from requantized import ADAM_MAPS, assert_requantized_on_load, quantized_values, report, stock_flat_values
 from scenarios import within, worst_relative
 import torch
 
@@ -99,6 +99,42 @@ def test_resume_at_another_dp_size_is_exact(adam8bit_dp2, dp):
     coupled = COUPLED_DRIFT if dp > 2 else DRIFT
     atol = {name: (SWITCHED_DRIFT if name == switched and dp > 2 else coupled) for name in reference["saved"]["params"]}
     _assert_training_continues(reference, resumed, atol=atol, label=f"Adam8bit DP=2 -> {dp}")
+
+
+def test_a_round_trip_dp2_to_3_to_2_lands_on_the_saved_state_at_each_load_and_follows_the_uninterrupted_run(
+        adam8bit_dp2):
+    """Issue 44: saved at DP=2, resumed at DP=3 for 3 steps and saved, resumed at DP=2 again. Each load is checked
+    with bitsandbytes' view of every rank's state (optimizer_scenarios.bnb_view: no zero_bnb code), the trip against
+    the uninterrupted DP=2 run. 4.weight's moments are 8-bit at DP=2 and fp32 at DP=3 (its partitions fall below
+    min_8bit_size): dequantized exactly on the way out, quantized once by bitsandbytes' own quantizer on the way back."""
+    workdir, reference = adam8bit_dp2
+    run_distributed(scenarios.round_trip_leg, 3, workdir, "Adam8bit", "ckpt", "roundtrip", STEPS_BEFORE, STEPS_AFTER)
+    run_distributed(scenarios.round_trip_leg, 2, workdir, "Adam8bit", "roundtrip", None, STEPS_BEFORE + STEPS_AFTER, 0)
+    there, back = _load(os.path.join(workdir, "leg_ckpt_dp3.pt")), _load(os.path.join(workdir, "leg_roundtrip_dp2.pt"))
+    saved = reference["saved_bnb"]
+    assert there["loaded"]["params"].keys() == saved["params"].keys() == back["loaded"]["params"].keys()
+    for name, tensors in saved["params"].items():  # DP=2 -> 3: every value as saved, bit for bit
+        assert there["loaded"]["params"][name].keys() == tensors.keys(), name
+        for key, value in tensors.items():
+            assert torch.equal(there["loaded"]["params"][name][key], value), f"DP=2 -> 3: {name}.{key}"
+    assert there["loaded"]["counters"] == saved["counters"] and there["global_steps"] == STEPS_BEFORE
+    for name, tensors in there["saved"]["params"].items():  # DP=3 -> 2
+        for key, value in tensors.items():
+            expected = quantized_values(value, ADAM_MAPS[key]) if name == "4.weight" and key in EIGHT_BIT_CODES \
+                else value
+            assert torch.equal(back["loaded"]["params"][name][key], expected), f"DP=3 -> 2: {name}.{key}"
+    assert back["loaded"]["counters"] == there["saved"]["counters"]
+    assert back["global_steps"] == STEPS_BEFORE + STEPS_AFTER
+    assert [counters["step"] for counters in back["loaded"]["counters"]] == [STEPS_BEFORE + STEPS_AFTER] * 3
+    # against the run that never stopped: the DP=3 leg's losses, and where the trip lands after it
+    ref_after = reference["losses"][STEPS_BEFORE:]
+    within("round trip: first loss at DP=3 (rel.)", worst_relative(ref_after[:1], there["losses"][:1]),
+           FIRST_LOSS_BOUND)
+    within("round trip: losses at DP=3 (rel.)", worst_relative(ref_after, there["losses"]), LOSS_BOUND)
+    for name, tensors in reference["final_bnb"]["params"].items():
+        drift = (tensors["fp32"] - back["loaded"]["params"][name]["fp32"]).abs().max().item()
+        within(f"round trip: weight drift of {name} back at DP=2", drift,
+               SWITCHED_DRIFT if name == "4.weight" else COUPLED_DRIFT)
 
 
 def test_adamw8bit_fp32_state_is_quantized_when_partitions_grow(tmp_path):
