@@ -119,15 +119,52 @@ def _train_save(case: str):
         nonzero_padding = _nonzero_padding(engine)
         engine.save_checkpoint(os.path.join(workdir, case), tag="mid")
         saved = consolidated_state(engine)
+        saved_ds = ds_view(engine)
         after = train_steps(engine, RUN, STEPS_BEFORE, STEPS_AFTER)
         final = consolidated_state(engine)
         engine.load_checkpoint(os.path.join(workdir, case), tag="mid")
         reloaded = consolidated_state(engine)
-        out[case] = {"saved": saved, "final": final, "reloaded": reloaded, "losses": losses + after,
+        out[case] = {"saved": saved, "saved_ds": saved_ds, "final": final, "reloaded": reloaded, "losses": losses + after,
                      "global_steps": engine.global_steps, "offloaded": _offloaded(engine),
                      "nonzero_padding": nonzero_padding}
     phase.__name__ = f"train_save_{case}"
     return phase
+
+
+#: The element-wise optimizer state a stage-3 view reads through DeepSpeed's accessor (bitsandbytes' names, torch's).
+ELEMENTWISE_KEYS = ("state1", "state2", "exp_avg", "exp_avg_sq")
+
+
+def ds_view(engine) -> dict:
+    """Every parameter's master weights and element-wise optimizer state (8-bit codes as numbers: ``"codes"`` names
+    those keys) read through DeepSpeed's own
+    accessors (``deepspeed.utils.safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``), not zero_bnb's
+    consolidation: the oracle shares no code with zero_bnb. A key the optimizer does not hold, or holds stacked in rows,
+    is left out.
+    Collective: every rank calls it; every rank gets the view."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    inner = engine.optimizer.optimizer.state.values()
+    # DeepSpeed's accessor narrows dimension 0: state stacked in rows (AdEMAMix's state1, shape (2, n)) is beyond it
+    stacked = {key for state in inner for key, value in state.items() if torch.is_tensor(value) and value.dim() > 1}
+    # the accessor hands 8-bit codes back as fp32 numbers (exactly: 0..255); which keys are codes, per bitsandbytes
+    codes = sorted({key for state in inner for key, value in state.items()
+                    if torch.is_tensor(value) and value.dtype == torch.uint8 and key in ELEMENTWISE_KEYS})
+    view = {}
+    for name, param in engine.module.named_parameters():
+        if not param.requires_grad:
+            continue
+        entry = {"fp32": safe_get_full_fp32_param(param).detach().cpu().clone()}
+        for key in ELEMENTWISE_KEYS:
+            if key in stacked:
+                continue
+            try:
+                value = safe_get_full_optimizer_state(param, key)
+            except KeyError:
+                continue
+            entry[key] = value.detach().cpu().clone()
+        view[name] = entry
+    return {"params": view, "codes": codes}
 
 
 def _offloaded(engine) -> dict:
@@ -154,9 +191,10 @@ def _resume(case: str, offload: bool | str = True, name: str | None = None):
         engine = stage3_engine(world, case, offload=offload)
         engine.load_checkpoint(os.path.join(workdir, case))
         loaded = consolidated_state(engine)
+        loaded_ds = ds_view(engine)
         global_steps = engine.global_steps
         after = train_steps(engine, RUN, STEPS_BEFORE, STEPS_AFTER)
-        out[name or case] = {"loaded": loaded, "final": consolidated_state(engine), "losses": after,
+        out[name or case] = {"loaded": loaded, "loaded_ds": loaded_ds, "final": consolidated_state(engine), "losses": after,
                              "global_steps": global_steps, "offloaded": _offloaded(engine),
                              "fused_steps": _fused_steps(engine.optimizer.optimizer),
                              "nonzero_padding": _nonzero_padding(engine)}
