@@ -14,6 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 from integrity_scenarios import _fail_when, _listing
+from optimizer_scenarios import bnb_view, views_differ
 from scenarios import _error, make_engine, run_phases
 
 import zero_bnb
@@ -21,7 +22,7 @@ from zero_bnb.format import durable
 from zero_bnb.format.manifest import read_manifest
 from zero_bnb.testing.consolidate import consolidated_state, state_differences
 from zero_bnb.testing.toy import DEFAULT_RUN as RUN
-from zero_bnb.testing.toy import train_steps
+from zero_bnb.testing.toy import param_groups, train_steps
 
 
 def _same_file(first: str, second: str) -> bool:
@@ -58,6 +59,7 @@ def _same_as_sync(c, out):
     ones a synchronous save of the same state writes; a load waits for it."""
     workdir, engine, twin = c["workdir"], c["engine"], c["twin"]
     at_call = consolidated_state(engine)
+    at_call_bnb = bnb_view(engine, param_groups(engine.module))  # bitsandbytes' view: no zero_bnb code
     weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     client = {"epoch": [3], "note": "at the call"}
     slow = _slow_writes(0.02)
@@ -82,8 +84,11 @@ def _same_as_sync(c, out):
     fresh = make_engine(c["world"])
     _, client_loaded = fresh.load_checkpoint(os.path.join(workdir, "async"))
     loaded = consolidated_state(fresh)
+    loaded_bnb = bnb_view(fresh, param_groups(fresh.module))
     if c["rank"] == 0:
         out["state_differences"] = state_differences(at_call, loaded)[1]
+        out["bnb_differences"] = views_differ(at_call_bnb, loaded_bnb)
+        out["bnb_checked"] = sorted(at_call_bnb["params"])
     out["client_state"] = {key: client_loaded[key] for key in ("epoch", "note")}
     out["weights_differ"] = [n for n, p in fresh.module.named_parameters() if not torch.equal(p, weights[n])]
     folders = [os.path.join(workdir, name, "A") for name in ("async", "sync")]
@@ -105,6 +110,7 @@ def _bf16(c, out):
     for engine in engines.values():
         train_steps(engine, RUN, 0, 2)
     at_call = consolidated_state(engines["async"])
+    at_call_bnb = bnb_view(engines["async"], param_groups(engines["async"].module))
     for name, engine in engines.items():
         engine.save_checkpoint(os.path.join(workdir, f"bf16_{name}"), tag="A")
     train_steps(engines["async"], RUN, 2, 1)
@@ -117,8 +123,10 @@ def _bf16(c, out):
     fresh = make_engine(c["world"], bf16={"enabled": True})
     fresh.load_checkpoint(os.path.join(workdir, "bf16_async"))
     loaded = consolidated_state(fresh)
+    loaded_bnb = bnb_view(fresh, param_groups(fresh.module))
     if rank == 0:
         out["bf16_differences"] = state_differences(at_call, loaded)[1]
+        out["bf16_bnb_differences"] = views_differ(at_call_bnb, loaded_bnb)
     for engine in (*engines.values(), fresh):
         engine.destroy()
 

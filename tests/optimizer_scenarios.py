@@ -191,6 +191,21 @@ def bnb_view(engine, groups) -> dict | None:
     return view
 
 
+def views_differ(saved: dict, loaded: dict) -> list[str]:
+    """Where two :func:`bnb_view` results differ, bit for bit (empty when identical)."""
+    different = [f"parameters {sorted(saved['params'])} != {sorted(loaded['params'])}"] * (
+        saved["params"].keys() != loaded["params"].keys())
+    for name, tensors in saved["params"].items():
+        other = loaded["params"].get(name, {})
+        if other.keys() != tensors.keys():
+            different.append(f"{name}: keys {sorted(tensors)} != {sorted(other)}")
+        different += [f"{name}.{key}" for key, value in tensors.items()
+                      if key in other and not torch.equal(value, other[key])]
+    if saved["counters"] != loaded["counters"]:
+        different.append(f"counters {saved['counters']} != {loaded['counters']}")
+    return different
+
+
 def _override_engine(world: int):
     """Adam8bit with a 32-bit override for the first layer's weight (9600 elements: 8-bit without it)."""
     import zero_bnb

@@ -38,6 +38,8 @@ def ranks(tmp_path_factory):
 def test_the_checkpoint_holds_the_state_at_the_call_not_what_training_did_next(ranks):
     assert result(ranks, "returned_while_pending") is True  # the call returned before the files were written
     assert result(ranks[:1], "state_differences") == []  # masters, 8-bit moments, counters bit for bit
+    assert result(ranks[:1], "bnb_differences") == []  # the same through bitsandbytes' view of every rank's state
+    assert len(result(ranks[:1], "bnb_checked")) == 6  # the toy's 6 parameters
     assert result(ranks, "weights_differ") == []  # module weights changed in place after the call did not leak in
     assert result(ranks, "client_state") == {"epoch": [3], "note": "at the call"}
 
@@ -58,6 +60,7 @@ def test_bf16_masters_derive_in_the_background_to_the_bytes_of_a_synchronous_sav
     for rank in (0, 1):
         assert ranks[rank][f"bf16_same_bytes:{rank}"] is True, rank
     assert result(ranks[:1], "bf16_differences") == []
+    assert result(ranks[:1], "bf16_bnb_differences") == []
 
 
 def test_the_call_blocks_for_less_than_the_background_write(ranks):

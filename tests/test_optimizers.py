@@ -19,6 +19,7 @@ from optimizer_scenarios import (
     load_offloaded_at_dp1,
     runnable,
     save_all,
+    views_differ,
 )
 from scenarios import check_zero_to_fp32_habits, result, within
 from test_fp16 import RESUMED_BOUND as FP16_RESUMED_BOUND
@@ -81,21 +82,6 @@ def _rows(cases):
     return [pytest.param(case, marks=_gpu_marks(case)) for case in cases]
 
 
-def _views_differ(saved: dict, loaded: dict) -> list[str]:
-    """Where two :func:`bnb_view` results differ, bit for bit (empty when identical)."""
-    different = [f"parameters {sorted(saved['params'])} != {sorted(loaded['params'])}"] * (
-        saved["params"].keys() != loaded["params"].keys())
-    for name, tensors in saved["params"].items():
-        other = loaded["params"].get(name, {})
-        if other.keys() != tensors.keys():
-            different.append(f"{name}: keys {sorted(tensors)} != {sorted(other)}")
-        different += [f"{name}.{key}" for key, value in tensors.items()
-                      if key in other and not torch.equal(value, other[key])]
-    if saved["counters"] != loaded["counters"]:
-        different.append(f"counters {saved['counters']} != {loaded['counters']}")
-    return different
-
-
 def _relative(a: list[float], b: list[float]) -> list[float]:
     return [abs(x - y) / abs(x) for x, y in zip(a, b, strict=True)]
 
@@ -109,7 +95,7 @@ def test_save_at_dp2_load_at_dp3_is_exact(matrix, case):
     assert [int(counters["step"]) for counters in saved["state"]["counters"]] == [STEPS] * 3
     # The same through bitsandbytes' own dequantization of every rank's partition (no zero_bnb code on that path).
     assert len(saved["bnb"]["params"]) == 6 and all(len(v) >= 2 for v in saved["bnb"]["params"].values()), saved["bnb"]
-    assert not _views_differ(saved["bnb"], loaded["bnb"]), _views_differ(saved["bnb"], loaded["bnb"])
+    assert not views_differ(saved["bnb"], loaded["bnb"]), views_differ(saved["bnb"], loaded["bnb"])
     assert [counters["step"] for counters in saved["bnb"]["counters"]] == [STEPS] * 3
     assert loaded["hyper"] == saved["hyper"], (saved["hyper"], loaded["hyper"])
     assert loaded["module_is_master"], "module weights must be the master weights in the module dtype"
@@ -129,7 +115,7 @@ def test_zero_bnb_trains_exactly_like_stock_deepspeed_and_bitsandbytes_on_a_shar
     stock, ours = sides["stock"], sides["zero_bnb"]
     assert len(stock["losses"]) == REFERENCE_STEPS and ours["losses"] == stock["losses"], (stock, ours)
     assert ours["hyper"] == stock["hyper"]
-    assert len(stock["state"]["params"]) == 3 and not _views_differ(stock["state"], ours["state"])
+    assert len(stock["state"]["params"]) == 3 and not views_differ(stock["state"], ours["state"])
     assert [counters["step"] for counters in ours["state"]["counters"]] == [REFERENCE_STEPS] * 3
 
 
