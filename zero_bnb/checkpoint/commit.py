@@ -110,8 +110,9 @@ def _kept_name(save_dir: str, tag: str) -> str:
 
 def _prepare(save_dir: str, tag: str, latest_name: str | None, token: str,
              owned_only: bool = True, durable_lock: bool = True) -> tuple[SaveFolderLock, str]:
-    """Create ``save_dir``, take its lock, clear stale staging folders; returns the lock and staging folder."""
-    makedirs(save_dir)
+    """Create ``save_dir`` (durably: a save folder the first save creates must survive a crash with its checkpoints),
+    take its lock, clear stale staging folders; returns the lock and staging folder."""
+    makedirs(save_dir, durable=True)
     lock = SaveFolderLock(save_dir, f"saving tag {tag!r}")
     lock.acquire(durable=durable_lock)
     try:

@@ -235,13 +235,23 @@ def fsync_file(path: str) -> bool:
         os.close(descriptor)
 
 
-def makedirs(path: str, *, fresh: bool = False) -> None:
-    """``os.makedirs(path, exist_ok=True)``, reported to the I/O hook; ``fresh``: ``path`` must not exist yet."""
+def makedirs(path: str, *, fresh: bool = False, durable: bool = False) -> None:
+    """``os.makedirs(path, exist_ok=True)``, reported to the I/O hook; ``fresh``: ``path`` must not exist yet.
+
+    ``durable``: the entry of every folder it creates is fsynced in its parent (POSIX may otherwise lose a new folder,
+    and every checkpoint later saved in it, in a crash after the save returned)."""
     io_event("mkdir", path)
+    created = []
+    folder = os.path.abspath(path)
+    while durable and not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        created.append(folder)
+        folder = os.path.dirname(folder)
     if fresh:
         os.mkdir(path)
     else:
         os.makedirs(path, exist_ok=True)
+    for folder in reversed(created):
+        fsync_dir(os.path.dirname(folder))
 
 
 def remove_tree(path: str, *, via: str | None = None) -> None:
