@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import resource
+import shutil
+import subprocess
 import tempfile
 import time
 
 import pytest
 
-from zero_bnb.testing import warm
+from zero_bnb.testing import launch, warm
 
 #: Spelled as in tests/scenarios.py (run_phases appends each phase that raised there, on every rank).
 FAILED_PHASES_ENV = "ZERO_BNB_FAILED_PHASES"
@@ -21,8 +24,14 @@ def pytest_configure(config) -> None:
     folder = tempfile.mkdtemp(prefix="zero_bnb-phases-")
     os.environ[FAILED_PHASES_ENV] = os.path.join(folder, "failed.tsv")
     open(os.environ[FAILED_PHASES_ENV], "w").close()
-    # CPU launches fork from one server that imported torch, DeepSpeed and bitsandbytes once (zero_bnb.testing.warm)
-    os.environ[warm.WARM_ENV] = "1"
+    # CPU launches fork from one server that imported torch, DeepSpeed and bitsandbytes once (zero_bnb.testing.warm);
+    # ZERO_BNB_WARM_LAUNCH=0 spawns every rank as the demo and benchmarks do
+    if os.environ.get(warm.WARM_ENV) != "0":
+        warm.enable_here()
+
+
+def pytest_unconfigure(config) -> None:
+    shutil.rmtree(os.path.dirname(os.environ.get(FAILED_PHASES_ENV, "")) or "/nonexistent", ignore_errors=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -58,27 +67,34 @@ def _children_cpu_seconds() -> float:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
+    subprocess._cleanup()  # children an earlier test left unwaited are reaped now, not in this test
+    multiprocessing.active_children()
     item.stash[_CHILDREN_AT_START] = _children_cpu_seconds()
+    item.stash[_LAUNCHES_AT_START] = launch.launches()
     yield
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """``-m "not launch"`` must select only in-process tests: a test without the ``launch`` marker whose setup or call
-    waited for child processes that spent over a second of CPU (``RUSAGE_CHILDREN``, counted once they are reaped:
+    ran a ``run_distributed`` launch (counted exactly: a warm launch's ranks spend little CPU) or waited for child
+    processes that spent over a second of CPU (``RUSAGE_CHILDREN``, counted once they are reaped:
     one rank importing torch alone spends more; a compiler's version probe spends a few milliseconds) fails. Teardown
     is not counted: a shared server started by a marked module may be reaped at any later test's teardown."""
     outcome = yield
     report = outcome.get_result()
     if call.when == "call" and report.passed and item.get_closest_marker("launch") is None:
         spent = _children_cpu_seconds() - item.stash.get(_CHILDREN_AT_START, float("inf"))
-        if spent > LAUNCH_CPU_SECONDS:
+        launched = launch.launches() - item.stash.get(_LAUNCHES_AT_START, 0)
+        if spent > LAUNCH_CPU_SECONDS or launched:
             report.outcome = "failed"
-            report.longrepr = (f"{item.nodeid} waited for child processes ({spent:.2f} s of their CPU) but is not "
-                               f"marked 'launch': add pytestmark = pytest.mark.launch to its module")
+            report.longrepr = (f"{item.nodeid} ran {launched} run_distributed launch(es) and waited for child "
+                               f"processes ({spent:.2f} s of their CPU) but is not marked 'launch': add pytestmark = "
+                               f"pytest.mark.launch to its module")
 
 
 _CHILDREN_AT_START = pytest.StashKey[float]()
+_LAUNCHES_AT_START = pytest.StashKey[int]()
 #: Child CPU seconds above which a test counts as launching processes.
 LAUNCH_CPU_SECONDS = 1.0
 
@@ -96,7 +112,7 @@ def pytest_sessionstart(session) -> None:
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus) -> None:
     budget = os.environ.get(SUITE_BUDGET_ENV)
-    if not budget or _SESSION_START not in session.stash:
+    if not budget or _SESSION_START not in session.stash or exitstatus != 0:  # a failed run keeps its own status
         return
     spent = time.monotonic() - session.stash[_SESSION_START]
     if spent > float(budget):

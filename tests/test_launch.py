@@ -99,6 +99,41 @@ def test_a_rank_that_raises_fails_the_launch_with_its_traceback_warm_or_spawned(
         run_distributed(raise_on_rank_1, 2)
 
 
+def exit_with_3_on_rank_1(rank: int, world_size: int) -> None:
+    if rank == 1:
+        sys.exit(3)
+
+
+def record_what_a_rank_inherits(rank: int, world_size: int, folder: str) -> None:
+    """Where a rank runs, whether it may start a child process (a DataLoader worker, a pool) and its random state."""
+    import multiprocessing
+    import random
+
+    import torch
+
+    child = multiprocessing.get_context("fork").Process(target=int)
+    child.start()
+    child.join()
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as handle:
+        json.dump({"cwd": os.getcwd(), "child_exit": child.exitcode, "torch": torch.rand(1).item(),
+                   "random": random.random()}, handle)
+
+
+@pytest.mark.parametrize("warm", ["1", "0"])
+def test_a_rank_is_what_a_spawned_rank_is_warm_or_spawned(tmp_path, monkeypatch, warm):
+    # a forked rank used to keep the server's folder, daemon flag (no DataLoader workers) and random state
+    monkeypatch.setenv(WARM_ENV, warm)
+    monkeypatch.chdir(tmp_path)
+    run_distributed(record_what_a_rank_inherits, 2, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [(r["cwd"], r["child_exit"]) for r in ranks] == [(str(tmp_path), 0)] * 2, ranks
+    assert ranks[0]["torch"] != ranks[1]["torch"] and ranks[0]["random"] != ranks[1]["random"], ranks
+    # torch's launcher reports whichever rank it reaps first (rank 0's broken barrier, often); the warm one rank 1's
+    expected = (ProcessExitedException,) if warm == "1" else (ProcessExitedException, ProcessRaisedException)
+    with pytest.raises(expected, match="process 1 terminated with exit code 3" if warm == "1" else None):
+        run_distributed(exit_with_3_on_rank_1, 2)
+
+
 def test_launches_from_two_threads_run_at_once(tmp_path):
     # tests/test_hostile.py runs two jobs into one folder at the same time: each waits for the other at a barrier file
     threads = [threading.Thread(target=run_distributed, args=(meet, 1, str(tmp_path), side)) for side in ("a", "b")]

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,7 +26,7 @@ import torch.multiprocessing as mp
 from zero_bnb.testing import warm
 
 __all__ = ["DEVICES", "SHM_COMM_OP", "child_environment", "child_environment_for", "exit_skipping_finalization",
-           "gpus_missing", "init_worker", "run_distributed", "run_rank"]
+           "gpus_missing", "init_worker", "launches", "run_distributed", "run_rank"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,10 +102,11 @@ def exit_skipping_finalization(code: int = 0) -> None:
     torch's gloo worker threads may still drop their last reference to a finished collective's tensors while Python
     finalizes; taking the GIL then ends the thread, and the unwind through a ``noexcept`` frame aborts the process
     ("terminate called without an active exception", SIGABRT: seen in a core dump of a torchrun scenario, about once
-    in 30 launches on a loaded 2-core machine). The ``atexit`` handlers run first (zero_bnb's report of a lost
+    in 30 launches on a loaded 2-core machine). Non-daemon threads are joined and the ``atexit`` handlers run first (zero_bnb's report of a lost
     asynchronous save may still turn the exit status into 1), then logs and standard streams are flushed. Every rank
     calls it.
     """
+    threading._shutdown()  # the non-daemon threads first, as the interpreter's own exit does
     atexit._run_exitfuncs()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
@@ -158,6 +160,15 @@ def child_environment(device: str) -> Iterator[None]:
                 os.environ[key] = value
 
 
+_launches = 0
+
+
+def launches() -> int:
+    """How many launches :func:`run_distributed` started in this process (tests/conftest.py's ``launch`` marker
+    check)."""
+    return _launches
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, device: str = "cpu") -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes (CPU ranks are forked by a warm server
     instead where ``ZERO_BNB_WARM_LAUNCH=1``, as in the test suite: :mod:`zero_bnb.testing.warm`).
@@ -172,6 +183,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, device:
     """
     if device == "cuda" and (reason := gpus_missing(world_size)) is not None:
         raise ValueError(f"run_distributed(device=\"cuda\") {reason}; use device=\"cpu\" or fewer ranks")
+    global _launches
+    _launches += 1
     if device == "cpu" and warm.warm_enabled():
         warm.run_warm(fn, world_size, args)
         return

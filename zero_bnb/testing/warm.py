@@ -31,11 +31,12 @@ from collections.abc import Callable
 from multiprocessing import reduction
 from typing import Any
 
-__all__ = ["WARM_ENV", "children_cpu_seconds", "run_warm", "stop_server", "warm_enabled"]
+__all__ = ["WARM_ENV", "children_cpu_seconds", "enable_here", "run_warm", "stop_server", "warm_enabled"]
 
 logger = logging.getLogger(__name__)
 
-#: Set to "1" (the test suite does, in tests/conftest.py) to launch CPU ranks from the warm server.
+#: Set to "1" to launch CPU ranks from the warm server (inherited by the processes started; the test suite calls
+#: :func:`enable_here` instead).
 WARM_ENV = "ZERO_BNB_WARM_LAUNCH"
 #: What the server imports before its first launch.
 _WARM_MODULES = ("torch", "torch.distributed", "deepspeed", "deepspeed.comm", "bitsandbytes", "zero_bnb",
@@ -44,6 +45,7 @@ _WARM_MODULES = ("torch", "torch.distributed", "deepspeed", "deepspeed.comm", "b
 _server: Any = None  # (process, address, authkey) while one runs
 _starting = threading.Lock()  # launches may come from several threads at once
 _children_cpu = 0.0
+_enabled_here = False
 
 
 def children_cpu_seconds() -> float:
@@ -52,9 +54,18 @@ def children_cpu_seconds() -> float:
     return _children_cpu
 
 
+def enable_here() -> None:
+    """Send this process's CPU launches here (the test suite does, in tests/conftest.py); unlike ``WARM_ENV``, the
+    processes it starts (a user's demo run by a test) launch as a user's would."""
+    global _enabled_here
+    _enabled_here = True
+
+
 def warm_enabled() -> bool:
-    """Whether :func:`zero_bnb.testing.launch.run_distributed` sends CPU launches here."""
-    return os.environ.get(WARM_ENV) == "1"
+    """Whether :func:`zero_bnb.testing.launch.run_distributed` sends CPU launches here: ``WARM_ENV`` says so ("1" or
+    "0"), else whether :func:`enable_here` was called."""
+    value = os.environ.get(WARM_ENV)
+    return value == "1" if value in ("0", "1") else _enabled_here
 
 
 def _status(code: int) -> int:
@@ -62,49 +73,100 @@ def _status(code: int) -> int:
     return -os.WTERMSIG(code) if os.WIFSIGNALED(code) else os.WEXITSTATUS(code)
 
 
-def _rank(rank: int, world: int, store: str, fn: Callable[..., Any], args: bytes, env: dict[str, str],
-          error_file: str, fds: tuple[int, int]) -> None:
-    """A forked rank: the caller's environment and output, then what a spawned rank runs. Never returns."""
+def _as_spawned(rank: int, caller: dict[str, Any]) -> None:
+    """Undo in a forked rank what it inherited from the server and a spawned rank would not have: the caller's
+    working folder, umask, module path and environment; fresh random states (``random``, torch, NumPy); not a daemon
+    (a daemonic process may not start children: DataLoader workers, pools); its name. The string-hash seed cannot be
+    changed after the interpreter started: every warm rank has the server's (``PYTHONHASHSEED``)."""
+    import multiprocessing.process
+    import random
+
+    process = multiprocessing.process.current_process()
+    process._config["daemon"] = False
+    process.name = f"WarmRank-{rank}"
+    os.chdir(caller["cwd"])
+    os.umask(caller["umask"])
+    sys.path[:] = caller["path"]
+    os.environ.clear()
+    os.environ.update(caller["env"])
+    random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent (the launch's leader) ends."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _rank(rank: int, world: int, store: str, fn_bytes: bytes, args: bytes, caller: dict[str, Any],
+          error_file: str, fds: tuple[int, int], listener_fd: int) -> None:
+    """A forked rank: the caller's environment and output, then what a spawned rank runs. Never returns. Ends as a
+    spawned rank does: ``sys.exit(n)`` gives status ``n`` and no error; an exception is reported with its
+    traceback."""
     from zero_bnb.testing.launch import exit_skipping_finalization, run_rank
 
     code = 1
     try:
+        _die_with_parent()
         os.dup2(fds[0], 1)
         os.dup2(fds[1], 2)
-        os.environ.clear()
-        os.environ.update(env)
-        run_rank(rank, world, store, fn, pickle.loads(args), "cpu")  # ends the process when fn returns
+        for fd in (*fds, listener_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        _as_spawned(rank, caller)
+        run_rank(rank, world, store, pickle.loads(fn_bytes), pickle.loads(args), "cpu")  # ends the process
+    except SystemExit as exit:
+        code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+        if code:  # when it ended: its peers' collectives break after it
+            with open(error_file, "w") as handle:
+                handle.write(f"{getattr(exit, 'zero_bnb_failed_at', time.monotonic())}\nexit\n{code}")
     except BaseException as error:  # noqa: BLE001 - reported to the caller as a spawned rank's error would be
         with open(error_file, "w") as handle:
-            handle.write(f"{getattr(error, 'zero_bnb_failed_at', time.monotonic())}\n{traceback.format_exc()}")
+            handle.write(f"{getattr(error, 'zero_bnb_failed_at', time.monotonic())}\nraised\n"
+                         f"{traceback.format_exc()}")
     finally:
         exit_skipping_finalization(code)
 
 
-def _wait(pids: dict[int, int]) -> tuple[dict[int, int], float]:
-    """Exit codes of every rank and the CPU seconds they spent; once one fails, the others are killed (as torch's
-    launcher does: they would wait in a collective for ever)."""
+def _kill(pids: dict[int, int], done: dict[int, int], killed: set[int]) -> None:
+    for rank, pid in pids.items():
+        if rank not in done:
+            killed.add(rank)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _wait(pids: dict[int, int], connection) -> tuple[dict[int, int], float, list[int]]:
+    """Exit codes of every rank (in the order they ended), the CPU seconds they spent and the ranks killed here: once
+    one fails, the others are killed (as torch's launcher does: they would wait in a collective for ever), and all of
+    them if the caller went away (its end of the connection closed: interrupted, killed)."""
     codes: dict[int, int] = {}
+    killed: set[int] = set()
     cpu = 0.0
     while len(codes) < len(pids):
-        pid, status, usage = os.wait4(-1, 0)
+        pid, status, usage = os.wait4(-1, os.WNOHANG)
+        if pid == 0:
+            if connection.poll(0.05):  # the caller sends nothing while it waits: this is its end closing
+                _kill(pids, codes, killed)
+            continue
         rank = next((r for r, p in pids.items() if p == pid), None)
         if rank is None:
             continue
         cpu += usage.ru_utime + usage.ru_stime
         codes[rank] = _status(status)
         if codes[rank] != 0:
-            for other, other_pid in pids.items():
-                if other not in codes:
-                    try:
-                        os.kill(other_pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-    return codes, cpu
+            _kill(pids, codes, killed)
+    return codes, cpu, sorted(killed)
 
 
-def _leader(connection, fn: Callable[..., Any], args: bytes, world: int, store: str, env: dict[str, str],
-            folder: str, fds: tuple[int, int]) -> None:
+def _leader(connection, fn_bytes: bytes, args: bytes, world: int, store: str, caller: dict[str, Any],
+            folder: str, fds: tuple[int, int], listener_fd: int) -> None:
     """One launch, in a fork of the server: fork the ranks, wait for them, reply. Never returns."""
     try:
         pids = {}
@@ -112,42 +174,65 @@ def _leader(connection, fn: Callable[..., Any], args: bytes, world: int, store: 
             pid = os.fork()
             if pid == 0:
                 connection.close()
-                _rank(rank, world, store, fn, args, env, os.path.join(folder, f"rank{rank}.error"), fds)
+                _rank(rank, world, store, fn_bytes, args, caller, os.path.join(folder, f"rank{rank}.error"), fds,
+                      listener_fd)
             pids[rank] = pid
-        connection.send(_wait(pids))
+        for fd in fds:
+            os.close(fd)
+        connection.send(_wait(pids, connection))
     finally:
         os._exit(0)  # no finalizer: the listener's socket file belongs to the server
 
 
+def _warm_import(fn_bytes: bytes, path: list[str]) -> None:
+    """Import, in the server, the module a launched function comes from (once: every later launch's ranks find it
+    imported); a module that fails to import here fails in the ranks, where it is reported."""
+    import importlib
+
+    for entry in path:
+        if entry not in sys.path:
+            sys.path.append(entry)
+    with contextlib.suppress(Exception):
+        importlib.import_module(pickle.loads(fn_bytes).__module__)
+
+
 def _serve(address: str, authkey: bytes, ready) -> None:
     """The server: each connection is one launch, run by a fork of the server (its leader), so launches from several
-    threads of the caller run at once; ``None`` ends it."""
+    threads of the caller run at once; ``None`` ends it. A launch that fails cannot end the server."""
     import importlib
     from multiprocessing.connection import Listener
 
     listener = Listener(address, family="AF_UNIX", authkey=authkey)
+    listener_fd = listener._listener._socket.fileno()
     ready.send(os.getpid())
     ready.close()
     for name in _WARM_MODULES:
         importlib.import_module(name)
     while True:
-        connection = listener.accept()
-        message = connection.recv()
+        try:
+            connection = listener.accept()
+            message = connection.recv()
+        except (OSError, EOFError):  # a caller that went away before sending its launch
+            continue
         if message is None:
             connection.close()
             listener.close()
             return
-        fn_bytes, args, world, store, env, folder = message
-        fds = (reduction.recv_handle(connection), reduction.recv_handle(connection))
-        fn = pickle.loads(fn_bytes)  # imports fn's module here, once for every later launch
-        gc.freeze()  # what the server imported is shared by its forks and skipped by their collector
+        try:
+            fn_bytes, args, world, store, caller, folder = message
+            fds = (reduction.recv_handle(connection), reduction.recv_handle(connection))
+        except Exception:  # noqa: BLE001 - a malformed launch: its caller sees the connection close
+            connection.close()
+            continue
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         if os.fork() == 0:
-            _leader(connection, fn, args, world, store, env, folder, fds)
+            _leader(connection, fn_bytes, args, world, store, caller, folder, fds, listener_fd)
         connection.close()
         for fd in fds:
             os.close(fd)
+        _warm_import(fn_bytes, caller["path"])
+        gc.freeze()  # what the server imported is shared by its forks and skipped by their collector
         with contextlib.suppress(ChildProcessError):
             while os.waitpid(-1, os.WNOHANG)[0]:  # the leaders that ended
                 pass
@@ -158,6 +243,8 @@ def _started():
     global _server
     if _server is not None and _server[0].is_alive():
         return _server
+    if _server is not None:  # it died: its socket's folder goes with it
+        shutil.rmtree(os.path.dirname(_server[1]), ignore_errors=True)
     import multiprocessing
 
     from zero_bnb.testing.launch import child_environment
@@ -211,17 +298,20 @@ def run_warm(fn: Callable[..., Any], world_size: int, args: tuple) -> None:
 
     from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
+    fn_bytes, args_bytes = pickle.dumps(fn), pickle.dumps(args)  # an unpicklable launch fails here, as spawned
+    umask = os.umask(0)
+    os.umask(umask)
+    caller = {"cwd": os.getcwd(), "umask": umask, "path": list(sys.path), "env": dict(os.environ)}
     with _starting:
         process, address, authkey = _started()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="zero_bnb_rendezvous_") as folder:
         try:
             with Client(address, family="AF_UNIX", authkey=authkey) as connection:
-                connection.send((pickle.dumps(fn), pickle.dumps(args), world_size, os.path.join(folder, "store"),
-                                 dict(os.environ), folder))
+                connection.send((fn_bytes, args_bytes, world_size, os.path.join(folder, "store"), caller, folder))
                 for fd in (1, 2):
                     reduction.send_handle(connection, fd, process.pid)
-                codes, cpu = connection.recv()
+                codes, cpu, killed = connection.recv()
         except (EOFError, OSError) as error:
             raise RuntimeError(f"the warm launch server (pid {process.pid}) or this launch's leader died: "
                                f"{error!r}; the server's exit code {process.exitcode}") from error
@@ -233,18 +323,21 @@ def run_warm(fn: Callable[..., Any], world_size: int, args: tuple) -> None:
         failed = [rank for rank in range(world_size) if codes[rank] != 0]
         if not failed:
             return
-        raised = {}
+        ended = {}  # rank -> (when, "raised" or "exit", traceback or status)
         for rank in failed:
             with contextlib.suppress(FileNotFoundError), open(os.path.join(folder, f"rank{rank}.error")) as handle:
-                at, _, trace = handle.read().partition("\n")
-                raised[rank] = (float(at), trace)
-        if raised:  # the rank that raised first: a peer's collective breaks after it
-            rank = min(raised, key=lambda r: raised[r][0])
-            trace = raised[rank][1]
-            raise ProcessRaisedException(f"\n\n-- Process {rank:d} terminated with the following error:\n{trace}",
-                                         rank, -1)
-        # the first rank that ended by itself (in the order they were reaped): the peers killed after it come later
-        rank = next(r for r in codes if codes[r] != 0)
+                at, kind, payload = handle.read().split("\n", 2)
+                ended[rank] = (float(at), kind, payload)
+        # A rank that died by a signal it was not sent here (a native crash) is the cause of its peers' broken
+        # collectives, which they raise; otherwise the rank that raised or exited first.
+        crashed = [rank for rank in codes if codes[rank] < 0 and rank not in ended and rank not in killed]
+        rank = crashed[0] if crashed else min(ended, key=lambda r: ended[r][0]) if ended else \
+            next(r for r in codes if codes[r] != 0)
+        if rank in ended and ended[rank][1] == "raised":
+            raise ProcessRaisedException(f"\n\n-- Process {rank:d} terminated with the following error:\n"
+                                         f"{ended[rank][2]}", rank, -1)
+        if rank in ended:
+            codes[rank] = int(ended[rank][2])
         code = codes[rank]
         if code < 0:
             name = signal.Signals(-code).name
