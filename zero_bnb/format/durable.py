@@ -239,7 +239,8 @@ def makedirs(path: str, *, fresh: bool = False, durable: bool = False) -> None:
     """``os.makedirs(path, exist_ok=True)``, reported to the I/O hook; ``fresh``: ``path`` must not exist yet.
 
     ``durable``: the entry of every folder it creates is fsynced in its parent (POSIX may otherwise lose a new folder,
-    and every checkpoint later saved in it, in a crash after the save returned)."""
+    and every checkpoint later saved in it, in a crash after the save returned); a parent that cannot be opened for
+    reading gets a WARNING instead."""
     io_event("mkdir", path)
     created = []
     folder = os.path.abspath(path)
@@ -251,7 +252,11 @@ def makedirs(path: str, *, fresh: bool = False, durable: bool = False) -> None:
     else:
         os.makedirs(path, exist_ok=True)
     for folder in reversed(created):
-        fsync_dir(os.path.dirname(folder))
+        try:
+            fsync_dir(os.path.dirname(folder))
+        except PermissionError as error:  # a parent this user may write but not read (a drop folder): not fatal
+            logger.warning("zero_bnb: the new folder %s is not made durable in its parent (%s); a crash soon after "
+                           "this save could lose it", folder, error)
 
 
 def remove_tree(path: str, *, via: str | None = None) -> None:

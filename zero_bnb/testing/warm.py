@@ -2,9 +2,9 @@
 
 A spawned rank imports torch, DeepSpeed and bitsandbytes before it runs anything: 5 to 7 s of CPU each, about 45
 launches of 2 or 3 ranks in the suite. :func:`run_warm` hands a launch to a server spawned once per process (with the
-CPU ranks' environment, see :func:`zero_bnb.testing.launch.child_environment_for`) that has imported them and every
+CPU ranks' environment, see :func:`zero_bnb.testing.ranks.child_environment_for`) that has imported them and every
 module a launched function came from; it forks the ranks, which run exactly what a spawned rank runs
-(:func:`zero_bnb.testing.launch.run_rank`), in the caller's environment of the moment and writing to the caller's
+(:func:`zero_bnb.testing.ranks.run_rank`), in the caller's environment of the moment and writing to the caller's
 standard output and error (its descriptors are passed along). Each launch is a connection to the server's Unix socket
 (with a random key), run by a fork of the server: launches from several threads run at once. A failure raises what
 ``torch.multiprocessing.start_processes`` raises: the first failed rank's traceback, or the signal that ended it.
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 WARM_ENV = "ZERO_BNB_WARM_LAUNCH"
 #: What the server imports before its first launch.
 _WARM_MODULES = ("torch", "torch.distributed", "deepspeed", "deepspeed.comm", "bitsandbytes", "zero_bnb",
-                 "zero_bnb.testing.launch")
+                 "zero_bnb.testing.ranks")
 
 _server: Any = None  # (process, address, authkey) while one runs
 _starting = threading.Lock()  # launches may come from several threads at once
@@ -109,7 +109,7 @@ def _rank(rank: int, world: int, store: str, fn_bytes: bytes, args: bytes, calle
     """A forked rank: the caller's environment and output, then what a spawned rank runs. Never returns. Ends as a
     spawned rank does: ``sys.exit(n)`` gives status ``n`` and no error; an exception is reported with its
     traceback."""
-    from zero_bnb.testing.launch import exit_skipping_finalization, run_rank
+    from zero_bnb.testing.ranks import exit_skipping_finalization, run_rank
 
     code = 1
     try:
@@ -247,7 +247,7 @@ def _started():
         shutil.rmtree(os.path.dirname(_server[1]), ignore_errors=True)
     import multiprocessing
 
-    from zero_bnb.testing.launch import child_environment
+    from zero_bnb.testing.ranks import child_environment
 
     folder = tempfile.mkdtemp(prefix="zero_bnb-warm-")
     address, authkey = os.path.join(folder, "server"), os.urandom(32)
