@@ -7,8 +7,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh test,demo,hf,lightning
 . scripts/python.sh
 if [ "$#" -eq 0 ]; then
-    # the whole suite (README, .ci/run): a run past this many seconds fails (tests/conftest.py). 840 s and 1064 s
-    # measured on one 2-core box (a quiet and a busy run, 2026-11-29): 1.4x the slower; issue 44 aims at 720 once the
+    # the whole suite (README, .ci/run): a run past this many seconds fails (tests/conftest.py). 840 s to 1134 s
+    # measured on one 2-core box (quiet to busy, 2026-11-29): 1.3x the slowest; issue 44 aims at 720 once the
     # fault campaigns run their trials side by side.
     export ZERO_BNB_SUITE_BUDGET_S="${ZERO_BNB_SUITE_BUDGET_S:-1500}"
 fi
