@@ -31,6 +31,8 @@ from collections.abc import Callable
 from multiprocessing import reduction
 from typing import Any
 
+from zero_bnb.testing.ranks import child_environment, exit_skipping_finalization, run_rank
+
 __all__ = ["WARM_ENV", "children_cpu_seconds", "enable_here", "run_warm", "stop_server", "warm_enabled"]
 
 logger = logging.getLogger(__name__)
@@ -109,8 +111,6 @@ def _rank(rank: int, world: int, store: str, fn_bytes: bytes, args: bytes, calle
     """A forked rank: the caller's environment and output, then what a spawned rank runs. Never returns. Ends as a
     spawned rank does: ``sys.exit(n)`` gives status ``n`` and no error; an exception is reported with its
     traceback."""
-    from zero_bnb.testing.ranks import exit_skipping_finalization, run_rank
-
     code = 1
     try:
         _die_with_parent()
@@ -246,8 +246,6 @@ def _started():
     if _server is not None:  # it died: its socket's folder goes with it
         shutil.rmtree(os.path.dirname(_server[1]), ignore_errors=True)
     import multiprocessing
-
-    from zero_bnb.testing.ranks import child_environment
 
     folder = tempfile.mkdtemp(prefix="zero_bnb-warm-")
     address, authkey = os.path.join(folder, "server"), os.urandom(32)
