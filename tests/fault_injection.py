@@ -3,7 +3,8 @@
 Three stages, each one process launch:
 
 1. :func:`reference` (DP=2, spawned): trains, saves tag ``A`` into ``base/``, records the
-   consolidated state at ``A`` and one step later (``B``), and logs every durable I/O step
+   state at ``A`` and one step later (``B``) as bitsandbytes sees it (``optimizer_scenarios.bnb_view``: each rank's
+   partition and state read from the inner optimizer, 8-bit codes dequantized by bitsandbytes; no zero_bnb code), and logs every durable I/O step
    of a clean save of ``B`` (new tag) and of a re-save of ``A`` (same tag) on each rank.
 2. :func:`run_trials` (one spawned server that imports everything once, then forks a DP=2
    pair per trial): each pair loads ``A`` from a copy of ``base/``, trains the same step,
@@ -11,8 +12,8 @@ Three stages, each one process launch:
    is SIGKILLed (as a launcher would) if it has not died on its own within a grace period.
    In the ``async_new`` mode the save is asynchronous (``zero_checkpoint_async``): the I/O steps,
    and so the kill, happen in the background writer while the pair trains one more step.
-3. :func:`verify` (DP=3, spawned): loads every trial folder and compares the state with
-   ``A`` and ``B`` bit for bit.
+3. :func:`verify` (DP=3, spawned): loads every trial folder and compares its bitsandbytes view with
+   ``A`` and ``B`` bit for bit, step counters of every rank included.
 """
 
 from __future__ import annotations
@@ -31,11 +32,10 @@ import torch
 import torch.distributed as dist
 
 from zero_bnb.format import durable
-from zero_bnb.testing.consolidate import consolidated_state, state_differences
 from zero_bnb.testing.forks import run_server
 from zero_bnb.testing.launch import child_environment_for, init_worker
 from zero_bnb.testing.toy import DEFAULT_RUN as RUN
-from zero_bnb.testing.toy import train_steps
+from zero_bnb.testing.toy import param_groups, train_steps
 
 STEPS_TO_A = 2
 # save mode -> tag the interrupted save writes
@@ -50,6 +50,13 @@ def _engine(world):
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     return make_engine(world)
+
+
+def _view(engine):
+    """Bitsandbytes' view of the engine's state (rank 0; None elsewhere): the oracle shares no code with zero_bnb."""
+    from optimizer_scenarios import bnb_view
+
+    return bnb_view(engine, param_groups(engine.module))
 
 
 def _asynchronous(engine, mode: str) -> None:
@@ -82,9 +89,9 @@ def reference(rank, world, workdir):
     train_steps(engine, RUN, 0, STEPS_TO_A)
     base = os.path.join(workdir, "base")
     engine.save_checkpoint(base, tag="A")
-    state_a = consolidated_state(engine)
+    state_a = _view(engine)
     train_steps(engine, RUN, STEPS_TO_A, 1)
-    state_b = consolidated_state(engine)
+    state_b = _view(engine)
     events = {}
     for mode in MODES:
         folder = os.path.join(workdir, f"clean_{mode}")
@@ -192,6 +199,8 @@ def run_trials(workdir: str, trials: list[dict]) -> list[dict]:
 
 def verify(rank, world, workdir, folders):
     """Stage 3: load each folder's ``latest`` at DP=``world``; record which reference it equals."""
+    from optimizer_scenarios import views_differ
+
     references = torch.load(os.path.join(workdir, "references.pt"), weights_only=False)
     engine = _engine(world)
     outcomes = {}
@@ -201,9 +210,9 @@ def verify(rank, world, workdir, folders):
         except Exception as error:  # noqa: BLE001 - recorded and asserted on by the test
             outcomes[folder] = f"load failed: {type(error).__name__}: {error}"
             continue
-        state = consolidated_state(engine)
+        state = _view(engine)
         if rank == 0:
-            matches = [name for name, ref in references.items() if not state_differences(ref, state)[1]]
+            matches = [name for name, ref in references.items() if not views_differ(ref, state)]
             outcomes[folder] = matches[0] if len(matches) == 1 else f"matches {matches}"
     if rank == 0:
         with open(os.path.join(workdir, "verified.json"), "w") as handle:

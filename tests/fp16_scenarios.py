@@ -8,12 +8,12 @@ import os
 
 import bitsandbytes as bnb
 import torch.distributed as dist
+from optimizer_scenarios import bnb_view
 from scenarios import _save_result
 
-from zero_bnb.testing.consolidate import consolidated_state
 from zero_bnb.testing.cpu_fp16 import allow_fp16_on_cpu
 from zero_bnb.testing.toy import DEFAULT_RUN as RUN
-from zero_bnb.testing.toy import build_engine, train_steps
+from zero_bnb.testing.toy import build_engine, param_groups, train_steps
 
 STAGES = (1, 2)
 BEFORE, AFTER = 6, 6
@@ -44,7 +44,7 @@ def save_and_continue(rank: int, world: int, workdir: str) -> None:
         engine = _engine(world, stage, SAVED_SCALER)
         record = {"dtype": str(next(engine.module.parameters()).dtype), "losses": train_steps(engine, RUN, 0, BEFORE)}
         engine.save_checkpoint(os.path.join(workdir, f"stage{stage}"), tag="saved")
-        record["saved"] = consolidated_state(engine)
+        record["saved"] = bnb_view(engine, param_groups(engine.module))  # bitsandbytes' view: no zero_bnb code
         record["scaler_saved"] = scaler_state(engine)
         record["losses"] += train_steps(engine, RUN, BEFORE, AFTER)
         record["scaler_after"] = scaler_state(engine)
@@ -61,7 +61,7 @@ def resume(rank: int, world: int, workdir: str) -> None:
         engine = _engine(world, stage, OTHER_SCALER)
         record = {"scaler_fresh": scaler_state(engine)}
         engine.load_checkpoint(os.path.join(workdir, f"stage{stage}"))
-        record["loaded"] = consolidated_state(engine)
+        record["loaded"] = bnb_view(engine, param_groups(engine.module))
         record["scaler_loaded"] = scaler_state(engine)
         record["losses"] = train_steps(engine, RUN, engine.global_steps, AFTER)
         record["scaler_after"] = scaler_state(engine)

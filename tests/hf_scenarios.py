@@ -347,13 +347,14 @@ def accelerate_without_cpu_state(world) -> list[int]:
 
 def _trainer_named_optimizer(workdir, world, name: str, *, load: bool) -> dict:
     """The optimizer Trainer's ``optim=name`` builds, under zero_bnb on the toy model: 2 steps and a save at DP=2,
-    or the load at DP=3; the consolidated state either way."""
+    or the load at DP=3; bitsandbytes' view of the state either way (``optimizer_scenarios.bnb_view``: no zero_bnb
+    code)."""
     import functools
 
+    from optimizer_scenarios import bnb_view
     from transformers import Trainer, TrainingArguments
 
-    from zero_bnb.testing.consolidate import consolidated_state
-    from zero_bnb.testing.toy import DEFAULT_RUN, build_engine, train_steps
+    from zero_bnb.testing.toy import DEFAULT_RUN, build_engine, param_groups, train_steps
 
     args = TrainingArguments(output_dir=os.path.join(workdir, "names"), optim=name, report_to=[])
     cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
@@ -364,7 +365,7 @@ def _trainer_named_optimizer(workdir, world, name: str, *, load: bool) -> dict:
     else:
         train_steps(engine, DEFAULT_RUN, 0, 2)
         engine.save_checkpoint(folder, tag="t")
-    return {"class": f"{cls.__name__}({kwargs.get('optim_bits')}-bit)", "state": consolidated_state(engine)}
+    return {"class": f"{cls.__name__}({kwargs.get('optim_bits')}-bit)", "state": bnb_view(engine, param_groups(engine.module))}
 
 
 def _more_optims(workdir, world, *, load: bool) -> dict:

@@ -25,9 +25,9 @@ from hf_scenarios import (GLOBAL_BATCH, MICRO, Z3_EMBD, Captured, _accelerate_st
                           tiny_gpt2)
 
 from scenarios import _error
+from stage3_scenarios import ds_view
 
 import zero_bnb
-from zero_bnb.testing.consolidate import consolidated_state
 
 #: The keys Trainer and Accelerate fill from the model's hidden size at stage 3, left "auto".
 AUTO_BUCKETS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
@@ -46,7 +46,8 @@ def z3_config(gather="auto", *, offload: bool = False, **extra) -> dict:
 
 
 def _against_masters(weights: dict, masters: dict, dtype: torch.dtype) -> dict:
-    """Which of the gathered ``weights`` differ from the consolidated masters cast to ``dtype`` (rank 0)."""
+    """Which of the gathered ``weights`` differ from the masters (:func:`stage3_scenarios.ds_view`: DeepSpeed's
+    accessor) cast to ``dtype`` (rank 0)."""
     cast = {name: entry["fp32"].to(dtype) for name, entry in masters["params"].items()}
     return {"missing": sorted(set(cast) - set(weights)), "dtypes": sorted({str(t.dtype) for t in weights.values()}),
             "different": [n for n in cast if n in weights and not torch.equal(weights[n], cast[n])],
@@ -70,8 +71,9 @@ def describe_stage3(engine) -> dict:
 
 
 def _state_callback(save_step: int | None):
-    """A Trainer callback keeping the consolidated optimizer state at the save of ``save_step`` (``None``: at
-    ``on_train_begin``, which Trainer calls after a resume's load). Every rank runs callbacks: collective is fine."""
+    """A Trainer callback keeping the optimizer state (:func:`stage3_scenarios.ds_view`: DeepSpeed's accessors and
+    bitsandbytes' dequantization, no zero_bnb code) at the save of ``save_step`` (``None``: at ``on_train_begin``,
+    which Trainer calls after a resume's load). Every rank runs callbacks: collective is fine."""
     from transformers import TrainerCallback
 
     class StateAt(TrainerCallback):
@@ -80,11 +82,11 @@ def _state_callback(save_step: int | None):
 
         def on_save(self, args, state, control, **kwargs):
             if save_step is not None and state.global_step == save_step:
-                self.state = consolidated_state(self.trainer.model_wrapped)
+                self.state = ds_view(self.trainer.model_wrapped)
 
         def on_train_begin(self, args, state, control, **kwargs):
             if save_step is None:
-                self.state = consolidated_state(self.trainer.model_wrapped)
+                self.state = ds_view(self.trainer.model_wrapped)
 
     return StateAt()
 
@@ -143,16 +145,16 @@ def _accelerate_z3(context, out, *, resume: bool):
     result = {"built_under_zero_init": built_partitioned}
     if resume:
         accelerator.load_state(folder)
-        result["state"] = consolidated_state(model)
+        result["state"] = ds_view(model)
         result["global_steps"] = model.global_steps
         result["losses"] = _accelerate_steps(accelerator, model, optimizer, 4, 4)
     else:
         result["losses"] = _accelerate_steps(accelerator, model, optimizer, 0, 4)
         accelerator.save_state(folder)
-        result["state"] = consolidated_state(model)
+        result["state"] = ds_view(model)
         result["losses"] += _accelerate_steps(accelerator, model, optimizer, 4, 4)
     # Accelerate's own way to the whole model (the 16-bit gather), at this DP size, against the masters
-    gathered, masters = accelerator.get_state_dict(model), consolidated_state(model)
+    gathered, masters = accelerator.get_state_dict(model), ds_view(model)
     if dist.get_rank() == 0:
         result["gathered"] = _against_masters(gathered, masters, torch.float32)
     out["z3_accelerate"] = {**result, **describe_stage3(model)}
@@ -200,7 +202,7 @@ def save_16bit_model_bf16(context, out):
         train_steps(engine, DEFAULT_RUN, 0, 2)
         folder = os.path.join(workdir, f"z3_16bit_bf16_{gather}")
         saved = engine.save_16bit_model(folder, "weights.bin")
-        masters = consolidated_state(engine)
+        masters = ds_view(engine)
         dist.barrier()
         path = os.path.join(folder, "weights.bin")
         entry = {"returned": saved, "exists": os.path.exists(path)}

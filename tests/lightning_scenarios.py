@@ -125,11 +125,12 @@ def _optimizer_facts(trainer) -> dict:
 
 
 def _stage3_state_callback(save_to: str | None = None):
-    """At stage 3: the consolidated optimizer state when the first epoch ends, after ``trainer.save_checkpoint(save_to)``
+    """At stage 3: the optimizer state (:func:`stage3_scenarios.ds_view`: DeepSpeed's accessors and bitsandbytes'
+    dequantization, no zero_bnb code) when the first epoch ends, after ``trainer.save_checkpoint(save_to)``
     there (``save_to``), or when training starts (after a resume's load; ``None``). Collective: every rank runs it."""
     import lightning.pytorch as pl
 
-    from zero_bnb.testing.consolidate import consolidated_state
+    from stage3_scenarios import ds_view
 
     class StateAt(pl.Callback):
         state = None
@@ -137,11 +138,11 @@ def _stage3_state_callback(save_to: str | None = None):
         def on_train_epoch_end(self, trainer, module):
             if save_to is not None and trainer.current_epoch == 0:
                 trainer.save_checkpoint(save_to)
-                self.state = consolidated_state(trainer.strategy.model)
+                self.state = ds_view(trainer.strategy.model)
 
         def on_train_start(self, trainer, module):
             if save_to is None:
-                self.state = consolidated_state(trainer.strategy.model)
+                self.state = ds_view(trainer.strategy.model)
 
     return StateAt()
 

@@ -136,35 +136,66 @@ ELEMENTWISE_KEYS = ("state1", "state2", "exp_avg", "exp_avg_sq")
 
 
 def ds_view(engine) -> dict:
-    """Every parameter's master weights and element-wise optimizer state (8-bit codes as numbers: ``"codes"`` names
-    those keys) read through DeepSpeed's own
-    accessors (``deepspeed.utils.safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``), not zero_bnb's
-    consolidation: the oracle shares no code with zero_bnb. A key the optimizer does not hold, or holds stacked in rows,
-    is left out.
+    """Every parameter's master weights and element-wise optimizer state read through DeepSpeed's own accessors
+    (``deepspeed.utils.safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``), not zero_bnb's consolidation:
+    the oracle shares no code with zero_bnb. 8-bit codes come as numbers (``"codes"`` names those keys) and, as
+    ``"<key>:bnb"``, as bitsandbytes' ``dequantize_blockwise`` of each rank's partition with that rank's own ``absmax``
+    and map (put beside the codes in the optimizer's state for the accessor to read, then removed), so an ``absmax``
+    that differs shows. ``"counters"``: each rank's step counters (a rank that skipped or repeated a step shows). A key
+    the optimizer does not hold, or holds stacked in rows, is left out.
     Collective: every rank calls it; every rank gets the view."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from optimizer_scenarios import _dequantized
 
-    inner = engine.optimizer.optimizer.state.values()
+    states = list(engine.optimizer.optimizer.state.values())
     # DeepSpeed's accessor narrows dimension 0: state stacked in rows (AdEMAMix's state1, shape (2, n)) is beyond it
-    stacked = {key for state in inner for key, value in state.items() if torch.is_tensor(value) and value.dim() > 1}
+    stacked = {key for state in states for key, value in state.items() if torch.is_tensor(value) and value.dim() > 1}
     # the accessor hands 8-bit codes back as fp32 numbers (exactly: 0..255); which keys are codes, per bitsandbytes
-    codes = sorted({key for state in inner for key, value in state.items()
-                    if torch.is_tensor(value) and value.dtype == torch.uint8 and key in ELEMENTWISE_KEYS})
+    codes = sorted({key for state in states for key, value in state.items()
+                    if torch.is_tensor(value) and value.dtype == torch.uint8 and key in ELEMENTWISE_KEYS} - stacked)
+    for state in states:
+        state.update({f"{key}:bnb": _dequantized(state, key) for key in codes if key in state})
     view = {}
-    for name, param in engine.module.named_parameters():
-        if not param.requires_grad:
-            continue
-        entry = {"fp32": safe_get_full_fp32_param(param).detach().cpu().clone()}
-        for key in ELEMENTWISE_KEYS:
-            if key in stacked:
+    try:
+        for name, param in engine.module.named_parameters():
+            if not param.requires_grad:
                 continue
-            try:
-                value = safe_get_full_optimizer_state(param, key)
-            except KeyError:
-                continue
-            entry[key] = value.detach().cpu().clone()
-        view[name] = entry
-    return {"params": view, "codes": codes}
+            entry = {"fp32": safe_get_full_fp32_param(param).detach().cpu().clone()}
+            for key in (*ELEMENTWISE_KEYS, *(f"{key}:bnb" for key in codes)):
+                if key.split(":")[0] in stacked:
+                    continue
+                try:
+                    value = safe_get_full_optimizer_state(param, key)
+                except KeyError:
+                    continue
+                entry[key] = value.detach().cpu().clone()
+            view[name] = entry
+    finally:
+        for state in states:
+            for key in codes:
+                state.pop(f"{key}:bnb", None)
+    counters = [{key: float(value) for key, value in state.items() if not torch.is_tensor(value) or value.dim() == 0}
+                for state in states]
+    everywhere: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everywhere, counters)
+    return {"params": view, "codes": codes, "counters": everywhere}
+
+
+def assert_same_ds_view(saved: dict, loaded: dict, label: str, *, eight_bit: bool) -> int:
+    """Two :func:`ds_view` results equal bit for bit, the step counters equal on every rank of both; returns how many
+    tensors were compared (for the tests)."""
+    saved_ds, loaded_ds = saved["params"], loaded["params"]
+    assert saved_ds.keys() == loaded_ds.keys() and saved_ds, (sorted(saved_ds), sorted(loaded_ds))
+    codes = saved["codes"]
+    assert loaded["codes"] == codes and bool(codes) == eight_bit, codes
+    for name, tensors in saved_ds.items():
+        assert tensors.keys() == loaded_ds[name].keys() and len(tensors) > 1, (name, sorted(tensors))
+        assert {f"{key}:bnb" for key in codes} <= tensors.keys(), (name, sorted(tensors))
+        for key, value in tensors.items():
+            assert torch.equal(value, loaded_ds[name][key]), f"{label}: {name}.{key}"
+    ranks = [counters for rank in (*saved["counters"], *loaded["counters"]) for counters in rank if counters]
+    assert ranks and all(counters == ranks[0] for counters in ranks), (label, saved["counters"], loaded["counters"])
+    return sum(map(len, saved_ds.values()))
 
 
 def _offloaded(engine) -> dict:

@@ -171,7 +171,7 @@ def test_stage3_strategy_saves_at_2_and_resumes_offloaded_at_3(lightning_runs):
     """"deepspeed_zero_bnb_stage_3", the model built in configure_model under zero.Init: saved when the first epoch
     ends at 2 processes, the second epoch resumed at 3 (accumulation 3 -> 2) by "deepspeed_zero_bnb_stage_3_offload"
     with the state bit-identical."""
-    from zero_bnb.testing.consolidate import state_differences
+    from stage3_scenarios import assert_same_ds_view
 
     dp2, dp3, _ = lightning_runs
     saved, resumed = _phase(dp2, "stage3"), _phase(dp3, "stage3")
@@ -181,9 +181,9 @@ def test_stage3_strategy_saves_at_2_and_resumes_offloaded_at_3(lightning_runs):
         assert run["built_under_zero_init"] and run["global_step"] == 8
     assert saved["offload"] == {"optimizer": False, "param": False}
     assert resumed["offload"] == {"optimizer": True, "param": True}
-    checked, different = state_differences(saved["state"], resumed["state"])
-    assert checked >= 12 and not different, different
-    assert {int(counters["step"]) for counters in resumed["state"]["counters"]} == {4}
+    # DeepSpeed's accessors and bitsandbytes' dequantization (stage3_scenarios.ds_view: no zero_bnb code)
+    assert assert_same_ds_view(saved["state"], resumed["state"], "Lightning stage 3", eight_bit=True) >= 12
+    assert {int(counters["step"]) for rank in resumed["state"]["counters"] for counters in rank if counters} == {4}
     within("Lightning ZeRO-3 first resumed loss vs uninterrupted (rel.)",
            worst_relative(saved["losses"][4:5], resumed["losses"][:1]), LIGHTNING_STAGE3_FIRST_BOUND)
     within("Lightning ZeRO-3 resumed loss vs uninterrupted (rel.)", worst_relative(saved["losses"][4:],
