@@ -59,6 +59,8 @@ def train_save_continue(rank, world, workdir, optimizer_name, steps_before, step
 
 def resume(rank, world, workdir, optimizer_name, steps_before, steps_after):
     """Load the checkpoint at DP=``world``, snapshot, re-save, and keep training."""
+    from optimizer_scenarios import bnb_view
+
     engine = make_engine(world, optimizer_name)
     engine.load_checkpoint(os.path.join(workdir, "ckpt"))
     loaded = consolidated_state(engine)
@@ -66,7 +68,8 @@ def resume(rank, world, workdir, optimizer_name, steps_before, steps_after):
     after = train_steps(engine, RUN, steps_before, steps_after)
     final = consolidated_state(engine)
     _save_result(os.path.join(workdir, f"resumed_dp{world}.pt"),
-                 {"loaded": loaded, "final": final, "losses": after, "global_steps": global_steps})
+                 {"loaded": loaded, "final": final, "final_bnb": bnb_view(engine, param_groups(engine.module)),
+                  "losses": after, "global_steps": global_steps})
 
 
 def round_trip_leg(rank, world, workdir, optimizer_name, source, target, steps_before, steps):

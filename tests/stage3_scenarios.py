@@ -122,11 +122,15 @@ def _train_save(case: str):
         saved_ds = ds_view(engine)
         after = train_steps(engine, RUN, STEPS_BEFORE, STEPS_AFTER)
         final = consolidated_state(engine)
+        final_ds = ds_view(engine)
         engine.load_checkpoint(os.path.join(workdir, case), tag="mid")
         reloaded = consolidated_state(engine)
-        out[case] = {"saved": saved, "saved_ds": saved_ds, "final": final, "reloaded": reloaded, "losses": losses + after,
-                     "global_steps": engine.global_steps, "offloaded": _offloaded(engine),
-                     "nonzero_padding": nonzero_padding}
+        global_steps = engine.global_steps
+        # the control at the DP size of the save: the same steps again from the reloaded state
+        replayed = {"losses": train_steps(engine, RUN, STEPS_BEFORE, STEPS_AFTER), "final_ds": ds_view(engine)}
+        out[case] = {"saved": saved, "saved_ds": saved_ds, "final": final, "final_ds": final_ds, "reloaded": reloaded,
+                     "replayed": replayed, "losses": losses + after, "global_steps": global_steps,
+                     "offloaded": _offloaded(engine), "nonzero_padding": nonzero_padding}
     phase.__name__ = f"train_save_{case}"
     return phase
 

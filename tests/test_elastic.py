@@ -7,6 +7,7 @@ import os
 
 import pytest
 import scenarios
+from optimizer_scenarios import views_differ
 from requantized import ADAM_MAPS, assert_requantized_on_load, quantized_values, report, stock_flat_values
 from scenarios import within, worst_relative
 import torch
@@ -83,6 +84,22 @@ def test_reload_into_the_same_engine_returns_to_the_saved_state(adam8bit_dp2):
     # The padding-free 8-bit layout really is 8-bit for the large group at DP=2.
     assert reference["saved"]["raw"][0]["state1"].dtype == torch.uint8
     assert reference["saved"]["raw"][1]["state1"].dtype == torch.float32  # the bias group is below min_8bit_size
+
+
+def test_a_resume_at_the_same_dp_size_is_the_uninterrupted_run_bit_for_bit(adam8bit_dp2):
+    """The control for the drift bounds below (issue 44 item 4): at the DP size of the save the resumed run sums in
+    the same order as the run that never stopped, so its losses and, after 3 steps, every weight, moment and counter
+    (bitsandbytes' view: no zero_bnb code) are the uninterrupted run's exactly, on every machine. Anything a load gets
+    wrong that moves training (a hyper-parameter, a counter, a moment, the scheduler) fails here with no bound;
+    across DP sizes only reduction order differs, and the drift bounds there are sanity bounds (docs/bounds.md)."""
+    workdir, reference = adam8bit_dp2
+    run_distributed(scenarios.resume, 2, workdir, "Adam8bit", STEPS_BEFORE, STEPS_AFTER)
+    resumed = _load(os.path.join(workdir, "resumed_dp2.pt"))
+    assert resumed["global_steps"] == STEPS_BEFORE
+    assert resumed["losses"] == reference["losses"][STEPS_BEFORE:]
+    assert sum(map(len, reference["final_bnb"]["params"].values())) == 18  # 6 parameters: master and 2 moments each
+    assert not views_differ(reference["final_bnb"], resumed["final_bnb"]), views_differ(reference["final_bnb"],
+                                                                                        resumed["final_bnb"])
 
 
 @pytest.mark.parametrize("dp", [1, 3, 4])

@@ -106,6 +106,18 @@ def test_reload_into_the_same_engine_returns_to_the_saved_state(runs, case):
     assert reference["global_steps"] == STEPS_BEFORE
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_steps_after_a_reload_at_the_same_dp_size_repeat_the_uninterrupted_run_bit_for_bit(runs, case):
+    """The control for the drift bounds across DP sizes (issue 44 item 4): at the DP size of the save the summation
+    order is the uninterrupted run's, so the replayed losses and, after them, every master, moment and step counter
+    (DeepSpeed's accessors and bitsandbytes' dequantization: ds_view) are exactly the uninterrupted run's, on every
+    machine, with no bound. A load that moves training (a hyper-parameter, a counter, a moment) fails here."""
+    reference = _case(runs, 2, case)
+    assert reference["replayed"]["losses"] == reference["losses"][STEPS_BEFORE:]
+    stage3_scenarios.assert_same_ds_view(reference["final_ds"], reference["replayed"]["final_ds"],
+                                         f"{case} replayed at DP=2", eight_bit=case not in FP32_STATE)
+
+
 #: The state dtype of each group (parameter) in the toy's order: weight 0, weight 1, three biases, weight 2.
 EIGHT_BIT = [torch.uint8, torch.uint8, torch.float32, torch.float32, torch.float32, torch.uint8]
 
