@@ -126,3 +126,69 @@ def traced_saves(rank, world, workdir, mutants):
     if rank == 0:
         with open(os.path.join(workdir, "run.json"), "w") as handle:
             json.dump({"saves": [name for name, _, _ in SAVES], "mutants": list(mutants), "ranks": gathered}, handle)
+
+
+#: The front doors whose checkpoint folder zero_bnb marks unfinished until it is complete (tests/front_door_kills.py).
+FRONT_DOORS = ("trainer", "accelerate")
+
+
+def _front_door_job(rank: int, world: int, workdir: str, door: str, mode: str) -> None:
+    """One front door's story of tests/front_door_kills.py at DP=``world`` (a save after step 1, the save under test
+    after step 2, whose completion deletes the first, a third) in ``{workdir}/root/{door}_{mode}``. The save under
+    test is timed from the end of step 2 (the earlier save committed) until step 3 begins with it committed; the
+    story's folder is copied to ``{workdir}/snap/{door}_{mode}:before`` and ``:after`` at those two instants, the
+    window written to ``{workdir}/{door}_{mode}.json``."""
+    import front_door_kills as kills
+
+    from zero_bnb.checkpoint.background import wait_for_pending_saves
+
+    name = f"{door}_{mode}"
+    folder = os.path.join(workdir, "root", name)
+    window: dict = {"pid": os.getpid()}
+
+    def snapshot(moment: str) -> None:
+        if rank == 0:
+            shutil.copytree(folder, os.path.join(workdir, "snap", f"{name}:{moment}"), symlinks=True)
+        dist.barrier()
+
+    class Window(kills.Steps):
+        def start(self) -> None:
+            super().start()  # the earlier save committed
+            dist.barrier()
+            snapshot("before")
+            window["start"] = time.monotonic_ns()
+
+        def after(self) -> None:
+            wait_for_pending_saves()
+            dist.barrier()
+            window["end"] = time.monotonic_ns()
+            snapshot("after")
+
+    kills.DOORS[door].story(rank, world, folder, mode, Window(lambda kind, step: False))
+    if rank == 0:
+        with open(os.path.join(workdir, f"{name}.json"), "w") as handle:
+            json.dump(window, handle)
+
+
+def serve_front_doors(workdir: str, doors: list[str]) -> None:
+    """Run :func:`_front_door_job` for each of ``doors`` and both save modes as a DP=2 job forked by this process (a
+    spawned server that imported the front doors once, as tests/front_door_kills.py's: the recorder preloaded into it
+    is in every fork); writes ``{workdir}/front_doors.json``: the job statuses."""
+    import front_door_kills as kills
+
+    from zero_bnb.testing.forks import fork_job
+    from zero_bnb.testing.launch import child_environment_for
+
+    os.environ.update(child_environment_for("cpu"))
+    import hf_scenarios  # noqa: F401 - imported once here, inherited by every forked job
+    import torch
+
+    torch.set_num_threads(1)
+    statuses = {}
+    for door in doors:
+        for mode in kills.MODES:
+            statuses[f"{door}_{mode}"] = fork_job(
+                2, lambda rank, world, door=door, mode=mode: _front_door_job(rank, world, workdir, door, mode),
+                os.path.join(workdir, f"{door}_{mode}"))
+    with open(os.path.join(workdir, "front_doors.json"), "w") as handle:
+        json.dump(statuses, handle)

@@ -20,21 +20,27 @@ tests check, from that record alone:
 * three mutants, each a save with one of zero_bnb's fsyncs left out, are caught: the first check names exactly what
   was left out, the second finds a crash state that loads a broken checkpoint;
 * the fault campaign's kill points (``tests/test_faults.py``, from ``durable.set_io_hook``) land right before a call
-  of every kind (file kind, operation) the trace sees, but the ones listed in ``_UNCOVERED``.
+  of every kind (file kind, operation) the trace sees, but the ones listed in ``_UNCOVERED``;
+* through the front doors that mark their folder unfinished (Trainer's ``checkpoint-N``, Accelerate's
+  ``checkpoints/checkpoint_N``; tests/front_door_kills.py's stories at DP=2, synchronous and asynchronous): the
+  folder is durable before its mark goes, the mark's removal before the older checkpoint's deletion starts, and every
+  crash state leaves the front door's own automatic resume the older or the new checkpoint, byte for byte.
 
 The state before each save is taken as durable (what a crash during the save may lose is the save's own work).
-Not modelled: torn writes inside a file (bytes kept up to some offset), a front door's folder (Trainer, Accelerate,
-Lightning), GPU ranks.
+Not modelled: torn writes inside a file (bytes kept up to some offset), Lightning's folders (zero_bnb save folders
+themselves, whose ``latest`` the checks above cover), GPU ranks.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import pytest
@@ -100,16 +106,8 @@ class Run:
     mutants: list[str]
 
 
-def _record(shim: str, workdir: str, world: int, mutants: list[str]) -> Run:
-    root, logs = os.path.join(workdir, "root"), os.path.join(workdir, "trace")
-    os.makedirs(root)
-    os.makedirs(logs)
-    with pytest.MonkeyPatch.context() as patch:  # the spawned ranks get the calling process's environment
-        patch.setenv("LD_PRELOAD", shim)
-        patch.setenv("ZB_TRACE_ROOT", root)
-        patch.setenv("ZB_TRACE_LOG", os.path.join(logs, "calls"))
-        patch.setenv(warm.WARM_ENV, "0")  # a fresh process per rank: a preload cannot enter the warm server's forks
-        run_distributed(traced_saves, world, workdir, mutants)
+def _calls(logs: str) -> list[Call]:
+    """Every call the recorder wrote into ``logs`` (one file per process), in time order."""
     calls = []
     for name in os.listdir(logs):
         with open(os.path.join(logs, name)) as handle:
@@ -117,6 +115,61 @@ def _record(shim: str, workdir: str, world: int, mutants: list[str]) -> Run:
                 pid, tid, seq, t, op, path, path2, value = line.rstrip("\n").split("\t")
                 calls.append(Call(int(pid), int(tid), int(seq), int(t), op, path, path2, int(value, 16)))
     calls.sort(key=lambda call: (call.t, call.pid, call.seq))
+    return _with_hidden_renames(calls)
+
+
+#: The temporary file of Rust's tempfile crate (safetensors' ``save_file``: Trainer's ``model.safetensors``).
+_RUST_TEMP = re.compile(r"^\.tmp[A-Za-z0-9]{6}$")
+
+
+def _with_hidden_renames(calls: list[Call]) -> list[Call]:
+    """``calls`` with the renames no preload sees put in: Rust's tempfile crate publishes its temporary file with a
+    raw ``renameat`` instruction (rustix), so a ``.tmpXXXXXX`` file that no call renames or removes is taken as renamed,
+    right after its last write, to the first name in its folder that a later call uses and none created."""
+    known: set[str] = set()
+    hidden: dict[str, int] = {}  # temporary file -> index of its last call
+    inserted: dict[int, list[Call]] = defaultdict(list)
+    for index, call in enumerate(calls):
+        if call.op in ("open", "mkdir"):
+            known.add(call.path)
+        if call.op in ("rename", "link"):
+            known.add(call.path2)
+            hidden.pop(call.path, None)
+        if call.op == "unlink":
+            hidden.pop(call.path, None)
+        if _RUST_TEMP.match(os.path.basename(call.path)) and call.op in ("open", "write", "trunc"):
+            hidden[call.path] = index
+            continue
+        if call.path not in known and call.op != "rename":
+            folder = os.path.dirname(call.path)
+            for temp, last in list(hidden.items()):
+                if os.path.dirname(temp) == folder:
+                    at = calls[last]
+                    inserted[last].append(Call(at.pid, at.tid, at.seq, at.t, "rename", temp, call.path, 0))
+                    known.add(call.path)
+                    del hidden[temp]
+                    break
+    return [item for index, call in enumerate(calls) for item in (call, *inserted.get(index, ()))]
+
+
+@contextmanager
+def _recorded(shim: str, root: str, logs: str):
+    """The recorder preloaded into every process started in the block (the calling process's environment)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LD_PRELOAD", shim)
+        patch.setenv("ZB_TRACE_ROOT", root)
+        patch.setenv("ZB_TRACE_LOG", os.path.join(logs, "calls"))
+        patch.setenv(warm.WARM_ENV, "0")  # a fresh process per rank: a preload cannot enter the warm server's forks
+        yield
+
+
+def _record(shim: str, workdir: str, world: int, mutants: list[str]) -> Run:
+    root, logs = os.path.join(workdir, "root"), os.path.join(workdir, "trace")
+    os.makedirs(root)
+    os.makedirs(logs)
+    with _recorded(shim, root, logs):  # the spawned ranks get the calling process's environment
+        run_distributed(traced_saves, world, workdir, mutants)
+    calls = _calls(logs)
     with open(os.path.join(workdir, "run.json")) as handle:
         run = json.load(handle)
     ranks = run["ranks"]
@@ -601,3 +654,139 @@ def test_the_fault_campaigns_kill_points_land_before_every_kind_of_call_of_a_sav
     assert {step: _UNCOVERED.get(step, "not declared") for step in traced - covered} == _UNCOVERED
     # every write, fsync, creation and rename of a file or folder a checkpoint needs is a kill point
     assert not {step for step in traced - covered if step[1] not in ("remove",) and step[0] != "lock file"}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Front doors: a Trainer or Accelerate checkpoint folder counts once its mark is gone
+
+
+@dataclass(slots=True)
+class DoorRun:
+    """The front doors' launch: the recorded calls, and per story (``{door}_{mode}``) the save under test's window."""
+
+    workdir: str
+    calls: list[Call]
+    windows: dict[str, tuple[int, int]]
+    statuses: dict[str, dict[str, str]]
+
+
+@pytest.fixture(scope="module")
+def door_run(shim, tmp_path_factory) -> DoorRun:
+    from durability_trace_scenarios import FRONT_DOORS, serve_front_doors
+
+    from zero_bnb.testing.forks import run_server
+
+    workdir = str(tmp_path_factory.mktemp("front_doors"))
+    root, logs = os.path.join(workdir, "root"), os.path.join(workdir, "trace")
+    os.makedirs(root)
+    os.makedirs(logs)
+    with _recorded(shim, root, logs):
+        run_server(serve_front_doors, workdir, list(FRONT_DOORS), what="the front doors' recorded server")
+    with open(os.path.join(workdir, "front_doors.json")) as handle:
+        statuses = json.load(handle)
+    windows = {}
+    for name in statuses:
+        with open(os.path.join(workdir, f"{name}.json")) as handle:
+            window = json.load(handle)
+        windows[name] = (window["start"], window["end"])
+    return DoorRun(workdir, _calls(logs), windows, statuses)
+
+
+def _door_sources(disk: Disk, run: DoorRun, name: str, moment: str) -> None:
+    """Files of story ``name`` without a source get their bytes from its snapshot at ``moment``, whose size must be
+    the recorded one (a write the recorder missed would show)."""
+    for path, node in disk.walk(disk.lookup(os.path.join(disk.root, name)), ""):
+        if not node.folder and node.source is None:
+            snapshot = os.path.join(run.workdir, "snap", f"{name}:{moment}", path.lstrip("/"))
+            if os.path.exists(snapshot):
+                assert os.path.getsize(snapshot) == node.size, (name, path, os.path.getsize(snapshot), node.size)
+                node.source = (f"{name}:{moment}", path.lstrip("/"))
+
+
+def _door_window(run: DoorRun, name: str) -> tuple[Disk, list[Call]]:
+    """The disk replayed up to the start of story ``name``'s window, taken as synced, and the window's calls."""
+    start, end = run.windows[name]
+    disk = Disk(os.path.join(run.workdir, "root"))
+    for call in (call for call in run.calls if call.t < start):
+        disk.replay(call)
+    disk.sync_all()
+    _door_sources(disk, run, name, "before")
+    return disk, [call for call in run.calls if start <= call.t <= end]
+
+
+def front_door_report(run: DoorRun, name: str) -> dict[str, list[str] | None]:
+    """What of the new checkpoint folder was not durable when its mark was removed (``before complete``), and
+    whether that removal was when the older folder's deletion began (``before deletion``); ``None``: never happened."""
+    import front_door_kills as kills
+
+    from zero_bnb.format.progress import SAVING_NAME
+
+    spec = kills.DOORS[name.rsplit("_", 1)[0]]
+    disk, calls = _door_window(run, name)
+    folder = os.path.join(disk.root, name)
+    second, first = os.path.join(folder, spec.second[0]), os.path.join(folder, spec.first)
+    marker = os.path.join(second, SAVING_NAME)
+    report: dict[str, list[str] | None] = {"before complete": None, "before deletion": None}
+    for call in calls:
+        removes = call.op in ("unlink", "rename")
+        if report["before complete"] is None and removes and call.path == marker:
+            report["before complete"] = [problem for problem in _not_durable(
+                disk, disk.lookup(os.path.dirname(second)), [os.path.basename(second)], f"{os.path.dirname(spec.second[0])}/")
+                if not problem.startswith(f"{spec.second[0].lstrip('/')}/{SAVING_NAME}")]
+        if report["before deletion"] is None and removes and (call.path == first or call.path.startswith(first + "/")):
+            synced = SAVING_NAME not in disk.nodes[disk.lookup(second)].durable
+            report["before deletion"] = [] if synced else [f"{spec.second[0]}/{SAVING_NAME}: removal not fsynced"]
+        disk.replay(call)
+    return report
+
+
+def front_door_crashes(run: DoorRun, name: str, scratch: str) -> dict[str, list[str]]:
+    """Outcome -> the crash states of story ``name``'s folder during the save under test that give it: ``previous``
+    or ``new`` when the folder the front door's automatic resume picks holds that checkpoint byte for byte."""
+    import front_door_kills as kills
+
+    import zero_bnb
+
+    spec = kills.DOORS[name.rsplit("_", 1)[0]]
+    disk, calls = _door_window(run, name)
+    states = {state: f"before the first call: {label}" for state, label in crash_states(disk, name).items()}
+    for call in calls:
+        disk.replay(call)
+        where = f"after {call.op} {os.path.relpath(call.path, disk.root)}"
+        for state, label in crash_states(disk, name).items():
+            states.setdefault(state, f"{where} (call {disk.index}): {label}")
+    _door_sources(disk, run, name, "after")
+    snap = os.path.join(run.workdir, "snap")
+    previous = kills._folder_state(os.path.join(snap, f"{name}:before", spec.first), content=True)
+    new = kills._folder_state(os.path.join(snap, f"{name}:after", spec.second[0]), content=True)
+    outcomes: dict[str, list[str]] = defaultdict(list)
+    with zero_bnb.enabled():
+        for count, (state, label) in enumerate(states.items()):
+            where = os.path.join(scratch, str(count), name)
+            _materialize(run, disk, state, where)
+            pick = spec.pick(where)
+            found = "none" if pick is None else kills._folder_state(pick, content=True)
+            outcome = {previous: "previous", new: "new"}.get(found, f"another: {found[:12]} picked at {pick}")
+            if outcome in ("previous", "new") and os.path.relpath(pick, where) != (
+                    spec.first if outcome == "previous" else spec.second[0]):
+                outcome = f"{outcome} under another name: {pick}"
+            outcomes[outcome.replace(scratch, "")].append(label)
+            shutil.rmtree(os.path.dirname(where))
+    return dict(outcomes)
+
+
+@pytest.mark.slow
+def test_a_front_doors_folder_is_durable_before_its_mark_goes_and_its_mark_before_the_older_one_is_deleted(
+        door_run, tmp_path):
+    """Trainer's ``checkpoint-2`` and Accelerate's ``checkpoints/checkpoint_1``, saved at DP=2 synchronously and
+    asynchronously: everything in the folder (the front door's files and zero_bnb's checkpoint) and its entry are
+    durable when the mark goes, the mark's removal is durable when the older checkpoint's deletion starts, and every
+    crash state during the save leaves the front door's automatic resume the older checkpoint or the new one, byte
+    for byte (both reached)."""
+    assert set(door_run.statuses) == {f"{door}_{mode}" for door in ("trainer", "accelerate") for mode in ("sync", "async")}
+    for name, status in door_run.statuses.items():
+        assert set(status.values()) == {"exit 0"}, (name, status)
+        report = front_door_report(door_run, name)
+        assert report == {"before complete": [], "before deletion": []}, (name, report)
+        crashes = front_door_crashes(door_run, name, str(tmp_path / name))
+        assert set(crashes) == {"previous", "new"}, (name, {outcome: labels[:3] for outcome, labels in crashes.items()})

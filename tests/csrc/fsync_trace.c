@@ -9,9 +9,10 @@
 //   pid  tid  seq  t_ns  op  path  path2  value
 // seq counts this process's records (atomically, across threads); t_ns is CLOCK_MONOTONIC, the same clock in every
 // process of the machine (Python's time.monotonic_ns), so records of several ranks and threads can be merged. op is
-//   open    a file opened to write (O_WRONLY, O_RDWR, O_CREAT or O_TRUNC); value: the open flags (hex)
+//   open    a file opened to write (O_WRONLY, O_RDWR, O_CREAT or O_TRUNC; or fopen's "w", "a", "+"); value: the
+//           open flags (hex)
 //   write   bytes written to such a file (write, pwrite, writev, pwritev, sendfile, copy_file_range); value: bytes
-//   trunc   truncate, ftruncate; value: the new length
+//   trunc   truncate, ftruncate, and fclose of a file fopen opened to write; value: the (new) length
 //   fsync   fsync, fdatasync, syncfs of a file or folder (its path from /proc/self/fd); value: the call's name
 //   sync    sync(); path empty
 //   mkdir   mkdir, mkdirat
@@ -217,6 +218,44 @@ int creat64(const char *path, mode_t mode) {
     return fd;
 }
 
+// stdio: glibc's fopen opens with its own internal open, not the ones above, and libstdc++'s std::ofstream (torch.save
+// to a path: Trainer's training_args.bin) opens through fopen and then writes with write(2) itself, so fopen's
+// descriptor is registered here; fclose's internal close is not close() above, so it is cleared here, after the
+// file's length is recorded (a trunc record: what stdio's own buffered writes added, which write() above misses).
+static int fopen_flags(const char *mode) {
+    int flags = 0;
+    if (strchr(mode, 'w')) flags |= O_WRONLY | O_CREAT | O_TRUNC;
+    if (strchr(mode, 'a')) flags |= O_WRONLY | O_CREAT | O_APPEND;
+    if (strchr(mode, '+')) flags = (flags & ~O_WRONLY) | O_RDWR;
+    return flags;
+}
+
+#define FOPEN(name)                                                         \
+    FILE *name(const char *path, const char *mode) {                        \
+        REAL(name);                                                         \
+        FILE *file = real_##name(path, mode);                               \
+        if (file && mode) opened(fileno(file), AT_FDCWD, path, fopen_flags(mode)); \
+        return file;                                                        \
+    }
+FOPEN(fopen)
+FOPEN(fopen64)
+
+int fclose(FILE *file) {
+    REAL(fclose);
+    int fd = file ? fileno(file) : -1;
+    if (fd >= 0 && fd < MAX_FDS && writing[fd]) {
+        struct stat status;
+        fflush(file);
+        if (fstat(fd, &status) == 0) {
+            char path[PATH_MAX];
+            fd_path(fd, path, sizeof path);
+            record("trunc", path, "", (long long)status.st_size);
+        }
+        writing[fd] = 0;
+    }
+    return real_fclose(file);
+}
+
 int close(int fd) {
     REAL(close);
     if (fd >= 0 && fd < MAX_FDS) writing[fd] = 0;
@@ -393,5 +432,48 @@ int rmdir(const char *path) {
     REAL(rmdir);
     int result = real_rmdir(path);
     if (result == 0) named("unlink", AT_FDCWD, path, AT_FDCWD, NULL, 1);
+    return result;
+}
+
+// syscall(): Rust's tempfile crate (safetensors' save_file: Trainer's model.safetensors) publishes its temporary file
+// with a raw renameat2 (RENAME_NOREPLACE), which no function above sees. The calls the records above stand for are
+// recorded here too when made through syscall(); the others pass straight through. (This file's own logging calls
+// syscall() too: openat, write, close, gettid, none of them recorded.)
+long syscall(long number, ...) {
+    va_list args;
+    va_start(args, number);
+    long a[6];
+    for (int i = 0; i < 6; i++) a[i] = va_arg(args, long);
+    va_end(args);
+    REAL(syscall);
+    long result = real_syscall(number, a[0], a[1], a[2], a[3], a[4], a[5]);
+    if (result < 0) return result;
+    switch (number) {
+    case SYS_renameat2:
+        named("rename", (int)a[0], (const char *)a[1], (int)a[2], (const char *)a[3], a[4]);
+        break;
+    case SYS_renameat:
+        named("rename", (int)a[0], (const char *)a[1], (int)a[2], (const char *)a[3], 0);
+        break;
+    case SYS_rename:
+        named("rename", AT_FDCWD, (const char *)a[0], AT_FDCWD, (const char *)a[1], 0);
+        break;
+    case SYS_linkat:
+        named("link", (int)a[0], (const char *)a[1], (int)a[2], (const char *)a[3], a[4]);
+        break;
+    case SYS_unlinkat:
+        named("unlink", (int)a[0], (const char *)a[1], AT_FDCWD, NULL, (a[2] & AT_REMOVEDIR) ? 1 : 0);
+        break;
+    case SYS_unlink:
+        named("unlink", AT_FDCWD, (const char *)a[0], AT_FDCWD, NULL, 0);
+        break;
+    case SYS_mkdirat:
+        named("mkdir", (int)a[0], (const char *)a[1], AT_FDCWD, NULL, 0);
+        break;
+    case SYS_fsync:
+    case SYS_fdatasync:
+        synced((int)a[0], 0, 0);
+        break;
+    }
     return result;
 }

@@ -40,6 +40,7 @@ __all__ = [
     "digest_file",
     "FileRecord",
     "fsync_dir",
+    "fsync_entry",
     "fsync_file",
     "io_event",
     "IoHook",
@@ -252,11 +253,18 @@ def makedirs(path: str, *, fresh: bool = False, durable: bool = False) -> None:
     else:
         os.makedirs(path, exist_ok=True)
     for folder in reversed(created):
-        try:
-            fsync_dir(os.path.dirname(folder))
-        except PermissionError as error:  # a parent this user may write but not read (a drop folder): not fatal
-            logger.warning("zero_bnb: the new folder %s is not made durable in its parent (%s); a crash soon after "
-                           "this save could lose it", folder, error)
+        fsync_entry(folder)
+
+
+def fsync_entry(folder: str) -> None:
+    """Make ``folder``'s own entry in its parent durable (POSIX may otherwise lose a folder made or renamed there in a
+    crash, with everything in it); a parent that cannot be opened for reading gets a WARNING instead. Local."""
+    folder = os.path.abspath(folder)
+    try:
+        fsync_dir(os.path.dirname(folder))
+    except PermissionError as error:  # a parent this user may write but not read (a drop folder): not fatal
+        logger.warning("zero_bnb: the folder %s is not made durable in its parent (%s); a crash soon after this save "
+                       "could lose it", folder, error)
 
 
 def remove_tree(path: str, *, via: str | None = None) -> None:

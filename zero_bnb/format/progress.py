@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from zero_bnb.errors import CheckpointError, CheckpointSaveError
-from zero_bnb.format.durable import fsync_dir, fsync_file, makedirs, remove_tree
+from zero_bnb.format.durable import fsync_dir, fsync_entry, fsync_file, makedirs, remove_tree
 from zero_bnb.format.publish import replace_text
 from zero_bnb.format.lock import LOCK_NAME, holder_alive, read_holder
 from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR
@@ -309,6 +309,7 @@ def finish_saving(folder: str, token: str) -> bool:
     folder now counts as complete. One process (the one that marked it) calls it."""
     names = os.listdir(folder)
     _fsync_tree(folder, _committed_tags(folder, names) | {SAVING_NAME})
+    fsync_entry(folder)  # a folder the front door made itself (Accelerate's os.makedirs): else a crash may lose it whole
     path = os.path.join(folder, SAVING_NAME)
     record = _read_record(path)
     if not record or record.get("token") != token:
