@@ -764,7 +764,12 @@ def front_door_crashes(run: DoorRun, name: str, scratch: str) -> dict[str, list[
         for count, (state, label) in enumerate(states.items()):
             where = os.path.join(scratch, str(count), name)
             _materialize(run, disk, state, where)
-            pick = spec.pick(where)
+            try:
+                pick = spec.pick(where)
+            except Exception as error:  # noqa: BLE001 - an outcome (Accelerate raises when it finds nothing complete)
+                outcomes[f"the pick failed: {type(error).__name__}: {error}".replace(scratch, "")[:300]].append(label)
+                shutil.rmtree(os.path.dirname(where))
+                continue
             found = "none" if pick is None else kills._folder_state(pick, content=True)
             outcome = {previous: "previous", new: "new"}.get(found, f"another: {found[:12]} picked at {pick}")
             if outcome in ("previous", "new") and os.path.relpath(pick, where) != (
