@@ -16,7 +16,7 @@ import torch
 
 import zero_bnb
 from zero_bnb.core.config import ZeroBnbConfigError
-from zero_bnb.ds import substitute
+from zero_bnb.ds import dispatch
 
 pytestmark = pytest.mark.launch
 
@@ -49,8 +49,8 @@ def clean_deepspeed():
     while zero_bnb.is_enabled():
         zero_bnb.disable()
     deepspeed.initialize = original
-    substitute._State.installed = substitute._State.original = None
-    substitute._State.global_on, substitute._State.scopes = False, 0
+    dispatch._State.installed = dispatch._State.original = None
+    dispatch._State.global_on, dispatch._State.scopes = False, 0
 
 
 @pytest.fixture
@@ -172,11 +172,11 @@ def test_wrapper_installed_after_enable_is_left_in_place(user_wrapper, caplog):
 
 def test_zero_bnb_never_calls_itself():
     deepspeed.initialize = zero_bnb.initialize  # the obvious assignment, which recursed forever before
-    assert substitute.underlying_initialize() is substitute._GENUINE
+    assert dispatch.underlying_initialize() is dispatch._GENUINE
     zero_bnb.enable()
-    with substitute.calling_deepspeed():  # a dispatcher re-entered during zero_bnb.initialize goes to DeepSpeed
-        assert substitute.underlying_initialize() is substitute._GENUINE
-    assert substitute._GENUINE.__module__ == "deepspeed"
+    with dispatch.calling_deepspeed():  # a dispatcher re-entered during zero_bnb.initialize goes to DeepSpeed
+        assert dispatch.underlying_initialize() is dispatch._GENUINE
+    assert dispatch._GENUINE.__module__ == "deepspeed"
 
 
 def test_import_zero_bnb_stays_light():

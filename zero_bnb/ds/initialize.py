@@ -23,7 +23,7 @@ from zero_bnb.core.state_spec import family_of
 from zero_bnb.ds.engine import ZeroBnbEngine, swapped_attribute
 from zero_bnb.ds.precision_plan import announce_precision
 from zero_bnb.ds.stage3 import refuse_stage3_settings
-from zero_bnb.ds.substitute import calling_deepspeed, underlying_initialize
+from zero_bnb.ds.dispatch import calling_deepspeed, underlying_initialize
 from zero_bnb.versions import check_supported
 
 __all__ = ["initialize"]

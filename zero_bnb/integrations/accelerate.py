@@ -11,7 +11,7 @@ so that DeepSpeed accepts it, or refuses an optimizer zero_bnb does not declare,
 class (not ``DeepSpeedCPUAdam``). Every call while zero_bnb is not routing this thread keeps
 Accelerate's behaviour.
 
-Installed by :mod:`zero_bnb.ds.substitute` when zero_bnb is enabled: at once if
+Installed by :mod:`zero_bnb.integrations.substitute` when zero_bnb is enabled: at once if
 ``accelerate.accelerator`` is imported already (``from transformers import Trainer`` and ``import
 accelerate`` import it), else right after it is imported (:mod:`zero_bnb.integrations.import_watch`),
 so ``enable()`` never imports Accelerate itself (about a second). Idempotent: installing again puts
@@ -93,7 +93,7 @@ def _patch(module: ModuleType) -> None:
 
         @functools.wraps(original)
         def keep_client_optimizer(optimizer, *args, **kwargs):
-            from zero_bnb.ds.substitute import is_enabled
+            from zero_bnb.ds.dispatch import is_enabled
 
             if is_enabled():
                 logger.info(

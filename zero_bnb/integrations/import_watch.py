@@ -9,7 +9,7 @@ An import hook put in front of the watcher later (a finder of its own that serve
 from it. The watcher does not rely on being first: every import any finder passes on to it looks for its module in
 ``sys.modules``, and a module found imported there is patched then (the watcher leaves); so does
 :func:`when_imported` called again, which :func:`zero_bnb.enable` and every engine built through a front door do
-(:mod:`zero_bnb.ds.substitute`). :func:`unpatched_because` says why a module's patch is not in place, for the
+(:mod:`zero_bnb.integrations.substitute`). :func:`unpatched_because` says why a module's patch is not in place, for the
 messages of those callers.
 
 ``patch`` decides itself whether it is still wanted (the caller's lock and flag) and must be idempotent. It runs

@@ -44,7 +44,6 @@ from zero_bnb.core.state_spec import (
     spec_for_class,
     spec_named,
 )
-from zero_bnb.ds.loss_scaler import live_wrapper
 from zero_bnb.errors import CheckpointFormatError, CheckpointUsageError, malformed
 from zero_bnb.format.durable import makedirs, save_torch
 from zero_bnb.format.manifest import ParamEntry, StateEntry
@@ -61,7 +60,7 @@ from zero_bnb.format.stock_files import (
 )
 from zero_bnb.format.tags import LATEST_NAME, UNIVERSAL_LATEST, check_new_tag
 from zero_bnb.format.unpickle import safe_load
-from zero_bnb.format.wrapper_state import WRAPPER_SCALARS, plain_wrapper
+from zero_bnb.format.wrapper_state import LOSS_SCALER, WRAPPER_SCALARS, plain_wrapper
 from zero_bnb.tools.checkpoint_paths import locate, open_verified
 from zero_bnb.tools.offline import QuantizationReport, quantize_moment, write_checkpoint
 from zero_bnb.tools.outputs import check_output_folder
@@ -159,7 +158,11 @@ def to_universal(path: str, out: str, *, tag: str | None = None, force: bool = F
                 written += 1
             hyper = {k: group.param_group[k] for k in _ADAM_HYPERPARAMETERS if k in group.param_group}
             param_groups.append({**hyper, "params": [index]})
-        wrapper = live_wrapper(dict(reader.replicated.wrapper))  # stock DeepSpeed unpickles this file
+        wrapper = dict(reader.replicated.wrapper)
+        if wrapper.get(LOSS_SCALER) is not None:  # fp16: stock DeepSpeed unpickles its own loss-scaler object here
+            from zero_bnb.ds.loss_scaler import live_wrapper  # the one conversion that imports DeepSpeed
+
+            wrapper = live_wrapper(wrapper)
         optimizer_state = {name: wrapper.get(name) for name in WRAPPER_SCALARS}
         optimizer_state.update({"ds_version": metadata.version("deepspeed"), "zero_stage": 3 if stage3 else 1,
                                 "partition_count": manifest.dp_world_size, PARAM_GROUPS: param_groups})

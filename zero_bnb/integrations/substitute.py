@@ -6,8 +6,8 @@ looks the name up at call time, in ``Accelerator._prepare_deepspeed``), so the o
 
 How the substitution behaves:
 
-* :func:`enable` replaces ``deepspeed.initialize`` by a dispatcher, once (a second call is a
-  no-op); :func:`disable` restores whatever was there before, and is a no-op when nothing is
+* :func:`enable` replaces ``deepspeed.initialize`` by a dispatcher (:mod:`zero_bnb.ds.dispatch`), once (a second
+  call is a no-op); :func:`disable` restores whatever was there before, and is a no-op when nothing is
   enabled. Both are process-wide and serialised by a lock, so two threads may call them.
 * :func:`enabled` is a context manager that routes only **the calling thread's** calls to
   zero_bnb for the duration of the ``with`` block (exceptions included); other threads keep
@@ -42,107 +42,24 @@ group yet, that joins the launcher's rendezvous).
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import deepspeed
-
+from zero_bnb.ds import dispatch
+from zero_bnb.ds.dispatch import LOCK, is_enabled
 from zero_bnb.integrations.comm import join_deepspeed_comm
 
-__all__ = ["calling_deepspeed", "disable", "enable", "enabled", "is_enabled", "underlying_initialize"]
+__all__ = ["disable", "enable", "enabled", "is_enabled"]
 
 logger = logging.getLogger(__name__)
 
-_LOCK = threading.RLock()
-_LOCAL = threading.local()
 
-
-class _State:
-    """Process-wide substitution state, guarded by ``_LOCK``."""
-
-    original: Callable[..., Any] | None = None  # what deepspeed.initialize was before the dispatcher
-    installed: Callable[..., Any] | None = None  # the dispatcher, while it is in deepspeed.initialize
-    global_on: bool = False
-    scopes: int = 0  # open `enabled()` blocks, all threads
-
-
-def _thread_depth() -> int:
-    return getattr(_LOCAL, "depth", 0)
-
-
-def _inside() -> bool:
-    return getattr(_LOCAL, "inside", False)
-
-
-def _find_genuine(fn: Callable[..., Any]) -> Callable[..., Any] | None:
-    """DeepSpeed's own ``initialize`` (defined in ``deepspeed/__init__.py``) behind ``fn``'s ``__wrapped__`` chain."""
-    seen = set()
-    while fn is not None and id(fn) not in seen:
-        seen.add(id(fn))
-        if getattr(fn, "__module__", None) == "deepspeed" and getattr(fn, "__qualname__", None) == "initialize":
-            return fn
-        fn = getattr(fn, "__wrapped__", None)
-    return None
-
-
-_GENUINE = _find_genuine(deepspeed.initialize)
-
-
-def _genuine() -> Callable[..., Any]:
-    """DeepSpeed's own ``initialize``, whatever wraps it (found when zero_bnb was imported, or now)."""
-    found = _GENUINE or _find_genuine(_State.original) or _find_genuine(deepspeed.initialize)
-    if found is None:
-        raise RuntimeError(
-            "zero_bnb cannot find DeepSpeed's own deepspeed.initialize: it was replaced before zero_bnb was imported "
-            "by a wrapper without __wrapped__; import zero_bnb before installing that wrapper, or set "
-            "wrapper.__wrapped__ = <the function it wraps>"
-        )
-    return found
-
-
-def underlying_initialize() -> Callable[..., Any]:
-    """The ``deepspeed.initialize`` that :func:`zero_bnb.initialize` must call (never the dispatcher).
-
-    The function that was in place before :func:`enable`; DeepSpeed's own one when the
-    dispatcher is re-entered on this thread during a zero_bnb initialize.
-    """
-    if _inside():
-        return _genuine()
-    current = deepspeed.initialize
-    if getattr(current, "_zero_bnb_dispatcher", False):
-        current = _State.original if _State.original is not None else _genuine()
-    if getattr(current, "__module__", None) == "zero_bnb.ds.initialize":  # deepspeed.initialize = zero_bnb.initialize
-        return _genuine()
-    return current
-
-
-@contextmanager
-def calling_deepspeed() -> Iterator[None]:
-    """Mark this thread as inside :func:`zero_bnb.initialize` (dispatcher re-entries go to DeepSpeed)."""
-    previous = _inside()
-    _LOCAL.inside = True
-    try:
-        yield
-    finally:
-        _LOCAL.inside = previous
-
-
-def _route_to_zero_bnb() -> bool:
-    return _State.global_on or _thread_depth() > 0
-
-
-def _dispatcher(*args: Any, **kwargs: Any):
-    """Stands in for ``deepspeed.initialize`` while zero_bnb is enabled."""
-    if _inside():  # re-entered from within zero_bnb.initialize (a wrapper that looks the name up at call time)
-        return _genuine()(*args, **kwargs)
-    if not _route_to_zero_bnb():
-        original = _State.original if _State.original is not None else _genuine()
-        return original(*args, **kwargs)
+def _build(*args: Any, **kwargs: Any):
+    """What a routed ``deepspeed.initialize`` call runs: :func:`zero_bnb.initialize`, after re-installing what the
+    front door relies on; the engine records which front door built it."""
     from zero_bnb.ds.initialize import initialize
 
     door = _calling_front_door()
@@ -167,31 +84,11 @@ def _calling_front_door() -> str:
     return door
 
 
-def _make_dispatcher() -> Callable[..., Any]:
-    @functools.wraps(_genuine())
-    def dispatcher(*args: Any, **kwargs: Any):
-        return _dispatcher(*args, **kwargs)
-
-    del dispatcher.__wrapped__  # not a transparent wrapper: it changes what is built
-    dispatcher._zero_bnb_dispatcher = True
-    return dispatcher
-
-
-def _dispatcher_replaced() -> bool:
-    """Whether ``deepspeed.initialize`` lost the dispatcher while zero_bnb has one installed: it is DeepSpeed's own
-    function again (``importlib.reload(deepspeed)``) or what was there before :func:`enable` (put back by assignment).
-    Any other function is left alone: a wrapper installed after :func:`enable` may hold the dispatcher."""
-    current = deepspeed.initialize
-    if _State.installed is None or current is _State.installed:
-        return False
-    return current is _State.original or _find_genuine(current) is current
-
-
 def _lost() -> list[str]:
     """What :func:`enable` / :func:`enabled` installed that is not in place now, each entry naming it and why (empty
     while nothing is installed). Changes nothing."""
     lost = []
-    if _dispatcher_replaced():
+    if dispatch.dispatcher_replaced():
         lost.append("deepspeed.initialize: DeepSpeed's own function again (importlib.reload(deepspeed), or an "
                     "assignment)")
     for module, check in (("zero_bnb.integrations.accelerate", "missing_accelerate_patch"),
@@ -204,7 +101,7 @@ def _lost() -> list[str]:
 def _install() -> list[str]:
     """Install the dispatcher and the front doors' patches, each unless it is in place (a second call re-checks every
     one: what a reload or an import hook ahead of zero_bnb's watcher left unpatched is installed, nothing is wrapped
-    twice). Returns what was installed before and found not in place (see :func:`_lost`). Under ``_LOCK``."""
+    twice). Returns what was installed before and found not in place (see :func:`_lost`). Under ``LOCK``."""
     from zero_bnb.integrations.accelerate import install_accelerate_patch
     from zero_bnb.integrations.conversions import route_deepspeed_zero_to_fp32
     from zero_bnb.integrations.hf import install_trainer_patch
@@ -213,15 +110,7 @@ def _install() -> list[str]:
     install_accelerate_patch()  # Accelerate's offload swap must keep the user's optimizer (idempotent)
     install_trainer_patch()  # Trainer's checkpoints: complete before they count, resumed only when complete
     route_deepspeed_zero_to_fp32()  # stays: DeepSpeed's zero_to_fp32 then reads zero_bnb checkpoints too
-    if _State.installed is not None and not _dispatcher_replaced():
-        return lost
-    current = deepspeed.initialize
-    if _State.installed is None and getattr(current, "_zero_bnb_dispatcher", False):  # left inside a later wrapper
-        _State.installed = current
-        return lost
-    _State.original = current
-    _State.installed = _make_dispatcher()
-    deepspeed.initialize = _State.installed
+    dispatch.install_dispatcher(_build)
     return lost
 
 
@@ -237,8 +126,8 @@ _DOORS = {"trainer": "Trainer", "accelerate": "Accelerate", "deepspeed": "deepsp
 def _reinstall_lost(door: str) -> None:
     """Where zero_bnb relies on its patches (an engine built through ``door``): re-install any found not in place,
     with one WARNING naming each, why, what the call under way may have missed, and the fix."""
-    with _LOCK:
-        if not (_State.global_on or _State.scopes > 0):
+    with LOCK:
+        if not dispatch.routed():
             return
         lost = _install()
     if lost:
@@ -252,25 +141,14 @@ def _reinstall_lost(door: str) -> None:
 
 
 def _uninstall_if_idle() -> None:
-    if _State.global_on or _State.scopes > 0 or _State.installed is None:
+    if dispatch.routed() or not dispatch.installed():
         return
     from zero_bnb.integrations.hf import remove_trainer_patch
 
     remove_trainer_patch()
     if "zero_bnb.integrations.accelerate" in sys.modules:
         sys.modules["zero_bnb.integrations.accelerate"].remove_accelerate_patch()
-    if deepspeed.initialize is _State.installed:
-        deepspeed.initialize = _State.original
-        _State.installed = None
-        _State.original = None
-    else:
-        # Someone wrapped the dispatcher after enable(); it stays inside their wrapper and passes
-        # calls through to the original while zero_bnb is disabled.
-        logger.warning(
-            "zero_bnb: deepspeed.initialize was replaced after zero_bnb.enable() (by %s); leaving that "
-            "replacement in place, zero_bnb's dispatcher inside it now passes calls to DeepSpeed",
-            getattr(deepspeed.initialize, "__qualname__", deepspeed.initialize),
-        )
+    dispatch.remove_dispatcher()
 
 
 def enable() -> None:
@@ -285,14 +163,13 @@ def enable() -> None:
     ahead of zero_bnb's watcher that imported Accelerate or Trainer), never wrapping anything twice; it does nothing
     else. Thread-safe.
     """
-    with _LOCK:
+    with LOCK:
         lost = _install()
         if lost:
             logger.info("zero_bnb.enable(): re-installed what was not in place: %s", "; ".join(lost))
-        if _State.global_on:
+        if dispatch.route_process(True):
             logger.debug("zero_bnb.enable(): already enabled")
             return
-        _State.global_on = True
         logger.info("zero_bnb: deepspeed.initialize now builds zero_bnb engines")
     join_deepspeed_comm()
 
@@ -302,17 +179,11 @@ def disable() -> None:
 
     ``with zero_bnb.enabled():`` blocks still open on other threads keep their routing.
     """
-    with _LOCK:
-        if not _State.global_on:
+    with LOCK:
+        if not dispatch.route_process(False):
             logger.debug("zero_bnb.disable(): zero_bnb was not enabled; nothing to do")
             return
-        _State.global_on = False
         _uninstall_if_idle()
-
-
-def is_enabled() -> bool:
-    """Whether a ``deepspeed.initialize`` call made now, on this thread, builds a zero_bnb engine."""
-    return _State.installed is not None and _route_to_zero_bnb()
 
 
 @contextmanager
@@ -321,16 +192,14 @@ def enabled() -> Iterator[None]:
 
     Nests, and restores the previous routing on exit, also when the block raises.
     """
-    with _LOCK:
+    with LOCK:
         lost = _install()
         if lost:
             logger.info("zero_bnb.enabled(): re-installed what was not in place: %s", "; ".join(lost))
-        _State.scopes += 1
-        _LOCAL.depth = _thread_depth() + 1
+        dispatch.enter_scope()
     try:
         yield
     finally:
-        with _LOCK:
-            _LOCAL.depth = _thread_depth() - 1
-            _State.scopes -= 1
+        with LOCK:
+            dispatch.leave_scope()
             _uninstall_if_idle()
