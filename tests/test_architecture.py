@@ -143,7 +143,8 @@ def test_the_offline_tools_import_no_deepspeed():
 
     tools = sorted(f"zero_bnb.tools.{name.removesuffix('.py')}" for name in os.listdir(os.path.join(ROOT, "tools"))
                    if name.endswith(".py") and name != "__init__.py")
-    code = f"import sys\nfor name in {tools!r}:\n    __import__(name)\nprint(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed'))"
+    code = (f"import sys\nfor name in {tools!r}:\n    __import__(name)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed'))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout[:300]

@@ -730,9 +730,11 @@ def front_door_report(run: DoorRun, name: str) -> dict[str, list[str] | None]:
     for call in calls:
         removes = call.op in ("unlink", "rename")
         if report["before complete"] is None and removes and call.path == marker:
-            report["before complete"] = [problem for problem in _not_durable(
-                disk, disk.lookup(os.path.dirname(second)), [os.path.basename(second)], f"{os.path.dirname(spec.second[0])}/")
-                if not problem.startswith(f"{spec.second[0].lstrip('/')}/{SAVING_NAME}")]
+            parent = os.path.dirname(spec.second[0])
+            report["before complete"] = [
+                problem for problem in _not_durable(disk, disk.lookup(os.path.dirname(second)),
+                                                    [os.path.basename(second)], f"{parent}/")
+                if not problem.lstrip("/").startswith(f"{spec.second[0]}/{SAVING_NAME}")]
         if report["before deletion"] is None and removes and (call.path == first or call.path.startswith(first + "/")):
             synced = SAVING_NAME not in disk.nodes[disk.lookup(second)].durable
             report["before deletion"] = [] if synced else [f"{spec.second[0]}/{SAVING_NAME}: removal not fsynced"]
@@ -788,7 +790,8 @@ def test_a_front_doors_folder_is_durable_before_its_mark_goes_and_its_mark_befor
     durable when the mark goes, the mark's removal is durable when the older checkpoint's deletion starts, and every
     crash state during the save leaves the front door's automatic resume the older checkpoint or the new one, byte
     for byte (both reached)."""
-    assert set(door_run.statuses) == {f"{door}_{mode}" for door in ("trainer", "accelerate") for mode in ("sync", "async")}
+    assert set(door_run.statuses) == {f"{door}_{mode}" for door in ("trainer", "accelerate")
+                                      for mode in ("sync", "async")}
     for name, status in door_run.statuses.items():
         assert set(status.values()) == {"exit 0"}, (name, status)
         report = front_door_report(door_run, name)

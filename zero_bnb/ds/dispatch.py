@@ -1,5 +1,6 @@
 """The dispatcher that stands in for ``deepspeed.initialize`` while zero_bnb routes calls, and the way back to
-DeepSpeed's own function (the front door, ``zero_bnb.enable()`` and friends, is :mod:`zero_bnb.integrations.substitute`).
+DeepSpeed's own function (the front door, ``zero_bnb.enable()`` and friends, is
+:mod:`zero_bnb.integrations.substitute`).
 
 * Routing: process-wide (:func:`route_process`) or for the calling thread inside a scope (:func:`enter_scope` /
   :func:`leave_scope`); :func:`is_enabled` says whether a call made now on this thread builds a zero_bnb engine.
