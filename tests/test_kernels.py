@@ -888,3 +888,17 @@ def test_only_rank_0_of_an_engine_says_which_kernel_library_it_loaded(tmp_path):
                         r"/\S+/zero_bnb_blockwise_update_[0-9a-f]{16}\.so \(quantizer: (scalar|gather|permute|avx2)\)",
                         said), said
     assert not [m for m in ranks[1]["messages"] if m.startswith("zero_bnb: fused CPU")], ranks[1]
+
+
+def test_the_family_table_numbers_each_family_as_the_compiled_kernel_does():
+    """Issue 43: one table (``kernels.hyper.Family``) chooses the kernel family; its numbers are the C++ enum's."""
+    import re
+
+    from zero_bnb.kernels import hyper
+    from zero_bnb.kernels.hyper import Family
+
+    with open(os.path.join(os.path.dirname(hyper.__file__), "csrc", "blockwise_update.cpp")) as handle:
+        source = handle.read()
+    declared = dict(re.findall(r"(\w+) = (\d+)", re.search(r"enum Family \{([^}]*)\}", source).group(1)))
+    assert {name: int(number) for name, number in declared.items()} == {f.name: f.kernel for f in Family}
+    assert TWO_STATE == ("adam", "ademamix") and [f.rows for f in Family] == [1, 2, 1, 1, 1, 1]

@@ -26,7 +26,7 @@ import torch
 from zero_bnb.core.config import CPU_UPDATE_MODES
 from zero_bnb.kernels.build import KernelBuildError, KernelCacheError, load_library
 from zero_bnb.kernels.fused import fused_update
-from zero_bnb.kernels.hyper import FAMILIES, UpdateHyper, step_scalars
+from zero_bnb.kernels.hyper import FAMILIES, Family, UpdateHyper, step_scalars
 
 __all__ = ["CpuUpdate", "hyper_for", "install_cpu_update", "uninstall_cpu_update"]
 
@@ -65,7 +65,7 @@ def hyper_for(optimizer_name: str, config: dict[str, Any], step: int) -> UpdateH
     """The arguments bitsandbytes' ``update_step`` would pass to ``optimizer_update_8bit_blockwise``."""
     betas = config["betas"]
     beta3, alpha = (betas[2] if len(betas) >= 3 else 0.0), config.get("alpha", 0.0)
-    if optimizer_name == "ademamix":  # the schedule of bitsandbytes/optim/ademamix.py AdEMAMix.update_step
+    if optimizer_name == Family.ADEMAMIX.value:  # the schedule of bitsandbytes/optim/ademamix.py AdEMAMix.update_step
         t_alpha, t_beta3 = config.get("t_alpha"), config.get("t_beta3")
         if t_alpha:
             alpha = min(step * alpha / t_alpha, alpha)

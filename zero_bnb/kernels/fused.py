@@ -10,7 +10,7 @@ import ctypes
 import torch
 
 from zero_bnb.kernels.build import QUANTIZER_PATHS, load_library
-from zero_bnb.kernels.hyper import BLOCK, FAMILIES, TWO_STATE, StepScalars, UpdateHyper
+from zero_bnb.kernels.hyper import BLOCK, StepScalars, UpdateHyper
 
 __all__ = ["QUANTIZER_PATHS", "fused_quantize", "fused_update", "quantizer_path"]
 
@@ -58,10 +58,10 @@ def fused_update(
     """
     n = p.numel()
     blocks = -(-n // BLOCK)
-    rows = 2 if hyper.name == "ademamix" else 1
+    rows = hyper.family.rows
     pointers = [_check("p", p, torch.float32, n), _check("grad", g, torch.float32, n),
                 _check("state1", state1, torch.uint8, rows * n)]
-    two = hyper.name in TWO_STATE
+    two = hyper.family.two_state
     pointers.append(_check("state2", state2, torch.uint8, n) if two else None)
     pointers.append(_check("absmax1", absmax1, torch.float32, rows * blocks))
     pointers.append(_check("absmax2", absmax2, torch.float32, blocks) if two else None)
@@ -72,7 +72,7 @@ def fused_update(
     if n == 0:
         return
     status = (library or load_library()).zero_bnb_blockwise_update(
-        FAMILIES[hyper.name], ctypes.byref(packed), n, *pointers, threads or torch.get_num_threads()
+        hyper.family.kernel, ctypes.byref(packed), n, *pointers, threads or torch.get_num_threads()
     )
     if status != 0:
         raise ValueError(f"the fused kernel refused optimizer {hyper.name!r} (status {status})")

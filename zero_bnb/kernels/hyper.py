@@ -7,19 +7,52 @@ one place, and the two agree bit for bit. Local: no collectives.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BLOCK", "FAMILIES", "TWO_STATE", "StepScalars", "UpdateHyper", "step_scalars"]
+__all__ = ["BLOCK", "FAMILIES", "TWO_STATE", "Family", "StepScalars", "UpdateHyper", "step_scalars"]
 
 #: Elements per quantization block (bitsandbytes' ``BLOCKSIZE_2STATE`` and ``BLOCKSIZE_1STATE``).
 BLOCK = 256
+
+
+class Family(enum.Enum):
+    """The one table of the blockwise 8-bit update's families: bitsandbytes' ``optimizer_name`` (the value), the
+    fused kernel's number for it, whether ``kOptimizerStatic8bit2StateBlockwise`` updates it (two moments, else the
+    1-state kernel), and how many rows ``state1`` stacks (AdEMAMix: its fast and slow moments)."""
+
+    ADAM = "adam"
+    ADEMAMIX = "ademamix"
+    MOMENTUM = "momentum"
+    LION = "lion"
+    RMSPROP = "rmsprop"
+    ADAGRAD = "adagrad"
+
+    @property
+    def kernel(self) -> int:
+        return list(Family).index(self)
+
+    @property
+    def two_state(self) -> bool:
+        return self in (Family.ADAM, Family.ADEMAMIX)
+
+    @property
+    def rows(self) -> int:
+        return 2 if self is Family.ADEMAMIX else 1
+
+    @property
+    def nonnegative(self) -> bool:
+        """Whether its one moment is never negative (a sum of squares)."""
+        return self in (Family.RMSPROP, Family.ADAGRAD)
+
+
 #: bitsandbytes ``optimizer_name`` values of the blockwise 8-bit update, with their kernel number.
-FAMILIES = {"adam": 0, "ademamix": 1, "momentum": 2, "lion": 3, "rmsprop": 4, "adagrad": 5}
+FAMILIES = {family.value: family.kernel for family in Family}
 #: Families updated by ``kOptimizerStatic8bit2StateBlockwise`` (the others by the 1-state kernel).
-TWO_STATE = ("adam", "ademamix")
+TWO_STATE = tuple(family.value for family in Family if family.two_state)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,6 +79,11 @@ class UpdateHyper:
     def __post_init__(self) -> None:
         if self.name not in FAMILIES:
             raise ValueError(f"no fused 8-bit update for optimizer {self.name!r}; known: {sorted(FAMILIES)}")
+
+    @property
+    def family(self) -> Family:
+        """The family :attr:`name` names."""
+        return Family(self.name)
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_bnb.kernels.hyper import BLOCK, TWO_STATE, StepScalars, UpdateHyper
+from zero_bnb.kernels.hyper import BLOCK, Family, StepScalars, UpdateHyper
 
 __all__ = ["quantize_codes", "reference_update", "sign_fix"]
 
@@ -137,7 +137,7 @@ def _two_state(hyper: UpdateHyper, s: StepScalars, p, g, state1, state2, absmax1
     zero = torch.zeros(())
     v, m = torch.where(finite, v, zero), torch.where(finite, m, zero)
     param = _blocks(p, 0.0)
-    if hyper.name == "ademamix":
+    if hyper.family is Family.ADEMAMIX:
         slow = _dequantize(state1[1], absmax1[1], qmap1, 128)
         slow = torch.where(finite, slow * _f32(s.beta3) + _f32(s.one_minus_beta3) * grad, zero)
         moved = param - _f32(s.lr) * ((m / _f32(s.correction1) + _f32(s.alpha) * slow)
@@ -153,7 +153,7 @@ def _two_state(hyper: UpdateHyper, s: StepScalars, p, g, state1, state2, absmax1
         new_codes, new_absmax = _requantize(moment, qmap, signed)
         codes.copy_(new_codes.flatten()[:n])
         absmax.copy_(new_absmax)
-    if hyper.name == "ademamix":
+    if hyper.family is Family.ADEMAMIX:
         new_codes, new_absmax = _requantize(slow, qmap1, True)
         state1[1].copy_(new_codes.flatten()[:n])
         absmax1[1].copy_(new_absmax)
@@ -166,21 +166,21 @@ def _one_state(hyper: UpdateHyper, s: StepScalars, p, g, state1, absmax1, qmap1)
     param = _blocks(p, 0.0)
     active = raw != 0 if hyper.skip_zeros else torch.ones_like(raw, dtype=torch.bool)
     if s.weight_decay > 0.0:
-        if hyper.name == "lion":
+        if hyper.family is Family.LION:
             param = torch.where(active, param * _f32(s.decay), param)
         else:
             grad = grad + param * _f32(s.weight_decay)
     old = _dequantize(state1, absmax1, qmap1, 128)
-    if hyper.name == "momentum":
+    if hyper.family is Family.MOMENTUM:
         m = grad if s.step == 1 else old * _f32(s.beta1) + grad
         moved = param - _f32(s.lr) * m
-    elif hyper.name == "lion":
+    elif hyper.family is Family.LION:
         direction = old * _f32(s.beta1) + _f32(s.one_minus_beta1) * grad
         sign = (direction > 0).float() - (direction < 0).float()  # sgn(): 0 for NaN, unlike torch.sign
         m = old * _f32(s.beta2) + _f32(s.one_minus_beta2) * grad
         moved = param - _f32(s.lr) * sign
     else:
-        m = old * _f32(s.beta1) + _f32(s.one_minus_beta1) * (grad * grad) if hyper.name == "rmsprop" \
+        m = old * _f32(s.beta1) + _f32(s.one_minus_beta1) * (grad * grad) if hyper.family is Family.RMSPROP \
             else old + grad * grad
         moved = param - _f32(s.lr) * (raw / (_sqrt(m) + _f32(s.eps)))
     m = torch.where(active, m, old)
@@ -210,7 +210,7 @@ def reference_update(
     Allocates several float32 copies of the partition: a specification, not a fast path.
     """
     p, g = p.view(-1), g.view(-1)
-    if hyper.name in TWO_STATE:
+    if hyper.family.two_state:
         rows = state1.view(-1, p.numel())
         _two_state(hyper, scalars, p, g, rows, state2.view(-1), absmax1.view(rows.shape[0], -1), absmax2.view(-1),
                    qmap1, qmap2)

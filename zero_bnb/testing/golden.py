@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zero_bnb.kernels.hyper import BLOCK, TWO_STATE, UpdateHyper
+from zero_bnb.kernels.hyper import BLOCK, Family, UpdateHyper
 
 __all__ = ["EXACT_TIES", "FORMAT", "TIES_BLOCK", "GoldenCase", "agreement", "golden_cases", "read_fixtures",
            "write_fixture"]
@@ -64,10 +64,10 @@ def _inputs(hyper: UpdateHyper, n: int, seed: int) -> dict[str, torch.Tensor]:
     """Random parameter, gradient and 8-bit state, with the special blocks of the module docstring."""
     gen = torch.Generator().manual_seed(seed)
     qmap1, qmap2 = _qmaps()
-    blocks, rows = -(-n // BLOCK), 2 if hyper.name == "ademamix" else 1
+    blocks, rows = -(-n // BLOCK), hyper.family.rows
     p = torch.randn(n, generator=gen)
     g = torch.randn(n, generator=gen) * 0.01
-    low = 127 if hyper.name in ("rmsprop", "adagrad") else 0  # a moment that is never negative
+    low = 127 if hyper.family.nonnegative else 0  # a moment that is never negative
     state1 = torch.randint(low, 256, (rows * n,), generator=gen, dtype=torch.uint8)
     absmax1 = torch.rand(rows * blocks, generator=gen) * 0.01
     state2 = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
@@ -88,7 +88,7 @@ def _inputs(hyper: UpdateHyper, n: int, seed: int) -> dict[str, torch.Tensor]:
     state1.view(rows, n)[:, start:start + BLOCK] = 128
     absmax1.view(rows, blocks)[:, TIES_BLOCK] = 0.0
     inputs = {"p": p, "g": g, "state1": state1, "absmax1": absmax1, "qmap1": qmap1}
-    if hyper.name in TWO_STATE:
+    if hyper.family.two_state:
         inputs.update(state2=state2, absmax2=absmax2, qmap2=qmap2)
     return inputs
 
@@ -108,7 +108,7 @@ def golden_cases() -> list[GoldenCase]:
     }
     cases = []
     for index, (name, hyper) in enumerate(usual.items()):
-        n = NUMEL - NUMEL % BLOCK if hyper.name == "ademamix" else NUMEL
+        n = NUMEL - NUMEL % BLOCK if hyper.family is Family.ADEMAMIX else NUMEL
         features = "zero block, NaN/+Inf/-Inf gradients, ties block" + ("" if n % BLOCK == 0 else ", partial last block")
         cases.append(GoldenCase(f"{name}-step7", hyper, 7, _inputs(hyper, n, seed=100 + index), features))
         tie = dataclasses.replace(hyper, beta1=0.0, weight_decay=0.0 if name == "momentum" else hyper.weight_decay)
