@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -207,7 +209,9 @@ def install(profile: PhaseProfile) -> None:
 
     patch(engine, "verify_replicated_state", "verify replicated")
     patch(engine, "find_non_finite", "non-finite scan")
-    patch(engine, "plan_masters", "masters: plan")
+    patch(engine, "plan_masters", "masters: plan")  # before the one save path (issue 43): the synchronous save's
+    if importlib.util.find_spec("zero_bnb.checkpoint.staged") is not None:  # since: both saves decide there
+        patch(importlib.import_module("zero_bnb.checkpoint.staged"), "decide_masters", "masters: plan")
     patch(engine, "stage_local_payload", "shard files")  # the copies; the writes are timed by the I/O phases
     patch(save.LocalPayload, "write", "shard files")
     patch(engine, "manifest_draft", "manifest")
@@ -217,7 +221,7 @@ def install(profile: PhaseProfile) -> None:
     patch(cmasters, "split_rounded_bf16", "masters: residual split")  # rounding check and split in one pass
     patch(fmasters, "piece_digest", "SHA-256 (module pieces)")
     patch(save, "copy_to_cpu", "device copy")
-    patch(engine.DurableCheckpointEngine, "save", "model file")
+    patch(importlib.import_module("zero_bnb.ds.checkpoint_engine").DurableCheckpointEngine, "save", "model file")
     patch(commit.SaveTransaction, "begin", "begin")
     patch(commit.SaveTransaction, "commit", "commit")
     for name in ("all_gather_object", "broadcast_object_list", "barrier", "all_reduce", "broadcast"):

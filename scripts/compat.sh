@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The compatibility matrix: one virtual environment per cell, a representative subset of the suite in each,
-# and a checkpoint written in the oldest cell read in the newest and back. Writes docs/compatibility.md.
+# and a checkpoint written in the oldest cell read in the newest and back. Writes the compatibility matrix into
+# docs/support.md (between its compat:begin and compat:end marks).
 #
 #   bash scripts/compat.sh                          # every cell, then the checkpoint check (30+ min a cell on 2 cores)
 #   bash scripts/compat.sh oldest                   # some cells
@@ -20,7 +21,8 @@ PYTHON=${PYTHON:-python3}
 VENVS=${COMPAT_VENVS:-$HOME/.cache/zero_bnb/compat}
 RESULTS=$VENVS/results
 LOGS=$VENVS/logs
-OUT=docs/compatibility.md
+OUT=docs/support.md
+PART=$VENVS/compatibility.part.md
 export PIP_DISABLE_PIP_VERSION_CHECK=1 DS_BUILD_OPS=0 PYTHONPATH=$ROOT
 TORCH=$("$PYTHON" -c 'import torch; print(torch.__version__.split("+")[0])')
 mkdir -p "$RESULTS" "$LOGS"
@@ -110,7 +112,7 @@ render() {  # the table of every cell with results
     local -a cells=()
     for cell in "${ORDER[@]}"; do [ -s "$RESULTS/$cell.tsv" ] && cells+=("$cell"); done
     {
-        echo "# Compatibility matrix"
+        echo "## Compatibility matrix"
         echo
         echo "Written by \`bash scripts/compat.sh\` ($(nproc) CPU cores shared with other jobs, Python"
         echo "$("$PYTHON" -c 'import platform; print(platform.python_version())'), CPU only, gloo). Each cell is a virtual environment with the releases"
@@ -119,13 +121,13 @@ render() {  # the table of every cell with results
         echo "\`pyproject.toml\`; \`zero_bnb.initialize\` refuses releases known not to work and warns once for releases"
         echo "newer than the newest tested. The full suite runs on the defaults (\`scripts/defaults.txt\`) in CI."
         echo
-        echo "## Cells"
+        echo "### Cells"
         echo
         echo "| cell | versions | run on |"
         echo "|---|---|---|"
         for cell in "${cells[@]}"; do echo "| $cell | $(cat "$RESULTS/$cell.versions") | $(cat "$RESULTS/$cell.date" 2>/dev/null || echo "cut short") |"; done
         echo
-        echo "## Checks: pytest selections of the suite, result and wall time"
+        echo "### Checks: pytest selections of the suite, result and wall time"
         echo
         header="| check |"; rule="|---|"
         for cell in "${cells[@]}"; do header+=" $cell |"; rule+="---|"; done
@@ -140,7 +142,7 @@ render() {  # the table of every cell with results
         done
         echo
         cat <<'NOTES'
-## What the matrix found (and what zero_bnb does about it)
+### What the matrix found (and what zero_bnb does about it)
 
 * DeepSpeed 0.17.0 to 0.19.6 call `flatten_dense_tensors_aligned` without `param_padding`, 0.17.0 calls
   `_configure_checkpointing(dist_init_required)`, and `load_module_state_dict`'s arguments grew in 0.19: zero_bnb's
@@ -166,7 +168,7 @@ render() {  # the table of every cell with results
 NOTES
         if compgen -G "$RESULTS/cross_*.tsv" > /dev/null; then
             echo
-            echo "## Checkpoints across cells"
+            echo "### Checkpoints across cells"
             echo
             echo "Adam8bit trained at DP=2 and saved by \`scripts/compat_checkpoint.py write\` in one cell, loaded at DP=3 by"
             echo "\`scripts/compat_checkpoint.py read\` in another: fp32 masters and dequantized state bit for bit, step count, next loss."
@@ -175,8 +177,17 @@ NOTES
             echo "|---|---|---|---|---|"
             cat "$RESULTS"/cross_*.tsv | awk -F'\t' '{print "| " $1 " | " $2 " | " $3 " | " $4 " | " $5 " |"}'
         fi
-    } > "$OUT"
-    echo "compat: wrote $OUT"
+    } > "$PART"
+    "$PYTHON" - "$OUT" "$PART" <<'SPLICE'
+import re, sys
+page, part = sys.argv[1], open(sys.argv[2]).read()
+text = open(page).read()
+marks = re.compile(r"(<!-- compat:begin[^>]*-->\n).*?(<!-- compat:end -->)", re.S)
+if not marks.search(text):
+    sys.exit(f"compat: {page} has no compat:begin / compat:end marks")
+open(page, "w").write(marks.sub(lambda m: m.group(1) + part + m.group(2), text))
+SPLICE
+    echo "compat: wrote the compatibility matrix into $OUT"
 }
 
 if [ "${1:-}" = --table ]; then
@@ -193,4 +204,4 @@ else
     if [ $# -eq 0 ]; then cross oldest defaults; cross defaults oldest; fi
 fi
 render
-! grep -q FAIL "$OUT"
+! grep -q FAIL "$PART"

@@ -11,7 +11,8 @@ Quick start::
 
 Front doors: ``zero_bnb.enable()`` (or ``with zero_bnb.enabled():``) makes transformers' Trainer,
 Accelerate and any ``deepspeed.initialize`` call build zero_bnb's engine; ``import zero_bnb.lightning``
-registers ``strategy="deepspeed_zero_bnb_stage_1"`` (and ``_2``) for Lightning.
+registers Lightning strategies for ZeRO stages 1 to 3, ``strategy="deepspeed_zero_bnb_stage_1"`` (``_2``, ``_3``),
+each with an ``_offload`` variant (stage 3's offloads the parameters too).
 """
 
 from __future__ import annotations

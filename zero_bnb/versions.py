@@ -2,7 +2,7 @@
 
 :data:`SUPPORTED` is the one table of ranges: ``pyproject.toml`` declares the same floors and upper
 bounds (``tests/test_versions.py`` compares them), and ``scripts/compat.sh`` runs the matrix whose
-results are ``docs/compatibility.md``. :func:`check_supported` is called by ``zero_bnb.initialize``
+results are in ``docs/support.md``. :func:`check_supported` is called by ``zero_bnb.initialize``
 (every front door goes through it): a release below a floor for a known reason is refused, one newer
 than the newest tested (or older than the oldest tested) is run with one warning per process.
 What differs between supported releases is asked in :mod:`zero_bnb.ds.versions` (DeepSpeed); the
@@ -133,7 +133,7 @@ def check_supported(found: dict[str, str] | None = None, *, optional: tuple[str,
             )
         if have > release(entry.newest):
             message = (f"{name} {version} is newer than the newest release zero_bnb was tested with ({tested}); "
-                       f"if something fails, {_fix(entry)} and see docs/compatibility.md")
+                       f"if something fails, {_fix(entry)} and see docs/support.md")
         elif have < release(entry.oldest):
             message = (f"{name} {version} is older than the oldest release zero_bnb was tested with ({tested}); "
                        f"if something fails, {_fix(entry)}")

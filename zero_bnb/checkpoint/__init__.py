@@ -1,5 +1,7 @@
 """The save and load protocol: staged atomic commit (``commit``), writing an optimizer's partitions
-(``save``), asynchronous saves' host staging (``staging``) and background writer (``background``), opening,
+(``save``), what is staged (``staging``: nothing copied for a synchronous save, host buffers for an asynchronous one)
+and the save's second half, decide-write-commit, run at once or by the background writer (``staged``,
+``background``), opening,
 planning and applying a load at any DP size (``load``, ``restore``), DeepSpeed's model file checked before a load
 applies it (``model_file``), checks before saving (``state_checks``), agreement across ranks (``collective``),
 module weights derived from master weights (``derived``) and how a save stores the masters (``masters``), batch

@@ -30,7 +30,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -38,18 +37,11 @@ import torch.distributed as dist
 import torch
 
 from zero_bnb.checkpoint.commit import SaveTransaction
-from zero_bnb.checkpoint.masters import MasterPlan, decide_masters
-from zero_bnb.checkpoint.partitioned import PartitionedOptimizer
-from zero_bnb.checkpoint.save import LocalPayload
-from zero_bnb.checkpoint.staging import StagingLimitError, StagingPool
+from zero_bnb.checkpoint.staging import StagingPool
 from zero_bnb.errors import CheckpointSaveError, CheckpointUsageError
-from zero_bnb.format.direct_io import direct_writes
-from zero_bnb.format.durable import save_torch
-from zero_bnb.format.manifest import Manifest
 from zero_bnb.format.progress import folder_status
 
-__all__ = ["BackgroundSaver", "StagedSave", "after_pending_saves", "check_same_switch", "join_saves_into",
-           "wait_for_pending_saves"]
+__all__ = ["BackgroundSaver", "after_pending_saves", "check_same_switch", "join_saves_into", "wait_for_pending_saves"]
 
 logger = logging.getLogger(__name__)
 
@@ -169,60 +161,6 @@ def wait_for_pending_saves() -> None:
     """Wait for every asynchronous save of this process (:meth:`BackgroundSaver.wait`; a failure is raised). Local."""
     for saver in list(_SAVERS):
         saver.wait()
-
-
-@dataclass
-class StagedSave:
-    """What is left of a staged asynchronous save: decide the masters, write the files, commit (:meth:`run`).
-
-    Attributes:
-        transaction: the save's transaction (begun; :attr:`SaveTransaction.group` is the writers' group).
-        optimizer: the engine's ZeRO optimizer (read for its geometry only: the values are the staged copies).
-        names: parameter -> name (``engine.param_names``).
-        candidates: :func:`~zero_bnb.checkpoint.masters.master_candidates` at the call.
-        slices: group index -> this rank's staged module weights (groups whose masters could derive).
-        deferred: ``(path, staged object)`` of DeepSpeed's files, and ``(tag folder, LocalPayload)``.
-        manifest: completes the manifest described at the call from the files and the masters' storage.
-        after_publish: runs on rank 0 once the checkpoint is published (``zero_to_fp32.py`` beside it).
-        copies: the staging's device-to-host copies to wait for (``None``: all were synchronous).
-    """
-
-    transaction: SaveTransaction
-    optimizer: PartitionedOptimizer
-    names: dict
-    candidates: list[tuple[str, str]]
-    slices: dict[int, torch.Tensor]
-    deferred: list[tuple[str, Any]]
-    manifest: Callable[[list, list[MasterPlan]], Manifest]
-    after_publish: Callable[[], object]
-    copies: Any = None
-
-    def _inputs(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's staged masters and module weights of group ``index``."""
-        payloads = [staged for _, staged in self.deferred if isinstance(staged, LocalPayload)]
-        if index not in self.slices or not payloads:
-            raise StagingLimitError("the module weights or the masters were not staged "
-                                    "(zero_checkpoint_async_max_staging_mb)")
-        return payloads[0].shard.groups[index].fp32, self.slices[index]
-
-    def run(self) -> None:
-        """Decide, write, commit. Collective over the writers' group: every rank's writer must run it."""
-        transaction = self.transaction
-        try:
-            with transaction.guard():
-                transaction.make_lock_durable()  # not waited for in the call: beside another writer, 13-55 ms
-                if self.copies is not None:
-                    self.copies.synchronize()
-            # Every rank decides, even after an error (commit() then reports it), so no writer waits for another.
-            masters = decide_masters(self.optimizer, self.candidates, self.names, self._inputs, group=transaction.group)
-            with transaction.guard(), direct_writes():  # around the page cache: training's cores and memory bus
-                for path, staged in self.deferred:  # DeepSpeed's files by path; the optimizer payload into its folder
-                    transaction.add(staged.with_masters(masters).write(path) if isinstance(staged, LocalPayload)
-                                    else [save_torch(staged, path, root=transaction.staging_folder)])
-            transaction.commit(lambda files: self.manifest(files, masters), after_publish=self.after_publish)
-        except BaseException:
-            transaction.abort()  # a collective that failed (a dead peer, a timeout): leave no lock or staging folder
-            raise
 
 
 def _lowest_cpu_priority() -> None:

@@ -24,7 +24,7 @@ from zero_bnb.core.residual import rounds_to
 from zero_bnb.format.masters import FULL, MODULE, MODULE_LOW16, DerivedMasters, derive, module_slice, piece_digests
 from zero_bnb.kernels.residual import split_rounded_bf16
 
-__all__ = ["MasterPlan", "decide_masters", "master_candidates", "plan_masters", "stage_module_slices"]
+__all__ = ["MasterPlan", "decide_masters", "master_candidates", "stage_module_slices"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,16 +59,6 @@ def _candidate(optimizer: PartitionedOptimizer, group_index: int, weights: Mappi
     if absent:
         return FULL, f"parameters {absent[:3]} are not in DeepSpeed's model file under their names"
     return storage, ""
-
-
-def _inputs(optimizer: PartitionedOptimizer, index: int, weights: Mapping[str, torch.Tensor],
-            names: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's real elements of group ``index``: its master weights and module weights on the CPU (a view where
-    they are CPU tensors already; one device-to-host copy each where they are not)."""
-    start, end = optimizer.geometry(index).element_ranges()[optimizer.dp_rank]
-    params = optimizer.param_entries(index, names)
-    master = optimizer.master_partition(index).detach()[: end - start].to("cpu")
-    return master, module_slice(params, {p.name: weights[p.name].detach() for p in params}, start, end).to("cpu")
 
 
 def _derive_local(optimizer: PartitionedOptimizer, index: int, names: dict, storage: str, master: torch.Tensor,
@@ -117,9 +107,9 @@ def master_candidates(optimizer: PartitionedOptimizer, weights: Mapping[str, tor
 def stage_module_slices(optimizer: PartitionedOptimizer, candidates: list[tuple[str, str]],
                         weights: Mapping[str, torch.Tensor] | None, names: dict,
                         stage: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor]:
-    """For each group whose masters could derive, this rank's module weights copied by ``stage`` (an asynchronous
-    save's staging; its masters are staged whole with the shard), for :func:`decide_masters` to check in the
-    background. Local. Where the range lies back to back in one storage (DeepSpeed's flat 16-bit group, on the
+    """For each group whose masters could derive, this rank's module weights taken by ``stage`` (the save's staging:
+    a CPU view for a synchronous save, a host copy for an asynchronous one; its masters are staged whole with the
+    shard), for :func:`decide_masters` to check in the save's writer. Local. Where the range lies back to back in one storage (DeepSpeed's flat 16-bit group, on the
     device too) ``stage`` gets one view of it: a view of the model file's staged copy where this rank staged that
     file, else one copy."""
     slices = {}
@@ -131,30 +121,14 @@ def stage_module_slices(optimizer: PartitionedOptimizer, candidates: list[tuple[
     return slices
 
 
-def plan_masters(optimizer: PartitionedOptimizer, weights: Mapping[str, torch.Tensor] | None,
-                 names: dict) -> list[MasterPlan]:
-    """Per group, how this save stores the masters, and this rank's derived part, from the live state.
-
-    Collective over the data-parallel group: every rank must call it, before any file is written.
-
-    Args:
-        optimizer: the engine's ZeRO optimizer.
-        weights: the module weights DeepSpeed's model file will hold, by parameter name (the trained
-            parameters themselves), or ``None`` if it holds none (``zero_derived_module_weights``, ZeRO stage 3).
-        names: parameter -> name (``engine.param_names``).
-    """
-    candidates = master_candidates(optimizer, weights, names)
-    return decide_masters(optimizer, candidates, names,
-                          lambda index: _inputs(optimizer, index, weights, names))  # type: ignore[arg-type]
-
-
 def decide_masters(optimizer: PartitionedOptimizer, candidates: list[tuple[str, str]], names: dict,
                    inputs: Callable[[int], tuple[torch.Tensor, torch.Tensor]], *, group: Any = None) -> list[MasterPlan]:
     """Per group, how this save stores the masters: :func:`master_candidates` checked against the values.
 
     Collective over ``group`` (default: the optimizer's data-parallel group): every rank must call it.
-    ``inputs(index)`` gives this rank's master and module weights of a group that could derive: the live ones, or
-    an asynchronous save's staged copies (:func:`stage_module_slices`: decided in its background writer).
+    ``inputs(index)`` gives this rank's master and module weights of a group that could derive, as the save staged
+    them (:func:`stage_module_slices`; :class:`~zero_bnb.checkpoint.staged.StagedSave` decides, in the caller or in
+    the background writer).
     """
     rank = optimizer.dp_rank
     plans: list[Any] = []

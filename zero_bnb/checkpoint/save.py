@@ -69,8 +69,10 @@ class LocalPayload:
 
     def with_masters(self, masters: Sequence[MasterPlan]) -> LocalPayload:
         """This payload with each group's masters stored as ``masters`` says (staged whole, then derived where the
-        background writer decided they can be: :func:`~zero_bnb.checkpoint.masters.decide_masters`)."""
-        groups = tuple(group if plan.storage == FULL else dataclasses.replace(group, fp32=None, derived=plan.derived)
+        save's writer decided they can be: :func:`~zero_bnb.checkpoint.masters.decide_masters`); the masters kept
+        whole as compact CPU tensors (a synchronous save staged them as views)."""
+        groups = tuple(dataclasses.replace(group, fp32=None if group.fp32 is None else copy_to_cpu(group.fp32))
+                       if plan.storage == FULL else dataclasses.replace(group, fp32=None, derived=plan.derived)
                        for group, plan in zip(self.shard.groups, masters, strict=True))
         return dataclasses.replace(self, shard=dataclasses.replace(self.shard, groups=groups))
 
@@ -91,13 +93,15 @@ class LocalPayload:
 
 
 def stage_local_payload(optimizer: PartitionedOptimizer, masters: Sequence[MasterPlan],
-                        stage: Stage = copy_to_cpu) -> LocalPayload:
-    """This rank's shard and (rank 0) replicated state, each tensor copied by ``stage``. Local: no collectives.
+                        stage: Stage = copy_to_cpu, stage_master: Stage | None = None) -> LocalPayload:
+    """This rank's shard and (rank 0) replicated state, each tensor copied by ``stage`` (the masters kept whole by
+    ``stage_master``, default ``stage``). Local: no collectives.
 
-    Each shard holds, per flat group, the fp32 master weights (whole, or derived as ``masters`` says:
-    :func:`~zero_bnb.checkpoint.masters.plan_masters`) and the element-wise and block-wise state of the real
-    elements this rank owns (padding stripped); hyperparameters and counters are copied as they are now.
+    Each shard holds, per flat group, the fp32 master weights (whole, or derived as ``masters`` says) and the
+    element-wise and block-wise state of the real elements this rank owns (padding stripped); hyperparameters and
+    counters are copied as they are now.
     """
+    stage_master = stage if stage_master is None else stage_master
     rank = optimizer.dp_rank
     shard_groups, replicated_groups = [], []
     for group_index in range(optimizer.num_groups):
@@ -112,7 +116,7 @@ def stage_local_payload(optimizer: PartitionedOptimizer, masters: Sequence[Maste
             else:
                 counters[key] = stage(value) if isinstance(value, torch.Tensor) else copy.deepcopy(value)
         plan = masters[group_index]
-        fp32 = None if plan.storage != FULL else stage(
+        fp32 = None if plan.storage != FULL else stage_master(
             optimizer.master_partition(group_index).detach()[..., :saved_length(StateKind.ELEMENTWISE, geometry, rank)])
         shard_groups.append(ShardGroup(fp32, sharded, plan.derived))
         replicated_groups.append(ReplicatedGroup(copy.deepcopy(_hyperparameters(optimizer, group_index)), counters,

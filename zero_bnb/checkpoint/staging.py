@@ -8,6 +8,8 @@ asynchronous DMA; plain memory for CPU tensors). A buffer holds exactly its tens
 staged tensor writes what it would have written for the original; tensors that share memory (tied weights) stay
 shared. Non-tensor values are deep-copied, so a ``client_state`` changed after the call does not reach the files.
 
+A synchronous save stages through :class:`InlineStaging` instead, which copies nothing ahead.
+
 Local: no collectives. Not thread-safe: one save stages at a time (the engine waits for the previous save first).
 """
 
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["StagingPool", "StagingLimitError"]
+__all__ = ["InlineStaging", "StagingPool", "StagingLimitError"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +120,10 @@ class StagingPool:
         buffer.copy_(value, non_blocking=pin)
         return buffer
 
+    def master(self, value: torch.Tensor) -> torch.Tensor:
+        """A group's master weights: staged whole like any tensor (the writer decides whether they derive)."""
+        return self.tensor(value)
+
     def view_or_copy(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` as a view of this save's staged copy of its storage if :meth:`snapshot` staged that storage
         already (no second copy of the same bytes), else :meth:`tensor`'s compact copy."""
@@ -181,3 +187,37 @@ class StagingPool:
         event = torch.cuda.Event()
         event.record()
         return event
+
+
+class InlineStaging:
+    """The staging of a synchronous save, which writes before training goes on: nothing is copied ahead. Tensors of
+    the optimizer files become compact CPU tensors (:func:`~zero_bnb.checkpoint.save.copy_to_cpu`: themselves where
+    they already are), the master weights and module weights CPU tensors (views where they are CPU tensors already:
+    read to decide how the masters are stored, the masters kept whole made compact when written), DeepSpeed's
+    objects are written as they are.
+
+    The same methods as :class:`StagingPool`, so one save algorithm serves both (:mod:`zero_bnb.checkpoint.staged`).
+    """
+
+    def begin(self) -> None:
+        """Nothing to start."""
+
+    def tensor(self, value: torch.Tensor) -> torch.Tensor:
+        from zero_bnb.checkpoint.save import copy_to_cpu
+
+        return copy_to_cpu(value)
+
+    def master(self, value: torch.Tensor) -> torch.Tensor:
+        return value.detach().to("cpu")
+
+    def view_or_copy(self, value: torch.Tensor) -> torch.Tensor:
+        return value.detach().to("cpu")
+
+    def snapshot(self, obj: Any) -> Any:
+        return obj
+
+    def trim(self) -> None:
+        """Nothing to trim."""
+
+    def copies_done(self) -> None:
+        return None

@@ -1,32 +1,70 @@
-"""DeepSpeed's ``torch.save`` checkpoint engine, made durable and able to defer its writes.
+"""DeepSpeed's ``torch.save`` checkpoint engine, made durable and able to defer its writes, and the record of the
+save or load under way.
 
 :class:`DurableCheckpointEngine` replaces the engine DeepSpeed builds (``ZeroBnbEngine._configure_checkpointing``):
-inside a save, the files DeepSpeed writes go into the save's :class:`~zero_bnb.checkpoint.commit.SaveTransaction`
-(fsynced, checksummed, recorded for the manifest) or, for an asynchronous save, are staged and left to the
-background writer; inside a load it serves the objects the load's plan already read and checked. Local.
+inside a save (:class:`SaveCall`), the files DeepSpeed writes are staged and left to the save's writer
+(:class:`~zero_bnb.checkpoint.staged.StagedSave`: at once for a synchronous save, in the background for an
+asynchronous one), which writes them into the save's :class:`~zero_bnb.checkpoint.commit.SaveTransaction`
+(fsynced, checksummed, recorded for the manifest); inside a load (:class:`LoadCall`) it serves the objects the
+load's plan already read and checked. Local.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
     TorchCheckpointEngine,
 )
+from deepspeed.runtime.zero.utils import ZeRORuntimeException
+import torch.distributed as dist
 
 from zero_bnb.checkpoint.commit import SaveTransaction
-from zero_bnb.checkpoint.staging import StagingLimitError, StagingPool
+from zero_bnb.checkpoint.staging import InlineStaging, StagingLimitError, StagingPool
 from zero_bnb.format.durable import makedirs, save_torch
 from zero_bnb.format.publish import replacing
 from zero_bnb.format.unpickle import safe_load
 
-__all__ = ["DurableCheckpointEngine"]
+__all__ = ["DurableCheckpointEngine", "LoadCall", "SaveCall", "configure_checkpointing"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SaveCall:
+    """One ``save_checkpoint`` call, as DeepSpeed's methods it runs through see it (``ZeroBnbEngine._calling``).
+
+    Attributes:
+        transaction: the save's transaction (begun).
+        staging: how what it writes is taken out of training's reach (nothing copied: a synchronous save).
+        deferred: ``(path, staged object)`` of the files left to the save's writer, in DeepSpeed's order.
+        dropped: model-file entries left out (``zero_derived_module_weights``: rebuilt from the masters on load).
+    """
+
+    transaction: SaveTransaction
+    staging: InlineStaging | StagingPool
+    deferred: list[tuple[str, Any]] = field(default_factory=list)
+    dropped: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class LoadCall:
+    """One ``load_checkpoint`` call, as DeepSpeed's methods it runs through see it (``ZeroBnbEngine._calling``).
+
+    Attributes:
+        plan: the load's agreed plan (:class:`zero_bnb.checkpoint.load.LoadPlan`).
+        planned: ``{path: object}`` the plan already read and checked (DeepSpeed's model file, under a stand-in
+            path), served by :meth:`DurableCheckpointEngine.load`.
+    """
+
+    plan: Any
+    planned: dict[str, Any]
 
 
 class DurableCheckpointEngine(TorchCheckpointEngine):
@@ -36,14 +74,13 @@ class DurableCheckpointEngine(TorchCheckpointEngine):
     for the manifest like zero_bnb's own.
     """
 
-    transaction: SaveTransaction | None = None
-    #: ``{path: loaded object}`` prepared (read and checked) by a load's plan; served by :meth:`load`.
-    planned: dict[str, Any] | None = None
-    #: An asynchronous save's staging buffers: :meth:`save` then stages the object and defers the write
-    #: (to :attr:`deferred`) instead of writing it.
-    pool: StagingPool | None = None
-    #: ``(path, staged object)`` of the writes an asynchronous save left to its background writer.
-    deferred: list[tuple[str, Any]] | None = None
+    #: The save or load under way (``None`` outside one): set and cleared with the engine's, by one context manager.
+    call: SaveCall | LoadCall | None = None
+
+    @property
+    def transaction(self) -> SaveTransaction | None:
+        """The transaction of the save under way, if any."""
+        return self.call.transaction if isinstance(self.call, SaveCall) else None
 
     def makedirs(self, path, exist_ok=False):
         if self.transaction is None:
@@ -66,17 +103,18 @@ class DurableCheckpointEngine(TorchCheckpointEngine):
             with replacing(path) as temporary:
                 save_torch(state_dict, temporary, root=os.path.dirname(temporary))
             return
-        if not self.defer(path, lambda: self.pool.snapshot(state_dict), os.path.basename(path)):
+        if not self.defer(path, lambda: self.call.staging.snapshot(state_dict), os.path.basename(path)):
             transaction.add([save_torch(state_dict, path, root=transaction.staging_folder)])
 
     def defer(self, path: str, stage: Callable[[], Any], what: str) -> bool:
-        """In an asynchronous save, stage what ``path`` will hold (``stage()``, copying into :attr:`pool`) and leave
-        its write to the background writer; ``False`` in a synchronous save, or (with a warning naming ``what``)
-        when the staging limit is reached: the caller then writes it now. Local."""
-        if self.pool is None or self.deferred is None:
+        """In a save, stage what ``path`` will hold (``stage()``, through the call's staging) and leave its write to
+        the save's writer; ``False`` outside a save, or (with a warning naming ``what``) when an asynchronous save's
+        staging limit is reached: the caller then writes it now. Local."""
+        call = self.call
+        if not isinstance(call, SaveCall):
             return False
         try:
-            self.deferred.append((path, stage()))
+            call.deferred.append((path, stage()))
         except StagingLimitError as error:
             logger.warning("zero_bnb: %s; writing %s before save_checkpoint returns", error, what)
             return False
@@ -84,6 +122,43 @@ class DurableCheckpointEngine(TorchCheckpointEngine):
 
     def load(self, path: str, map_location=None):
         """The planned object for ``path``, else ``torch.load(weights_only=True)`` (no code from the file runs)."""
-        if self.planned is not None and path in self.planned:
-            return self.planned[path]
+        if isinstance(self.call, LoadCall) and path in self.call.planned:
+            return self.call.planned[path]
         return safe_load(path, "DeepSpeed checkpoint file", deepspeed_classes=True)
+
+
+#: DeepSpeed's ``checkpoint`` config keys of its writers (``deepspeed.runtime.checkpoint_engine``, 0.17.1+; older
+#: releases have no writer and leave ``checkpoint_config`` without the key)
+CHECKPOINT_WRITER, CHECKPOINT_WRITER_DECOUPLED = "writer", "decoupled"
+
+
+def configure_checkpointing(engine, configure: Callable[[], None]) -> None:
+    """``engine._configure_checkpointing``: DeepSpeed's own (``configure``), with its checkpoint engine replaced by a
+    :class:`DurableCheckpointEngine`. DeepSpeed's decoupled writer turns on zero_bnb's asynchronous saves; another
+    writer (``fast``, datastates) is refused, naming the fix. Local."""
+    checkpoint_config = engine._config.checkpoint_config
+    writer = checkpoint_config.get(CHECKPOINT_WRITER)
+    if writer is not None and not writer.get(CHECKPOINT_WRITER_DECOUPLED):
+        raise ZeRORuntimeException(
+            f"zero_bnb commits checkpoints atomically with its own writer, but the config selects DeepSpeed's "
+            f"checkpoint.writer {writer.get('type', 'fast')!r}; remove checkpoint.writer from the config (for saves "
+            f"in the background set \"zero_checkpoint_async\": true, or checkpoint.writer.decoupled: true)"
+        )
+    if writer is not None:
+        # DeepSpeed's decoupled writer asks for saves in the background: zero_bnb's asynchronous saves
+        # (zero_checkpoint_async), committed by its own writer (DeepSpeed's needs the deepspeed launcher's
+        # CROSS_SIZE and would skip the atomic commit).
+        if dist.get_rank() == 0:
+            logger.info("zero_bnb: checkpoint.writer.decoupled is set: saves are asynchronous (zero_checkpoint_async)")
+        engine.zero_bnb_config = dataclasses.replace(engine.zero_bnb_config, checkpoint_async=True)
+        checkpoint_config[CHECKPOINT_WRITER] = None  # DeepSpeed builds its torch.save engine, replaced below
+    try:
+        configure()
+    finally:
+        checkpoint_config[CHECKPOINT_WRITER] = writer
+    if type(engine.checkpoint_engine) is not TorchCheckpointEngine:
+        raise ZeRORuntimeException(
+            f"zero_bnb commits checkpoints atomically with its own writer, but the config selects "
+            f"{type(engine.checkpoint_engine).__name__}; remove checkpoint.writer and datastates from the config"
+        )
+    engine.checkpoint_engine = DurableCheckpointEngine(engine._config)

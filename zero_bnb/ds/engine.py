@@ -24,22 +24,18 @@ import functools
 import logging
 import os
 import tempfile
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import deepspeed.runtime.engine as ds_engine_module
 import deepspeed.runtime.zero.stage3 as ds_stage3_module
-from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
-    TorchCheckpointEngine,
-)
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 import torch.distributed as dist
 
 from zero_bnb.bnb.chunked import ChunkedUpdate, uninstall_chunked_update
-from zero_bnb.checkpoint.background import BackgroundSaver, StagedSave, check_same_switch, join_saves_into
+from zero_bnb.checkpoint.background import BackgroundSaver, check_same_switch, join_saves_into
 from zero_bnb.checkpoint.batch import batch_of, warn_if_batch_changed
 from zero_bnb.checkpoint.collective import agree
 from zero_bnb.checkpoint.commit import SaveTransaction
@@ -47,16 +43,18 @@ from zero_bnb.checkpoint.derived import DERIVED_PARAMS_KEY, derived_entries
 from zero_bnb.checkpoint.exclusive import one_at_a_time
 from zero_bnb.checkpoint.front_door import mark_if_saving_into
 from zero_bnb.checkpoint.load import LoadPlan, apply_module_weights, open_for_load, plan_load
-from zero_bnb.checkpoint.masters import MasterPlan, master_candidates, plan_masters, stage_module_slices
-from zero_bnb.checkpoint.model_file import saved_zero_stage
-from zero_bnb.checkpoint.precision import describe_conversions
+from zero_bnb.checkpoint.masters import MasterPlan, master_candidates, stage_module_slices
 from zero_bnb.checkpoint.recovery_script import write_recovery_script
 from zero_bnb.checkpoint.restore import apply_masters, apply_restore
 from zero_bnb.checkpoint.save import manifest_draft, stage_local_payload
+from zero_bnb.checkpoint.staged import StagedSave
+from zero_bnb.checkpoint.staging import InlineStaging
 from zero_bnb.checkpoint.state_checks import find_non_finite, verify_replicated_state
 from zero_bnb.core.config import ZeroBnbConfig
 from zero_bnb.core.state_spec import StateRule, declared, spec_for
-from zero_bnb.ds.checkpoint_engine import DurableCheckpointEngine
+from zero_bnb.ds.checkpoint_engine import LoadCall, SaveCall, configure_checkpointing
+from zero_bnb.ds.load_log import log_load
+from zero_bnb.ds.patching import swapped_attribute
 from zero_bnb.ds.stage3 import BlockAlignedStage3Optimizer
 from zero_bnb.ds.zero_optimizer import BlockAlignedBF16Optimizer, BlockAlignedZeroOptimizer
 from zero_bnb.errors import CheckpointSaveError, CheckpointUsageError
@@ -65,35 +63,10 @@ from zero_bnb.format.stock_files import MODEL_STATES, stage3_model_states, stock
 from zero_bnb.format.tags import resolve_tag
 from zero_bnb.kernels.cpu_update import install_cpu_update, uninstall_cpu_update
 
-__all__ = ["ZeroBnbEngine", "swapped_attribute"]
+__all__ = ["ZeroBnbEngine"]
 
 logger = logging.getLogger(__name__)
 
-_PATCH_LOCK = threading.RLock()
-#: DeepSpeed's ``checkpoint`` config keys of its writers (``deepspeed.runtime.checkpoint_engine``, 0.17.1+; older
-#: releases have no writer and leave ``checkpoint_config`` without the key)
-CHECKPOINT_WRITER, CHECKPOINT_WRITER_DECOUPLED = "writer", "decoupled"
-
-
-@contextmanager
-def swapped_attribute(owner: Any, name: str, replacement: Any) -> Iterator[None]:
-    """Rebind ``owner.name`` for the duration of a ``with`` block (serialised by a lock).
-
-    DeepSpeed builds its engine and ZeRO optimizer from module-level names; this is how
-    zero_bnb substitutes its subclasses without copying DeepSpeed's constructor calls.
-    """
-    if not hasattr(owner, name):
-        raise RuntimeError(
-            f"{getattr(owner, '__name__', owner)} has no attribute {name!r}: this DeepSpeed version is outside "
-            f"zero_bnb's supported range (see pyproject.toml)"
-        )
-    with _PATCH_LOCK:
-        original = getattr(owner, name)
-        setattr(owner, name, replacement)
-        try:
-            yield
-        finally:
-            setattr(owner, name, original)
 
 
 class ZeroBnbEngine(DeepSpeedEngine):
@@ -108,6 +81,8 @@ class ZeroBnbEngine(DeepSpeedEngine):
     zero_bnb_front_door: str = "deepspeed"
     #: The batch geometry (``global``, ``micro``, ``accumulation``, ``dp``) the last loaded checkpoint recorded.
     zero_bnb_loaded_batch: dict[str, int] | None = None
+    #: The save or load under way (:meth:`_calling`), ``None`` outside one.
+    _zero_bnb_call: SaveCall | LoadCall | None = None
 
     def __init__(self, *args: Any, zero_bnb_config: ZeroBnbConfig, **kwargs: Any) -> None:
         self.zero_bnb_config = zero_bnb_config
@@ -180,32 +155,7 @@ class ZeroBnbEngine(DeepSpeedEngine):
         return wrapper
 
     def _configure_checkpointing(self, *args):  # DeepSpeed 0.17.0 passes dist_init_required
-        checkpoint_config = self._config.checkpoint_config
-        writer = checkpoint_config.get(CHECKPOINT_WRITER)
-        if writer is not None and not writer.get(CHECKPOINT_WRITER_DECOUPLED):
-            raise ZeRORuntimeException(
-                f"zero_bnb commits checkpoints atomically with its own writer, but the config selects DeepSpeed's "
-                f"checkpoint.writer {writer.get('type', 'fast')!r}; remove checkpoint.writer from the config (for saves "
-                f"in the background set \"zero_checkpoint_async\": true, or checkpoint.writer.decoupled: true)"
-            )
-        if writer is not None:
-            # DeepSpeed's decoupled writer asks for saves in the background: zero_bnb's asynchronous saves
-            # (zero_checkpoint_async), committed by its own writer (DeepSpeed's needs the deepspeed launcher's
-            # CROSS_SIZE and would skip the atomic commit).
-            if dist.get_rank() == 0:
-                logger.info("zero_bnb: checkpoint.writer.decoupled is set: saves are asynchronous (zero_checkpoint_async)")
-            self.zero_bnb_config = dataclasses.replace(self.zero_bnb_config, checkpoint_async=True)
-            checkpoint_config[CHECKPOINT_WRITER] = None  # DeepSpeed builds its torch.save engine, replaced below
-        try:
-            super()._configure_checkpointing(*args)
-        finally:
-            checkpoint_config[CHECKPOINT_WRITER] = writer
-        if type(self.checkpoint_engine) is not TorchCheckpointEngine:
-            raise ZeRORuntimeException(
-                f"zero_bnb commits checkpoints atomically with its own writer, but the config selects "
-                f"{type(self.checkpoint_engine).__name__}; remove checkpoint.writer and datastates from the config"
-            )
-        self.checkpoint_engine = DurableCheckpointEngine(self._config)
+        configure_checkpointing(self, lambda: super(ZeroBnbEngine, self)._configure_checkpointing(*args))
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -244,35 +194,14 @@ class ZeroBnbEngine(DeepSpeedEngine):
         non_finite = find_non_finite(self.optimizer, self.param_names, self.zero_bnb_config.nonfinite_check)
         draft, batch = manifest_draft(self.optimizer, self.param_names, non_finite), batch_of(self)
         saver = self._zero_bnb_saver()
-        if saver is None:
-            masters = plan_masters(self.optimizer, self._saved_module_weights(exclude_frozen_parameters),
-                                   self.param_names)
-        else:  # the masters are staged whole; the background writer decides which can derive from the module weights
+        staging = InlineStaging() if saver is None else saver.pool  # a synchronous save copies nothing ahead
+        if saver is not None:
             transaction.group = saver.process_group()
-            saver.pool.begin()
-            weights = self._saved_module_weights(exclude_frozen_parameters)
-            candidates = master_candidates(self.optimizer, weights, self.param_names)
-            masters = [MasterPlan(FULL)] * len(candidates)
-        self._zero_bnb_masters = masters
-        transaction.begin(durable_lock=saver is None)  # asynchronous: the lock record's fsync not waited for here
-        self.checkpoint_engine.transaction = transaction
-        self.checkpoint_engine.pool = None if saver is None else saver.pool
-        deferred = self.checkpoint_engine.deferred = [] if saver is not None else None
-        try:
-            super().save_checkpoint(
-                save_dir,
-                tag=transaction.staging_tag,
-                client_state={} if client_state is None else client_state,
-                save_latest=False,
-                exclude_frozen_parameters=exclude_frozen_parameters,
-            )
-        except BaseException:
-            transaction.abort()  # an error outside every guard: at least leave no lock or staging folder
-            raise
-        finally:
-            self.checkpoint_engine.transaction = None
-            self.checkpoint_engine.pool = self.checkpoint_engine.deferred = None
-            self._zero_bnb_masters = None
+        staging.begin()
+        weights = self._saved_module_weights(exclude_frozen_parameters)
+        candidates = master_candidates(self.optimizer, weights, self.param_names)
+        transaction.begin(durable_lock=saver is None)  # asynchronous: the lock record's fsync is left to the writer
+        call = SaveCall(transaction, staging)
 
         def manifest(files, masters: list[MasterPlan]):
             return dataclasses.replace(draft(files, masters), batch=batch)
@@ -280,22 +209,28 @@ class ZeroBnbEngine(DeepSpeedEngine):
         def after_publish() -> None:
             write_recovery_script(save_dir)  # DeepSpeed's zero_to_fp32.py habit
 
-        if saver is None:
-            transaction.commit(lambda files: manifest(files, masters), after_publish=after_publish)
-            return True
-        try:  # after DeepSpeed's model file: where this rank staged it, its weights are views of that copy
-            slices = stage_module_slices(self.optimizer, candidates, weights, self.param_names, saver.pool.view_or_copy)
-        except Exception as error:  # noqa: BLE001 - the writers then store the masters whole, on every rank
-            logger.warning("zero_bnb: staging the module weights failed (%r); this save stores the fp32 master "
-                           "weights whole", error)
-            slices = {}
         try:
-            saver.pool.trim()
-            saver.start(tag, StagedSave(transaction, self.optimizer, self.param_names, candidates, slices, deferred,
-                                        manifest, after_publish, saver.pool.copies_done()).run, save_dir)
+            with self._calling(call):  # DeepSpeed's files, and the optimizer files, staged: written by the writer
+                super().save_checkpoint(save_dir, tag=transaction.staging_tag,
+                                        client_state={} if client_state is None else client_state, save_latest=False,
+                                        exclude_frozen_parameters=exclude_frozen_parameters)
+            try:  # after DeepSpeed's model file: where its copy was staged, the module weights are views of it
+                slices = stage_module_slices(self.optimizer, candidates, weights, self.param_names,
+                                             staging.view_or_copy)
+            except Exception as error:  # noqa: BLE001 - the writers then store the masters whole, on every rank
+                logger.warning("zero_bnb: staging the module weights failed (%r); this save stores the fp32 master "
+                               "weights whole", error)
+                slices = {}
+            staging.trim()
+            work = StagedSave(transaction, self.optimizer, self.param_names, candidates, slices, call.deferred,
+                              manifest, after_publish, staging.copies_done(), background=saver is not None)
+            if saver is not None:
+                saver.start(tag, work.run, save_dir)
         except BaseException:
-            transaction.abort()  # no writer will commit: leave no lock or staging folder
+            transaction.abort()  # an error outside every guard, or no writer will commit: leave no lock or staging
             raise
+        if saver is None:
+            work.run()  # decide the masters, write, commit: what the background writer runs for an asynchronous save
         return True
 
     def wait_for_checkpoint(self) -> None:
@@ -362,19 +297,20 @@ class ZeroBnbEngine(DeepSpeedEngine):
         super().__del__()
 
     def _save_checkpoint(self, save_dir, tag, client_state=None, exclude_frozen_parameters=False):
+        call = self._save_call()
         derived = self._derived_module_weights()
-        self._zero_bnb_dropped = set(derived)
+        call.dropped = set(derived)
         # A plain DeepSpeed engine given this checkpoint (zero_bnb.enable() forgotten) fails naming zero_bnb.
         extra = {"dp_world_size": stock_dp_world_size(self.optimizer.dp_size,
                                                       stage3=self.optimizer.module_weights_partitioned)}
         if derived:
             extra[DERIVED_PARAMS_KEY] = derived
         try:
-            with self.checkpoint_engine.transaction.guard():
+            with call.transaction.guard():
                 super()._save_checkpoint(save_dir, tag, client_state={**(client_state or {}), **extra},
                                          exclude_frozen_parameters=exclude_frozen_parameters)
         finally:
-            self._zero_bnb_dropped = set()
+            call.dropped = set()
 
     def _saved_module_weights(self, exclude_frozen_parameters: bool) -> dict[str, Any] | None:
         """The parameters DeepSpeed's model file will hold, by state-dict key: the master weights derive from them.
@@ -395,7 +331,8 @@ class ZeroBnbEngine(DeepSpeedEngine):
     def module_state_dict(self, destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False):
         state = super().module_state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars,
                                           exclude_frozen_parameters=exclude_frozen_parameters)
-        for key in getattr(self, "_zero_bnb_dropped", ()):
+        call = self._zero_bnb_call
+        for key in call.dropped if isinstance(call, SaveCall) else ():
             state.pop(prefix + key, None)
         return state
 
@@ -406,13 +343,29 @@ class ZeroBnbEngine(DeepSpeedEngine):
         return super().load_module_state_dict(checkpoint, *args, **kwargs)
 
     def _save_zero_checkpoint(self, save_path, tag):
-        engine, folder = self.checkpoint_engine, os.path.join(save_path, str(tag))
-        transaction = engine.transaction
-        with transaction.guard():
-            staged = engine.defer(folder, lambda: stage_local_payload(self.optimizer, self._zero_bnb_masters,
-                                                                      engine.pool.tensor), "the optimizer files")
-            if not staged:
-                transaction.add(stage_local_payload(self.optimizer, self._zero_bnb_masters).write(folder))
+        call, folder = self._save_call(), os.path.join(save_path, str(tag))
+        whole = [MasterPlan(FULL)] * self.optimizer.num_groups  # the writer decides which derive (StagedSave.run)
+        with call.transaction.guard():
+            staged = self.checkpoint_engine.defer(folder, lambda: stage_local_payload(
+                self.optimizer, whole, call.staging.tensor, call.staging.master), "the optimizer files")
+            if not staged:  # over an asynchronous save's staging limit: written now, the masters whole
+                call.transaction.add(stage_local_payload(self.optimizer, whole).write(folder))
+
+    @contextmanager
+    def _calling(self, call: SaveCall | LoadCall) -> Iterator[SaveCall | LoadCall]:
+        """The one record of the save or load under way, for DeepSpeed's methods that zero_bnb overrides and for its
+        checkpoint engine; set for the block, cleared after it (also when it raises). Local."""
+        self._zero_bnb_call = self.checkpoint_engine.call = call
+        try:
+            yield call
+        finally:
+            self._zero_bnb_call = self.checkpoint_engine.call = None
+
+    def _save_call(self) -> SaveCall:
+        call = self._zero_bnb_call
+        if not isinstance(call, SaveCall):
+            raise ZeRORuntimeException("zero_bnb saves ZeRO state only through ZeroBnbEngine.save_checkpoint")
+        return call
 
     @one_at_a_time
     def load_checkpoint(
@@ -473,27 +426,25 @@ class ZeroBnbEngine(DeepSpeedEngine):
         warn_if_batch_changed(saved.manifest, self, os.path.join(load_dir, folder_tag), self.zero_bnb_front_door)
         self.zero_bnb_loaded_batch = dict(saved.manifest.batch) or None
         partitioned = self.optimizer.module_weights_partitioned
-        self._zero_bnb_plan = plan
         # DeepSpeed asserts that the model file's path exists before it "reads" it (state_dict_factory.py); a re-save
         # of the tag can move the folder away at that moment on one rank only, which would fail that rank alone
         # after the plan was agreed. It is handed an empty private file standing in for the planned model states.
         stand_in = tempfile.NamedTemporaryFile(prefix="zero_bnb_planned_model_states_", suffix=".pt")
-        self.checkpoint_engine.planned = {stand_in.name: plan.model_states}
         try:
-            result = super().load_checkpoint(
-                load_dir,
-                tag=folder_tag,
-                load_module_strict=load_module_strict,
-                # At stage 3 DeepSpeed would rebuild weights-only loads from its own optimizer files (zero_to_fp32);
-                # the plan already holds what to apply (state or masters only) and _load_zero_checkpoint applies it.
-                load_optimizer_states=True if partitioned else load_optimizer_states,
-                load_lr_scheduler_states=load_lr_scheduler_states,
-                load_module_only=load_module_only,
-                custom_load_fn=custom_load_fn,
-            )
+            with self._calling(LoadCall(plan, {stand_in.name: plan.model_states})):
+                    result = super().load_checkpoint(
+                    load_dir,
+                    tag=folder_tag,
+                    load_module_strict=load_module_strict,
+                    # At stage 3 DeepSpeed would rebuild weights-only loads from its own optimizer files
+                    # (zero_to_fp32); the plan already holds what to apply (state or masters only) and
+                    # _load_zero_checkpoint applies it.
+                    load_optimizer_states=True if partitioned else load_optimizer_states,
+                    load_lr_scheduler_states=load_lr_scheduler_states,
+                    load_module_only=load_module_only,
+                    custom_load_fn=custom_load_fn,
+                )
         finally:
-            self._zero_bnb_plan = None
-            self.checkpoint_engine.planned = None
             stand_in.close()
         if result[0] == stand_in.name:
             result = (plan.model_file, *result[1:])
@@ -520,48 +471,17 @@ class ZeroBnbEngine(DeepSpeedEngine):
         return os.path.join(folder, names[0])
 
     def _get_all_ckpt_names(self, checkpoints_path, tag):
-        planned = self.checkpoint_engine.planned
-        if planned is not None:  # the model file the plan read (its stand-in), not whatever a glob finds there now
-            return list(planned)
+        call = self._zero_bnb_call
+        if isinstance(call, LoadCall):  # the model file the plan read (its stand-in), not whatever a glob finds now
+            return list(call.planned)
         return super()._get_all_ckpt_names(checkpoints_path, tag)
 
-    def _log_load(self, folder: str, plan: LoadPlan) -> None:
-        """Rank 0's account of a load: one INFO line (saved and running DP size and ZeRO stage, what was re-split,
-        the 8-bit state held now), and a WARNING naming the state not loaded as saved (dtypes, direction, why)."""
-        from zero_bnb.ds.describe import describe
-
-        restore, described = plan.optimizer, describe(self)
-        saved_stage, stage = saved_zero_stage(plan.model_states), described["zero_stage"]
-        moved = "mapped by parameter name" if restore.regrouped else ""
-        if saved_stage is not None and saved_stage != stage:
-            layout = f"from ZeRO stage {saved_stage}: every tensor re-split" + (f", {moved}" if moved else "")
-        elif restore.saved_dp == self.optimizer.dp_size and not restore.regrouped:
-            layout = "same partitions"
-        else:
-            layout = "every tensor re-split" + (f", {moved}" if moved else "")
-        migrated = plan.saved.manifest.migrated_from  # a stock checkpoint rewritten offline: its own DP size
-        saved_at = (f"DP={migrated.get('dp_world_size')} by {migrated.get('format')} (migrated offline, stored as "
-                    f"DP={restore.saved_dp})" if migrated else f"DP={restore.saved_dp}")
-        logger.info(
-            "zero_bnb: loaded checkpoint %s saved at %s into DP=%d at ZeRO stage %d (%s); %s; rank 0's optimizer "
-            "state 8-bit in %d of %d groups, %.2f B/param",
-            folder, saved_at, self.optimizer.dp_size, stage, layout,
-            "optimizer state loaded" if restore.load_optimizer_states else "weights only",
-            len(described["eight_bit_groups"]), len(described["groups"]), described["state_bytes_per_param"],
-        )
-        converted = describe_conversions([group.conversions for group in restore.groups])
-        if converted is not None:
-            logger.warning(
-                "zero_bnb: checkpoint %s (saved at %s, ZeRO stage %s; now DP=%d, ZeRO stage %d): %s", folder,
-                saved_at, "unknown" if saved_stage is None else saved_stage, self.optimizer.dp_size, stage,
-                converted,
-            )
-
     def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
-        plan: LoadPlan | None = getattr(self, "_zero_bnb_plan", None)
-        if plan is None:
+        call = self._zero_bnb_call
+        if not isinstance(call, LoadCall):
             raise ZeRORuntimeException("zero_bnb loads ZeRO state only through ZeroBnbEngine.load_checkpoint")
+        plan: LoadPlan = call.plan
         apply_restore(self.optimizer, plan.optimizer)
         if self.global_rank == 0:
-            self._log_load(os.path.join(load_dir, str(tag)), plan)
+            log_load(self, os.path.join(load_dir, str(tag)), plan)
         return True

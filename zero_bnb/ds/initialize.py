@@ -20,7 +20,8 @@ from zero_bnb.core.config import (
     split_config,
 )
 from zero_bnb.core.state_spec import family_of
-from zero_bnb.ds.engine import ZeroBnbEngine, swapped_attribute
+from zero_bnb.ds.engine import ZeroBnbEngine
+from zero_bnb.ds.patching import swapped_attribute
 from zero_bnb.ds.precision_plan import announce_precision
 from zero_bnb.ds.stage3 import refuse_stage3_settings
 from zero_bnb.ds.dispatch import calling_deepspeed, underlying_initialize
