@@ -140,7 +140,7 @@ def _front_door_job(rank: int, world: int, workdir: str, door: str, mode: str) -
     window written to ``{workdir}/{door}_{mode}.json``."""
     import front_door_kills as kills
 
-    from zero_bnb.checkpoint.background import wait_for_pending_saves
+    from zero_bnb.checkpoint.pending import wait_for_pending_saves
 
     name = f"{door}_{mode}"
     folder = os.path.join(workdir, "root", name)

@@ -81,7 +81,7 @@ class Steps:
     def start(self) -> None:
         """The save under test is next: an asynchronous save before it is committed first (as the save would wait
         for it), so that none of its steps is taken for one of the save under test."""
-        from zero_bnb.checkpoint.background import wait_for_pending_saves
+        from zero_bnb.checkpoint.pending import wait_for_pending_saves
 
         wait_for_pending_saves()
         self.active = True
@@ -497,7 +497,7 @@ def _campaign(workdir: str, name: str, door: Door) -> dict:
             imported = set(sys.modules)
 
             def snapshot():  # the checkpoint under test, complete: what a resume from it must read
-                from zero_bnb.checkpoint.background import wait_for_pending_saves
+                from zero_bnb.checkpoint.pending import wait_for_pending_saves
 
                 wait_for_pending_saves()
                 if rank == 0:

@@ -15,8 +15,9 @@ from async_probe_scenarios import CASES, probe
 from async_scenarios import asynchronous
 from scenarios import result
 
-from zero_bnb.checkpoint import background
-from zero_bnb.checkpoint.background import BackgroundSaver, after_pending_saves
+from zero_bnb.checkpoint import pending
+from zero_bnb.checkpoint.background import BackgroundSaver
+from zero_bnb.checkpoint.pending import after_pending_saves
 from zero_bnb.core.config import ZeroBnbConfigError, split_config
 from zero_bnb.errors import CheckpointSaveError
 import zero_bnb
@@ -177,7 +178,7 @@ def test_the_switch_is_read_at_the_top_level_or_inside_zero_optimization():
 
 def _saver_blocked_until(release: threading.Event, fail: bool = False) -> BackgroundSaver:
     saver = BackgroundSaver()
-    background._SAVERS.add(saver)  # as its first process_group() call registers it
+    pending.register(saver)  # as its first process_group() call registers it
 
     def work():
         release.wait(10)
@@ -203,7 +204,7 @@ def test_a_front_doors_deletion_waits_for_the_commit_and_is_dropped_if_the_save_
         assert deleted == ([] if fail else ["old"]), (fail, deleted)  # the older checkpoint is kept if the save failed
         after_pending_saves(lambda: deleted.append("now"), "the test's deletion")  # nothing pending: at once
         assert deleted[-1] == "now"
-        background._SAVERS.discard(saver)
+        pending.unregister(saver)
 
 
 def test_a_front_doors_deletion_is_dropped_when_the_save_failed_before_it_asked():
@@ -211,16 +212,16 @@ def test_a_front_doors_deletion_is_dropped_when_the_save_failed_before_it_asked(
     # save that failed quickly (a full disk at the first file) has finished by then, its error not raised yet.
     deleted = []
     saver = BackgroundSaver()
-    background._SAVERS.add(saver)
+    pending.register(saver)
     try:
         saver.start("T", lambda: (_ for _ in ()).throw(OSError(28, "No space left on device")))
-        saver._thread.join()  # finished, failed; the error waits for the next call
+        saver.join()  # finished, failed; the error waits for the next call
         after_pending_saves(lambda: deleted.append("old"), "the test's deletion")
         assert deleted == []  # the older checkpoint is the newest complete one: kept
         with pytest.raises(CheckpointSaveError, match="No space left on device"):
             saver.wait()
     finally:
-        background._SAVERS.discard(saver)
+        pending.unregister(saver)
 
 
 def test_wait_for_checkpoint_from_another_thread_never_hides_a_pending_save():
@@ -255,7 +256,7 @@ def test_wait_for_checkpoint_from_another_thread_never_hides_a_pending_save():
 def test_a_background_failure_is_raised_once_when_two_threads_wait():
     release, outcomes = threading.Event(), []
     saver = _saver_blocked_until(release, fail=True)
-    background._SAVERS.discard(saver)
+    pending.unregister(saver)
 
     def wait():
         try:

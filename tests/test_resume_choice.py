@@ -199,7 +199,7 @@ saver.process_group()  # the first asynchronous save: the writers' group, and th
 def full_disk():
     raise OSError(28, "No space left on device")
 saver.start("global_step6", full_disk, {str(tmp_path)!r})
-saver._thread.join()
+saver.join()
 if {how!r} == "destroy_process_group":
     try:
         dist.destroy_process_group()

@@ -15,112 +15,32 @@ What this changes for a user:
   ``load_checkpoint`` or :meth:`BackgroundSaver.wait` (``engine.wait_for_checkpoint()``);
 * a second save, a load, ``engine.destroy()``, ``torch.distributed.destroy_process_group()`` and the end of the
   process wait for a pending save; so do another engine's save into the same folder (the pending save holds the
-  folder's lock until it commits) and its load from that folder (:func:`join_saves_into`) (the writer is a non-daemon thread; ``destroy_process_group`` is wrapped once, at
-  the first asynchronous save, to wait for every pending save first: the commit needs the process group).
+  folder's lock until it commits) and its load from that folder (:func:`~zero_bnb.checkpoint.pending.join_saves_into`).
+  The writer is one ``concurrent.futures`` worker per engine (joined before the process ends, like a non-daemon
+  thread), its ``Future`` carrying the save's outcome; what all engines' saves share (the registry,
+  ``destroy_process_group`` waiting first, the end-of-process report) is :mod:`zero_bnb.checkpoint.pending`.
 """
 
 from __future__ import annotations
 
-import atexit
-import functools
 import logging
 import os
-import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import torch.distributed as dist
 
-import torch
-
-from zero_bnb.checkpoint.commit import SaveTransaction
+from zero_bnb.checkpoint import pending
 from zero_bnb.checkpoint.staging import StagingPool
 from zero_bnb.errors import CheckpointSaveError, CheckpointUsageError
-from zero_bnb.format.progress import folder_status
 
-__all__ = ["BackgroundSaver", "after_pending_saves", "check_same_switch", "join_saves_into", "wait_for_pending_saves"]
+__all__ = ["BackgroundSaver", "check_same_switch"]
 
 logger = logging.getLogger(__name__)
-
-_SAVERS: weakref.WeakSet[BackgroundSaver] = weakref.WeakSet()
-_WRAP_LOCK = threading.Lock()
-
-
-#: Failed asynchronous saves no call has raised yet: saver's key -> (tag, save folder, error). What the end of the
-#: process reports (:func:`_report_lost_saves`); kept here, not on the saver, so an engine freed before the end of
-#: the process does not take its failure with it.
-_UNREPORTED: dict[object, tuple[str, str, BaseException]] = {}
-
-
-def _wait_before_destroy() -> None:
-    """Make ``torch.distributed.destroy_process_group`` wait for every pending asynchronous save first and raise a
-    failure after destroying the group (once)."""
-    with _WRAP_LOCK:
-        original = dist.destroy_process_group
-        if getattr(original, "_zero_bnb_waits", False):
-            return
-
-        @functools.wraps(original)
-        def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
-            failures = []
-            for saver in list(_SAVERS):
-                try:
-                    saver.wait()
-                except CheckpointSaveError as error:
-                    failures.append(error)
-            result = original(*args, **kwargs)
-            if failures:
-                raise failures[0]
-            return result
-
-        destroy_process_group._zero_bnb_waits = True  # type: ignore[attr-defined]
-        dist.destroy_process_group = destroy_process_group
-
-
-def _still_latest(folder: str) -> str:
-    status = folder_status(folder)
-    if status.tag is not None:
-        return f"'latest' there still names {status.tag!r}"
-    return f"{folder} holds no complete checkpoint ('latest' was not written)"
-
-
-def _report_lost_saves() -> None:
-    """At the end of the process (after its threads, the writers included, are joined): an asynchronous save that
-    failed and that no call raised is logged as an ERROR, and the process exits with status 1 instead of 0."""
-    if not _UNREPORTED:
-        return
-    for tag, folder, error in list(_UNREPORTED.values()):
-        logger.error("zero_bnb: the asynchronous save of checkpoint %r into %s failed and nothing raised it before "
-                     "the process ended: %s. %s. Exiting with status 1", tag, folder or "?", error,
-                     _still_latest(folder) if folder else "the previous checkpoint is unchanged")
-    for handler in [*logging.getLogger().handlers, *logger.handlers]:
-        handler.flush()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(1)  # an exception in an atexit handler would not change the exit status
-
-
-# Registered when zero_bnb's checkpoint code is first imported, before the libraries a training script sets up later
-# (loggers, uploaders): atexit runs the handlers registered after this one first, so they are not cut short by the
-# os._exit above. A no-op unless an asynchronous save failed unreported.
-atexit.register(_report_lost_saves)
-
-
-def after_pending_saves(action: Callable[[], object], what: str) -> None:
-    """Run ``action`` now, or, while an asynchronous save of this process is pending, in its writer thread right
-    after the save is committed; never if the save fails. Local.
-
-    For the front doors' deletions of older checkpoints (Trainer's ``save_total_limit``, Lightning's
-    ``save_top_k``): an older checkpoint is removed only once the newer one is complete.
-    """
-    if not any(saver.defer(action, what) for saver in list(_SAVERS)):
-        action()
 
 
 def check_same_switch(asynchronous: bool) -> None:
@@ -145,24 +65,6 @@ def check_same_switch(asynchronous: bool) -> None:
         )
 
 
-def join_saves_into(save_dir: str) -> None:
-    """Block until every pending asynchronous save of this process into ``save_dir`` is finished; its outcome is
-    left for its own engine's next call to raise. Local.
-
-    Called before a save takes ``save_dir``'s lock, which a pending save of another engine holds until its commit,
-    and before a load reads ``save_dir``: in program order, that other engine's save came first.
-    """
-    folder = os.path.realpath(save_dir)
-    for saver in list(_SAVERS):
-        saver.join_if_into(folder)
-
-
-def wait_for_pending_saves() -> None:
-    """Wait for every asynchronous save of this process (:meth:`BackgroundSaver.wait`; a failure is raised). Local."""
-    for saver in list(_SAVERS):
-        saver.wait()
-
-
 def _lowest_cpu_priority() -> None:
     """Give the calling thread (and the threads it starts) the lowest CPU priority, where the OS allows it (Linux:
     ``nice`` is per thread): on a CPU that training keeps busy, the writer then takes what training leaves idle
@@ -174,7 +76,8 @@ def _lowest_cpu_priority() -> None:
 
 
 class BackgroundSaver:
-    """One engine's asynchronous saves: the staging buffers, the writer thread, the last save's outcome.
+    """One engine's asynchronous saves: the staging buffers, the writer (one ``concurrent.futures`` worker at the
+    lowest CPU priority), the last save's ``Future``.
 
     Args:
         limit_bytes: the most bytes one save may stage (``None``: no limit).
@@ -182,9 +85,9 @@ class BackgroundSaver:
 
     def __init__(self, limit_bytes: int | None = None) -> None:
         self.pool = StagingPool(limit_bytes=limit_bytes)
-        self._key = object()  # this saver's entry in _UNREPORTED (an id() could be reused by another saver)
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._key = object()  # this saver's failure in pending's record (an id() could be reused by another saver)
+        self._executor: ThreadPoolExecutor | None = None
+        self._future: Future | None = None
         self._group: Any = None
         self._tag = ""
         self._folder = ""  # the real path of the save folder of the last save
@@ -198,50 +101,52 @@ class BackgroundSaver:
     @property
     def pending(self) -> bool:
         """Whether a save is being written now."""
-        return self._thread is not None and self._thread.is_alive()
+        future = self._future
+        return future is not None and not future.done()
 
     def process_group(self) -> Any:
         """The process group of the background commits (created by the first call). Collective the first time:
         every rank must call it."""
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
-            _wait_before_destroy()
-            _SAVERS.add(self)
+            pending.register(self)
         return self._group
 
     def start(self, tag: str, work: Callable[[], None], save_dir: str = "") -> None:
-        """Run ``work`` (the rest of the save of ``tag`` into ``save_dir``) in the writer thread. Local; call after
+        """Run ``work`` (the rest of the save of ``tag`` into ``save_dir``) in the writer. Local; call after
         :meth:`wait`."""
         with self._state_lock:
             if self.pending:
                 raise RuntimeError("BackgroundSaver.start while a save is pending; wait() first")
-            self._start(tag, work, save_dir)
+            self._tag = tag
+            self._folder = os.path.realpath(save_dir) if save_dir else ""
+            with self._after_lock:
+                self._accepting = True
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="zero_bnb-save",
+                                                    initializer=_lowest_cpu_priority)
+            self._future = self._executor.submit(self._run, tag, work, time.perf_counter())
 
-    def _start(self, tag: str, work: Callable[[], None], save_dir: str) -> None:
-        self._tag, self._error = tag, None
-        self._folder = os.path.realpath(save_dir) if save_dir else ""
-        with self._after_lock:
-            self._accepting = True
-        began = time.perf_counter()
+    def _run(self, tag: str, work: Callable[[], None], began: float) -> None:
+        """The writer's part: ``work``, then the front doors' deletions it holds; a failure is logged at once, recorded
+        for the end of the process, and carried by the ``Future`` to the next call that waits."""
+        try:
+            work()
+            self.last_duration = time.perf_counter() - began
+            logger.debug("zero_bnb: asynchronous save of checkpoint %r committed in %.2f s", tag, self.last_duration)
+        except BaseException as error:
+            pending.record_failure(self._key, tag, self._folder, error)
+            logger.error("zero_bnb: the asynchronous save of checkpoint %r failed; the previous checkpoint and "
+                         "'latest' are unchanged. The next save_checkpoint, load_checkpoint or "
+                         "wait_for_checkpoint raises this error: %s", tag, error)
+            self._run_after(tag, failed=True)
+            raise
+        self._run_after(tag, failed=False)
 
-        def run() -> None:
-            _lowest_cpu_priority()
-            try:
-                work()
-                self.last_duration = time.perf_counter() - began
-                logger.debug("zero_bnb: asynchronous save of checkpoint %r committed in %.2f s", tag, self.last_duration)
-            except BaseException as error:  # noqa: BLE001 - kept, logged, and raised by the next call
-                self._error = error
-                _UNREPORTED[self._key] = (tag, self._folder, error)
-                logger.error("zero_bnb: the asynchronous save of checkpoint %r failed; the previous checkpoint and "
-                             "'latest' are unchanged. The next save_checkpoint, load_checkpoint or "
-                             "wait_for_checkpoint raises this error: %s", tag, error)
-            finally:
-                self._run_after(tag)
-
-        thread = threading.Thread(target=run, name=f"zero_bnb-save-{tag}", daemon=False)
-        thread.start()
-        self._thread = thread  # only once started: another thread's wait() may join it at once
+    def _failed(self) -> bool:
+        """Whether the last save ended in a failure that no call has raised yet."""
+        future = self._future
+        return future is not None and future.done() and future.exception() is not None
 
     def defer(self, action: Callable[[], object], what: str) -> bool:
         """Hand ``action`` to the writer to run right after the pending save is committed (or drop it, logged, if
@@ -252,31 +157,36 @@ class BackgroundSaver:
                             self._tag)
                 self._after.append((action, what))
                 return True
-            if self._error is not None:  # it failed before the front door asked, and is not raised yet
+            if self._failed():  # it failed before the front door asked, and is not raised yet
                 logger.warning("zero_bnb: %s did not run: the asynchronous save of checkpoint %r failed, so the "
                                "older checkpoints are kept", what, self._tag)
                 return True
         return False
 
+    def join(self) -> None:
+        """Block until the pending save (if any) has ended; its outcome is left for :meth:`wait`. Local."""
+        future = self._future
+        if future is not None:
+            futures_wait([future])
+
     def join_if_into(self, folder: str) -> None:
         """Block until the pending save, if it writes into ``folder`` (a real path), is finished; its outcome is
         left for :meth:`wait` to raise. Local."""
-        thread = self._thread
-        if thread is not None and thread.is_alive() and self._folder == folder:
+        if self.pending and self._folder == folder:
             logger.info("zero_bnb: waiting for the asynchronous save of checkpoint %r into %s (another engine's) to "
                         "release the folder", self._tag, folder)
-            thread.join()
+            self.join()
 
-    def _run_after(self, tag: str) -> None:
+    def _run_after(self, tag: str, *, failed: bool) -> None:
         """Run the deletions the front doors handed over (in order, until none is left; skipped if the save failed),
-        then stop accepting more. Called by the writer thread once its save ended."""
+        then stop accepting more. Called by the writer once its save ended."""
         while True:
             with self._after_lock:
                 if not self._after:
                     self._accepting = False  # only now: a deletion arriving meanwhile is queued behind the others
                     return
                 action, what = self._after.pop(0)
-            if self._error is not None:
+            if failed:
                 logger.warning("zero_bnb: %s did not run: the asynchronous save of checkpoint %r failed, so the "
                                "older checkpoints are kept", what, tag)
                 continue
@@ -292,18 +202,20 @@ class BackgroundSaver:
             zero_bnb.errors.CheckpointSaveError: the last asynchronous save failed (raised once, by one caller; with
                 ``raise_error=False`` it is only logged, as it was when it happened).
         """
-        thread = self._thread
-        if thread is not None:
-            if thread.is_alive():
-                logger.info("zero_bnb: waiting for the asynchronous save of checkpoint %r", self._tag)
-            thread.join()
+        future = self._future
+        if future is None:
+            return
+        if not future.done():
+            logger.info("zero_bnb: waiting for the asynchronous save of checkpoint %r", self._tag)
+        futures_wait([future])
         with self._state_lock:
-            if self._thread is not thread:  # another caller reported this save, or a newer save started meanwhile
+            if self._future is not future:  # another caller reported this save, or a newer save started meanwhile
                 return
-            self._thread = None
-            error, self._error, tag = self._error, None, self._tag
+            self._future = None
+            tag = self._tag
             if raise_error:
-                _UNREPORTED.pop(self._key, None)
+                pending.forget_failure(self._key)
+        error = future.exception()
         if error is not None and raise_error:
             if isinstance(error, CheckpointSaveError):
                 raise error
@@ -313,7 +225,7 @@ class BackgroundSaver:
             ) from error
 
     def close(self, *, report: bool = True) -> None:
-        """Wait for a pending save and free the staging buffers. Local.
+        """Wait for a pending save, free the staging buffers and end the writer. Local.
 
         Args:
             report: raise a failure here; ``False`` (an engine being garbage-collected, where nothing would see it):
@@ -326,3 +238,6 @@ class BackgroundSaver:
             self.wait(raise_error=report)
         finally:
             self.pool.release()
+            executor, self._executor = self._executor, None
+            if executor is not None:
+                executor.shutdown(wait=False)  # idle: its save ended above

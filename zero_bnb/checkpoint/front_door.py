@@ -30,7 +30,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from zero_bnb.checkpoint.background import after_pending_saves
+from zero_bnb.checkpoint.pending import after_pending_saves
 from zero_bnb.checkpoint.collective import agree
 from zero_bnb.format.progress import finish_saving, mark_saving
 

@@ -35,7 +35,8 @@ from deepspeed.runtime.zero.utils import ZeRORuntimeException
 import torch.distributed as dist
 
 from zero_bnb.bnb.chunked import ChunkedUpdate, uninstall_chunked_update
-from zero_bnb.checkpoint.background import BackgroundSaver, check_same_switch, join_saves_into
+from zero_bnb.checkpoint.background import BackgroundSaver, check_same_switch
+from zero_bnb.checkpoint.pending import join_saves_into
 from zero_bnb.checkpoint.batch import batch_of, warn_if_batch_changed
 from zero_bnb.checkpoint.collective import agree
 from zero_bnb.checkpoint.commit import SaveTransaction

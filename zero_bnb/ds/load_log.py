@@ -16,8 +16,9 @@ logger = logging.getLogger("zero_bnb.ds.engine")  # the engine's messages, as be
 
 
 def log_load(engine, folder: str, plan: LoadPlan) -> None:
-    """Rank 0's account of ``engine``'s load of ``folder``: one INFO line (saved and running DP size and ZeRO stage, what was re-split,
-    the 8-bit state held now), and a WARNING naming the state not loaded as saved (dtypes, direction, why)."""
+    """Rank 0's account of ``engine``'s load of ``folder``: one INFO line (saved and running DP size and ZeRO stage,
+    what was re-split, the 8-bit state held now), and a WARNING naming the state not loaded as saved (dtypes,
+    direction, why)."""
     restore, described = plan.optimizer, describe(engine)
     saved_stage, stage = saved_zero_stage(plan.model_states), described["zero_stage"]
     moved = "mapped by parameter name" if restore.regrouped else ""

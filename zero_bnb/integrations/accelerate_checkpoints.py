@@ -26,7 +26,7 @@ import shutil
 import threading
 from typing import Any
 
-from zero_bnb.checkpoint.background import wait_for_pending_saves
+from zero_bnb.checkpoint.pending import wait_for_pending_saves
 from zero_bnb.checkpoint.front_door import front_door_save
 from zero_bnb.errors import CheckpointUsageError
 from zero_bnb.format.progress import first_complete, folder_status

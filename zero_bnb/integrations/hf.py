@@ -36,7 +36,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from zero_bnb.checkpoint.background import after_pending_saves, wait_for_pending_saves
+from zero_bnb.checkpoint.pending import after_pending_saves, wait_for_pending_saves
 from zero_bnb.checkpoint.front_door import current_front_door_save, front_door_save
 from zero_bnb.format.progress import first_complete, folder_status
 from zero_bnb.integrations.import_watch import importing, stop_watching, unpatched_because, when_imported

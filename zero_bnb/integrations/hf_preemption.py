@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from zero_bnb.checkpoint.background import wait_for_pending_saves
+from zero_bnb.checkpoint.pending import wait_for_pending_saves
 from zero_bnb.integrations.preemption import DEFAULT_SIGNALS, Preemption
 
 __all__ = ["PreemptionCallback"]

@@ -48,7 +48,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 
 import zero_bnb
-from zero_bnb.checkpoint.background import after_pending_saves
+from zero_bnb.checkpoint.pending import after_pending_saves
 from zero_bnb.integrations.conversions import route_deepspeed_zero_to_fp32, route_lightning_convert
 from zero_bnb.integrations.lightning_resume import complete_checkpoint
 from zero_bnb.integrations.preemption import DEFAULT_SIGNALS, Preemption
