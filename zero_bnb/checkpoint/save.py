@@ -12,7 +12,7 @@ import copy
 import dataclasses
 import errno
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from zero_bnb.format.payload import (
     write_shard,
 )
 
-__all__ = ["LocalPayload", "Stage", "copy_to_cpu", "manifest_draft", "stage_local_payload"]
+__all__ = ["LocalPayload", "Stage", "copy_to_cpu", "manifest_draft", "split_by_kind", "stage_local_payload"]
 
 
 #: How a save takes a tensor it will write: as a compact CPU tensor written before training goes on (a synchronous
@@ -92,6 +92,24 @@ class LocalPayload:
         return records
 
 
+def split_by_kind(states: Iterable[tuple[str, StateKind, Any]], partitioned: Callable[[StateKind, Any], Any],
+                  whole: Stage) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """A group's state as the format stores it: ``(sharded, replicated, counters)`` by each key's kind. Sharded
+    values (element-wise and block-wise) are taken by ``partitioned(kind, value)`` (a save: this rank's real
+    elements), replicated ones by ``whole``, counters by ``whole`` when tensors, else deep-copied. Local; the one
+    split of every writer (a save's :func:`stage_local_payload`, the offline tools'
+    :func:`zero_bnb.tools.offline.write_checkpoint`)."""
+    sharded, replicated, counters = {}, {}, {}
+    for key, kind, value in states:
+        if is_partitioned(kind):
+            sharded[key] = partitioned(kind, value)
+        elif kind is StateKind.REPLICATED:
+            replicated[key] = whole(value)
+        else:
+            counters[key] = whole(value) if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+    return sharded, replicated, counters
+
+
 def stage_local_payload(optimizer: PartitionedOptimizer, masters: Sequence[MasterPlan],
                         stage: Stage = copy_to_cpu, stage_master: Stage | None = None) -> LocalPayload:
     """This rank's shard and (rank 0) replicated state, each tensor copied by ``stage`` (the masters kept whole by
@@ -106,15 +124,9 @@ def stage_local_payload(optimizer: PartitionedOptimizer, masters: Sequence[Maste
     shard_groups, replicated_groups = [], []
     for group_index in range(optimizer.num_groups):
         geometry = optimizer.geometry(group_index)
-        sharded, replicated, counters = {}, {}, {}
-        for item in classify_group_state(optimizer, group_index):
-            key, kind, value = item.entry.key, item.entry.kind, item.value
-            if is_partitioned(kind):
-                sharded[key] = stage(value.detach()[..., :saved_length(kind, geometry, rank)])
-            elif kind is StateKind.REPLICATED:
-                replicated[key] = stage(value)
-            else:
-                counters[key] = stage(value) if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+        sharded, replicated, counters = split_by_kind(
+            ((item.entry.key, item.entry.kind, item.value) for item in classify_group_state(optimizer, group_index)),
+            lambda kind, value: stage(value.detach()[..., :saved_length(kind, geometry, rank)]), stage)
         plan = masters[group_index]
         fp32 = None if plan.storage != FULL else stage_master(
             optimizer.master_partition(group_index).detach()[..., :saved_length(StateKind.ELEMENTWISE, geometry, rank)])

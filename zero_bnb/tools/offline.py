@@ -18,11 +18,11 @@ import torch
 
 from zero_bnb.checkpoint.commit import local_commit
 from zero_bnb.checkpoint.recovery_script import write_recovery_script
+from zero_bnb.checkpoint.save import split_by_kind
 from zero_bnb.checkpoint.whole import FullGroup
 from zero_bnb.core import quant
-from zero_bnb.core.kinds import is_partitioned
 from zero_bnb.core.layout import ceil_div
-from zero_bnb.core.state_spec import OptimizerSpec, StateKind
+from zero_bnb.core.state_spec import OptimizerSpec
 from zero_bnb.format.durable import FileRecord, copy_file, makedirs
 from zero_bnb.format.manifest import (
     SUBDIR,
@@ -105,13 +105,12 @@ def write_checkpoint(
     shard_groups, replicated_groups, entries = [], [], []
     for group in groups:
         kinds = {item.key: item.kind for item in group.states}
-        shard_groups.append(ShardGroup(group.fp32.contiguous(), {
-            k: v for k, v in group.state.items() if is_partitioned(kinds[k])}))
-        replicated_groups.append(ReplicatedGroup(
-            param_group=group.param_group,
-            counters={k: v for k, v in group.state.items() if kinds[k] is StateKind.COUNTER},
-            replicated={k: v for k, v in group.state.items() if kinds[k] is StateKind.REPLICATED},
-        ))
+        sharded, replicated, counters = split_by_kind(  # the split a save makes (DP=1: whole tensors)
+            ((key, kinds[key], value) for key, value in group.state.items()), lambda kind, value: value,
+            lambda value: value)
+        shard_groups.append(ShardGroup(group.fp32.contiguous(), sharded))
+        replicated_groups.append(ReplicatedGroup(param_group=group.param_group, counters=counters,
+                                                 replicated=replicated))
         states = tuple(StateEntry.describe(item.key, item.kind, group.state[item.key], item.reason)
                        for item in group.states)
         entries.append(GroupEntry.describe(group.numel, group.params, states, ((0, group.numel),),
