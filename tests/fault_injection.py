@@ -2,14 +2,14 @@
 
 Three stages, each one process launch:
 
-1. :func:`reference` (DP=2, spawned): trains, saves tag ``A`` into ``base/``, records the
-   state at ``A`` and one step later (``B``) as bitsandbytes sees it (``optimizer_scenarios.bnb_view``: each rank's
-   partition and state read from the inner optimizer, 8-bit codes dequantized by bitsandbytes; no zero_bnb code), and logs every durable I/O step
-   of a clean save of ``B`` (new tag) and of a re-save of ``A`` (same tag) on each rank.
-2. :func:`run_trials` (one spawned server that imports everything once, then forks a DP=2
-   pair per trial): each pair loads ``A`` from a copy of ``base/``, trains the same step,
-   and saves; the victim rank SIGKILLs itself at its ``k``-th I/O step, the surviving rank
-   is SIGKILLed (as a launcher would) if it has not died on its own within a grace period.
+1. :func:`reference` (DP=2, spawned): trains, saves tag ``A`` into ``base/``, records the state at ``A`` and one
+   step later (``B``) as bitsandbytes sees it (``optimizer_scenarios.bnb_view``: each rank's partition and state read
+   from the inner optimizer, 8-bit codes dequantized by bitsandbytes; no zero_bnb code), and logs every durable I/O
+   step of a clean save of ``B`` (new tag) and of a re-save of ``A`` (same tag) on each rank.
+2. :func:`run_trials` (one spawned server that imports everything once, then forks :data:`_SLOTS` sub-servers that
+   each run every ``_SLOTS``-th trial, forking a DP=2 pair per trial): each pair loads ``A`` from a copy of
+   ``base/``, trains the same step, and saves; the victim rank SIGKILLs itself at its ``k``-th I/O step, the
+   surviving rank is SIGKILLed (as a launcher would) if it has not died on its own within a grace period.
    In the ``async_new`` mode the save is asynchronous (``zero_checkpoint_async``): the I/O steps,
    and so the kill, happen in the background writer while the pair trains one more step.
 3. :func:`verify` (DP=3, spawned): loads every trial folder and compares its bitsandbytes view with
@@ -43,6 +43,8 @@ STEPS_TO_A = 2
 MODES = {"new": "B", "overwrite": "A", "async_new": "B"}
 _GRACE_S = 2.0
 _TRIAL_TIMEOUT_S = 60.0
+#: Trials run at once (each in a sub-server of its own).
+_SLOTS = 2
 
 
 def _engine(world):
@@ -185,7 +187,33 @@ def _serve(workdir: str, trials: list[dict]) -> None:
 
     gc.freeze()  # the imports are never garbage: left out of every trial's collections (zero_bnb.testing.launch)
 
-    results = [_run_trial(workdir, number, trial) for number, trial in enumerate(trials)]
+    # Trials are independent (a folder and a store each): _SLOTS forked sub-servers run every _SLOTS-th one, so the
+    # cores a trial leaves idle (its ranks wait on each other, on fsync, on the grace period) serve another.
+    slots = {}
+    for slot in range(_SLOTS):
+        pid = os.fork()
+        if pid == 0:  # a sub-server: never returns into this loop
+            code = 1
+            try:
+                mine = [_run_trial(workdir, number, trial) for number, trial in enumerate(trials)
+                        if number % _SLOTS == slot]
+                with open(os.path.join(workdir, f"trials.{slot}.json"), "w") as handle:
+                    json.dump(mine, handle)
+                code = 0
+            except BaseException:  # noqa: BLE001 - the exit status reports it, the traceback the log
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        slots[slot] = pid
+    failed = {slot: _status(os.waitpid(pid, 0)[1]) for slot, pid in slots.items()}
+    failed = {slot: status for slot, status in failed.items() if status != "exit 0"}
+    if failed:
+        raise RuntimeError(f"fault-injection sub-servers failed: {failed}")
+    results = []
+    for slot in range(_SLOTS):
+        with open(os.path.join(workdir, f"trials.{slot}.json")) as handle:
+            results += json.load(handle)
+    results.sort(key=lambda result: result["folder"])  # trial_NNN: the trials' order
     with open(os.path.join(workdir, "trials.json"), "w") as handle:
         json.dump(results, handle)
 
