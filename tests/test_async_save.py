@@ -473,3 +473,17 @@ def test_device_tensors_are_staged_into_pinned_buffers_holding_the_values_at_the
         assert view.untyped_storage().data_ptr() == snapshot["module"]["w"].untyped_storage().data_ptr()
         assert torch.equal(view, expected[0]) and torch.equal(copied, expected[1])
         assert torch.equal(snapshot["module"]["w"], expected[2])
+
+
+def test_a_synchronous_save_stages_no_host_copy_of_the_masters_or_module_weights():
+    """A synchronous save keeps the masters and module weights as views where they live (on a GPU too): the writer
+    copies one group at a time to decide whether its masters derive (an adversarial review of fe100c1: staging them
+    with .to("cpu") held a host copy of every derivable group's masters and weights, up to 6 B/param, until the end
+    of the save). Meta tensors stand in for a device's: any copy to the host would make them CPU tensors."""
+    from zero_bnb.checkpoint.staging import InlineStaging
+
+    device = torch.empty(1024, device="meta")
+    staging = InlineStaging()
+    assert staging.master(device).device.type == "meta"
+    assert staging.view_or_copy(device).device.type == "meta"
+    assert staging.snapshot(device) is device and staging.copies_done() is None

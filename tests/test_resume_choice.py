@@ -304,6 +304,38 @@ def test_a_lock_from_another_host_is_taken_over_once_its_holder_stopped_renewing
     assert not path.exists()
 
 
+def test_an_asynchronous_save_started_by_an_atexit_handler_is_written(tmp_path):
+    """An emergency save in an atexit handler (after the interpreter stopped concurrent.futures' workers) is written
+    in the caller, and its failure raised as any other (an adversarial review of 510b6a1: it raised a bare
+    RuntimeError 'cannot schedule new futures after interpreter shutdown', the save lost)."""
+    script = f"""
+import atexit
+import torch.distributed as dist
+from zero_bnb.checkpoint import background
+from zero_bnb.errors import CheckpointSaveError
+dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
+saver = background.BackgroundSaver()
+saver.process_group()
+saver.start("early", lambda: None)
+saver.wait()
+def late():
+    saver.start("late", lambda: open({str(tmp_path / 'late')!r}, "w").write("written"))
+    saver.wait()
+    saver.start("failing", lambda: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    try:
+        saver.wait()
+    except CheckpointSaveError as error:
+        print("raised:", error)
+atexit.register(late)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert (tmp_path / "late").read_text() == "written"
+    assert "raised: the asynchronous save of checkpoint 'failing' failed in the background: OSError" in done.stdout, \
+        done.stdout
+
+
 def test_a_failed_save_of_an_engine_freed_before_the_end_is_still_reported(tmp_path):
     script = f"""
 import logging

@@ -115,6 +115,7 @@ class BackgroundSaver:
     def start(self, tag: str, work: Callable[[], None], save_dir: str = "") -> None:
         """Run ``work`` (the rest of the save of ``tag`` into ``save_dir``) in the writer. Local; call after
         :meth:`wait`."""
+        began = time.perf_counter()
         with self._state_lock:
             if self.pending:
                 raise RuntimeError("BackgroundSaver.start while a save is pending; wait() first")
@@ -125,7 +126,17 @@ class BackgroundSaver:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="zero_bnb-save",
                                                     initializer=_lowest_cpu_priority)
-            self._future = self._executor.submit(self._run, tag, work, time.perf_counter())
+            try:
+                self._future = future = self._executor.submit(self._run, tag, work, began)
+                return
+            except RuntimeError:  # the interpreter is ending (an atexit handler saves): no worker starts any more
+                self._future = future = Future()
+        logger.info("zero_bnb: the process is ending; the asynchronous save of checkpoint %r is written now", tag)
+        try:
+            self._run(tag, work, began)
+            future.set_result(None)
+        except BaseException as error:  # noqa: BLE001 - the save's outcome, raised by wait() as any other
+            future.set_exception(error)
 
     def _run(self, tag: str, work: Callable[[], None], began: float) -> None:
         """The writer's part: ``work``, then the front doors' deletions it holds; a failure is logged at once, recorded

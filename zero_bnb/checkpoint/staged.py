@@ -59,12 +59,13 @@ class StagedSave:
     background: bool = False
 
     def _inputs(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's staged masters and module weights of group ``index``."""
+        """This rank's staged masters and module weights of group ``index``, on the CPU (a synchronous save staged
+        views: a device's are copied here, one group at a time)."""
         payloads = [staged for _, staged in self.deferred if isinstance(staged, LocalPayload)]
         if index not in self.slices or not payloads:
             raise StagingLimitError("the module weights or the masters were not staged "
                                     "(zero_checkpoint_async_max_staging_mb)")
-        return payloads[0].shard.groups[index].fp32, self.slices[index]
+        return payloads[0].shard.groups[index].fp32.to("cpu"), self.slices[index].to("cpu")
 
     def run(self) -> None:
         """Decide, write, commit. Collective over the writers' group: every rank's writer must run it."""

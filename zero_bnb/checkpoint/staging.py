@@ -192,9 +192,9 @@ class StagingPool:
 class InlineStaging:
     """The staging of a synchronous save, which writes before training goes on: nothing is copied ahead. Tensors of
     the optimizer files become compact CPU tensors (:func:`~zero_bnb.checkpoint.save.copy_to_cpu`: themselves where
-    they already are), the master weights and module weights CPU tensors (views where they are CPU tensors already:
-    read to decide how the masters are stored, the masters kept whole made compact when written), DeepSpeed's
-    objects are written as they are.
+    they already are); the master weights and module weights stay views where they live (on a GPU too: the writer
+    copies one group at a time to the host to decide how its masters are stored, and the masters kept whole when it
+    writes them), so a save holds no host copy of masters that derive; DeepSpeed's objects are written as they are.
 
     The same methods as :class:`StagingPool`, so one save algorithm serves both (:mod:`zero_bnb.checkpoint.staged`).
     """
@@ -208,10 +208,10 @@ class InlineStaging:
         return copy_to_cpu(value)
 
     def master(self, value: torch.Tensor) -> torch.Tensor:
-        return value.detach().to("cpu")
+        return value.detach()
 
     def view_or_copy(self, value: torch.Tensor) -> torch.Tensor:
-        return value.detach().to("cpu")
+        return value.detach()
 
     def snapshot(self, obj: Any) -> Any:
         return obj
