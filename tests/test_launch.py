@@ -201,3 +201,11 @@ def test_gpu_ranks_get_one_device_each_and_nccl(tmp_path):
 def record_where_gpu(rank: int, world_size: int, folder: str) -> None:
     with open(os.path.join(folder, f"env{rank}"), "w") as handle:
         json.dump({**_where_am_i(), "current": torch.cuda.current_device()}, handle)
+
+
+def test_a_rank_ending_with_sys_exit_gets_the_status_a_script_would():
+    """One rule for spawned-like ranks (warm launches) and the fault campaigns' forked jobs: sys.exit() is 0,
+    sys.exit(n) is n, sys.exit("message") is 1 (forks gave 1 for a bare sys.exit())."""
+    from zero_bnb.testing.ranks import exit_status
+
+    assert [exit_status(SystemExit(code)) for code in (None, 0, 3, "message", 2.5)] == [0, 0, 3, 1, 1]

@@ -45,7 +45,9 @@ def _child(rank: int, world: int, store: str, log: str, job: Callable[[int, int]
         dist.destroy_process_group()
         code = 0
     except SystemExit as exit:  # sys.exit(status) in the job: its status, as a script's would be
-        code = exit.code if isinstance(exit.code, int) else 1
+        from zero_bnb.testing.ranks import exit_status
+
+        code = exit_status(exit)
     except BaseException:  # noqa: BLE001 - the exit status and the log report it
         traceback.print_exc()
     finally:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["DEVICES", "SHM_COMM_OP", "child_environment", "child_environment_for", "exit_skipping_finalization",
+__all__ = ["DEVICES", "SHM_COMM_OP", "child_environment", "child_environment_for", "exit_skipping_finalization", "exit_status",
            "gpus_missing", "init_worker", "run_rank"]
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,12 @@ def init_worker(rank: int, world_size: int, store: str, device: str = "cpu") -> 
         torch.cuda.set_device(rank)
     deepspeed.init_distributed(dist_backend=_BACKEND[device], init_method=f"file://{store}", rank=rank,
                                world_size=world_size, auto_mpi_discovery=False, verbose=False)
+
+
+def exit_status(exit: SystemExit) -> int:
+    """The exit status ``sys.exit(code)`` gives a script: an int as it is, ``None`` 0, anything else 1 (Python
+    prints it)."""
+    return exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
 
 
 def exit_skipping_finalization(code: int = 0) -> None:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from multiprocessing import reduction
 from typing import Any
 
-from zero_bnb.testing.ranks import child_environment, exit_skipping_finalization, run_rank
+from zero_bnb.testing.ranks import child_environment, exit_skipping_finalization, exit_status, run_rank
 
 __all__ = ["WARM_ENV", "children_cpu_seconds", "enable_here", "run_warm", "stop_server", "warm_enabled"]
 
@@ -122,7 +122,7 @@ def _rank(rank: int, world: int, store: str, fn_bytes: bytes, args: bytes, calle
         _as_spawned(rank, caller)
         run_rank(rank, world, store, pickle.loads(fn_bytes), pickle.loads(args), "cpu")  # ends the process
     except SystemExit as exit:
-        code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+        code = exit_status(exit)
         if code:  # when it ended: its peers' collectives break after it
             with open(error_file, "w") as handle:
                 handle.write(f"{getattr(exit, 'zero_bnb_failed_at', time.monotonic())}\nexit\n{code}")
