@@ -310,17 +310,19 @@ def _windows_of(run: Run):
         replayed = disk.index
         yield name, disk, inside
         assert disk.index == replayed + len(inside), f"the caller did not replay the calls of {name}"
-        _note_sources(disk, run, name)
+        _note_sources(disk, run.workdir, name)
 
 
-def _note_sources(disk: Disk, run: Run, save: str) -> None:
-    """Files created in ``save`` get their bytes from the snapshot taken after it (they are written once); the
-    recorded sizes must be the snapshot's (a write the shim missed would show here)."""
-    for path, node in disk.walk(0, ""):
+def _note_sources(disk: Disk, workdir: str, snapshot: str, top: int = 0, *, complete: bool = True) -> None:
+    """Files under node ``top`` without a source get their bytes from ``{workdir}/snap/{snapshot}`` (a copy of what
+    ``top`` held then; files are written once), whose size must be the recorded one (a write the recorder missed
+    would show here). ``complete``: every such file is in the snapshot (else one that is not stays without)."""
+    for path, node in disk.walk(top, ""):
         if not node.folder and node.source is None:
-            snapshot = os.path.join(run.workdir, "snap", save, path.lstrip("/"))
-            assert os.path.getsize(snapshot) == node.size, (path, os.path.getsize(snapshot), node.size)
-            node.source = (save, path.lstrip("/"))
+            copy = os.path.join(workdir, "snap", snapshot, path.lstrip("/"))
+            if complete or os.path.exists(copy):
+                assert os.path.getsize(copy) == node.size, (snapshot, path, os.path.getsize(copy), node.size)
+                node.source = (snapshot, path.lstrip("/"))
 
 
 def _save_folder(run: Run, save: str) -> str:
@@ -490,19 +492,25 @@ def _outcome(where: str, previous: bytes | None, new: bytes) -> str:
     return "; ".join(wrong + [found]) if wrong or found == "another checkpoint" else found
 
 
+def _states_through(disk: Disk, calls: list[Call], folder: str) -> dict[State, str]:
+    """Every crash state of ``folder`` from now through ``calls`` (each replayed), labelled with where it first
+    arose."""
+    states = {state: f"before the first call: {label}" for state, label in crash_states(disk, folder).items()}
+    for call in calls:
+        disk.replay(call)
+        where = f"after {call.op} {os.path.relpath(call.path, disk.root)}" + (
+            f" -> {os.path.relpath(call.path2, disk.root)}" if call.path2 else "")
+        for state, label in crash_states(disk, folder).items():
+            states.setdefault(state, f"{where} (call {disk.index}): {label}")
+    return states
+
+
 def crash_report(run: Run, scratch: str) -> dict[str, dict[str, list[str]]]:
     """Per save: outcome -> the crash states (where and how) that load so; see :func:`_outcome`."""
     collected = []
     for save, disk, calls in _windows_of(run):
         folder = _save_folder(run, save)
-        states = {state: f"before the first call: {label}" for state, label in crash_states(disk, folder).items()}
-        for call in calls:
-            disk.replay(call)
-            where = f"after {call.op} {os.path.relpath(call.path, disk.root)}" + (
-                f" -> {os.path.relpath(call.path2, disk.root)}" if call.path2 else "")
-            for state, label in crash_states(disk, folder).items():
-                states.setdefault(state, f"{where} (call {disk.index}): {label}")
-        collected.append((save, folder, disk, states))
+        collected.append((save, folder, disk, _states_through(disk, calls, folder)))
     report: dict[str, dict[str, list[str]]] = {}
     for number, (save, folder, disk, states) in enumerate(collected):
         previous = _previous(run, save)
@@ -692,17 +700,6 @@ def door_run(shim, tmp_path_factory) -> DoorRun:
     return DoorRun(workdir, _calls(logs), windows, statuses)
 
 
-def _door_sources(disk: Disk, run: DoorRun, name: str, moment: str) -> None:
-    """Files of story ``name`` without a source get their bytes from its snapshot at ``moment``, whose size must be
-    the recorded one (a write the recorder missed would show)."""
-    for path, node in disk.walk(disk.lookup(os.path.join(disk.root, name)), ""):
-        if not node.folder and node.source is None:
-            snapshot = os.path.join(run.workdir, "snap", f"{name}:{moment}", path.lstrip("/"))
-            if os.path.exists(snapshot):
-                assert os.path.getsize(snapshot) == node.size, (name, path, os.path.getsize(snapshot), node.size)
-                node.source = (f"{name}:{moment}", path.lstrip("/"))
-
-
 def _door_window(run: DoorRun, name: str) -> tuple[Disk, list[Call]]:
     """The disk replayed up to the start of story ``name``'s window, taken as synced, and the window's calls."""
     start, end = run.windows[name]
@@ -710,7 +707,7 @@ def _door_window(run: DoorRun, name: str) -> tuple[Disk, list[Call]]:
     for call in (call for call in run.calls if call.t < start):
         disk.replay(call)
     disk.sync_all()
-    _door_sources(disk, run, name, "before")
+    _note_sources(disk, run.workdir, f"{name}:before", disk.lookup(os.path.join(disk.root, name)), complete=False)
     return disk, [call for call in run.calls if start <= call.t <= end]
 
 
@@ -751,13 +748,8 @@ def front_door_crashes(run: DoorRun, name: str, scratch: str) -> dict[str, list[
 
     spec = kills.DOORS[name.rsplit("_", 1)[0]]
     disk, calls = _door_window(run, name)
-    states = {state: f"before the first call: {label}" for state, label in crash_states(disk, name).items()}
-    for call in calls:
-        disk.replay(call)
-        where = f"after {call.op} {os.path.relpath(call.path, disk.root)}"
-        for state, label in crash_states(disk, name).items():
-            states.setdefault(state, f"{where} (call {disk.index}): {label}")
-    _door_sources(disk, run, name, "after")
+    states = _states_through(disk, calls, name)
+    _note_sources(disk, run.workdir, f"{name}:after", disk.lookup(os.path.join(disk.root, name)), complete=False)
     snap = os.path.join(run.workdir, "snap")
     previous = kills._folder_state(os.path.join(snap, f"{name}:before", spec.first), content=True)
     new = kills._folder_state(os.path.join(snap, f"{name}:after", spec.second[0]), content=True)

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from zero_bnb.checkpoint.save import copy_to_cpu
+
 __all__ = ["InlineStaging", "StagingPool", "StagingLimitError"]
 
 logger = logging.getLogger(__name__)
@@ -203,8 +205,6 @@ class InlineStaging:
         """Nothing to start."""
 
     def tensor(self, value: torch.Tensor) -> torch.Tensor:
-        from zero_bnb.checkpoint.save import copy_to_cpu
-
         return copy_to_cpu(value)
 
     def master(self, value: torch.Tensor) -> torch.Tensor:
