@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import cores_per_rank, cpu_features, kernel_path
 
 from zero_bnb.kernels.build import MARCH_ENV
-from zero_bnb.kernels.cpu_update import install_cpu_update
+from zero_bnb.kernels.update import install_fused_update
 from zero_bnb.kernels.hyper import UpdateHyper, step_scalars
 from zero_bnb.kernels.reference import reference_update
 
@@ -73,7 +73,7 @@ def build_for(march: str) -> None:
 def make_variant(name: str, param: torch.nn.Parameter) -> torch.optim.Optimizer:
     if name == "zero_bnb fused 8-bit":
         optimizer = bnb.optim.AdamW8bit([param], lr=LR, weight_decay=WEIGHT_DECAY)
-        install_cpu_update(optimizer, "fused")
+        install_fused_update(optimizer, "fused")
         return optimizer
     if name == "bitsandbytes CPU 8-bit":
         return bnb.optim.AdamW8bit([param], lr=LR, weight_decay=WEIGHT_DECAY)

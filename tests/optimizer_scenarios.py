@@ -226,11 +226,9 @@ def _state_dtypes(engine) -> list[str | None]:
 
 def _fused_steps(engine) -> int | None:
     """How many updates the fused CPU 8-bit kernel made (``None``: not installed, as for torch optimizers)."""
-    from zero_bnb.kernels.cpu_update import CpuUpdate
+    from zero_bnb.kernels.update import installed
 
-    update = engine.optimizer.optimizer.__dict__.get("update_step")
-    while update is not None and not isinstance(update, CpuUpdate):
-        update = getattr(update, "original", None)  # inside zero_bnb.bnb.chunked.ChunkedUpdate
+    update = installed(engine.optimizer.optimizer)  # inside zero_bnb.bnb.chunked.ChunkedUpdate
     return None if update is None else update.fused_steps
 
 

@@ -214,7 +214,7 @@ def _offloaded(engine) -> dict:
 def _fused_steps(optimizer) -> int | None:
     """How many updates the fused CPU 8-bit kernel made (``None``: not installed, e.g. torch AdamW)."""
     update = optimizer.__dict__.get("update_step")
-    update = getattr(update, "original", update)  # ChunkedUpdate wraps the CpuUpdate
+    update = getattr(update, "original", update)  # ChunkedUpdate wraps the FusedUpdate
     return getattr(update, "fused_steps", None)
 
 

@@ -20,9 +20,9 @@ import torch
 
 from zero_bnb import cli
 from zero_bnb.core.config import ZeroBnbConfigError, split_config
-from zero_bnb.kernels import build, cpu_update
+from zero_bnb.kernels import build, update as cpu_update
 from zero_bnb.kernels.build import QUANTIZER_PATHS, KernelBuildError
-from zero_bnb.kernels.cpu_update import CpuUpdate, hyper_for, install_cpu_update
+from zero_bnb.kernels.update import FusedUpdate, hyper_for, install_fused_update
 from zero_bnb.kernels.hyper import step_scalars
 from zero_bnb.kernels.reference import reference_update
 
@@ -53,7 +53,7 @@ def gradients(steps: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("name", EIGHT_BIT)
 def test_every_cpu_8bit_step_gives_the_reference_bits(name):
     param, optimizer = make(name)
-    install_cpu_update(optimizer, "auto")
+    install_fused_update(optimizer, "auto")
     for step, grad in enumerate(gradients(4), start=1):
         if step > 1:
             state = {key: value.clone() if isinstance(value, torch.Tensor) else value
@@ -79,7 +79,7 @@ def test_every_cpu_8bit_step_gives_the_reference_bits(name):
 def test_bitsandbytes_mode_and_fp32_state_keep_bitsandbytes_path(name, mode):
     plain, plain_optimizer = make(name)
     wired, wired_optimizer = make(name)
-    install_cpu_update(wired_optimizer, mode)
+    install_fused_update(wired_optimizer, mode)
     for grad in gradients(3):
         plain.grad, wired.grad = grad.clone(), grad.clone()
         plain_optimizer.step()
@@ -103,7 +103,7 @@ def _paged_like(device: str, paged: bool):
     for key in ("state1", "state2", "absmax1", "absmax2"):
         state[key].is_paged = paged
     optimizer.state[param] = state
-    install_cpu_update(optimizer, "auto")
+    install_fused_update(optimizer, "auto")
     calls = []
     optimizer.update_step.original = lambda group, p, gindex, pindex: calls.append(p)
     return param, optimizer, calls
@@ -122,7 +122,7 @@ def test_a_parameter_off_the_cpu_or_paged_state_takes_bitsandbytes_path_and_coun
 
 def test_a_step_the_kernel_refuses_is_not_counted():
     param, optimizer = make("Adam8bit")
-    install_cpu_update(optimizer, "auto")
+    install_fused_update(optimizer, "auto")
     param.grad = gradients(1)[0]
     optimizer.step()
     state = optimizer.state[param]
@@ -149,8 +149,8 @@ def no_compiler(monkeypatch, tmp_path):
 def test_auto_mode_without_a_compiler_takes_bitsandbytes_path_with_one_warning(no_compiler, caplog):
     plain, plain_optimizer = make("AdamW8bit")
     wired, wired_optimizer = make("AdamW8bit")
-    install_cpu_update(wired_optimizer, "auto")
-    with caplog.at_level(logging.WARNING, logger="zero_bnb.kernels.cpu_update"):
+    install_fused_update(wired_optimizer, "auto")
+    with caplog.at_level(logging.WARNING, logger="zero_bnb.kernels.update"):
         for grad in gradients(3):
             plain.grad, wired.grad = grad.clone(), grad.clone()
             plain_optimizer.step()
@@ -164,8 +164,8 @@ def test_auto_mode_without_a_compiler_takes_bitsandbytes_path_with_one_warning(n
 def test_fused_mode_without_a_compiler_fails_naming_the_setting_and_the_fix(no_compiler):
     _, optimizer = make("AdamW8bit")
     with pytest.raises(KernelBuildError, match=r"zero_cpu_update is \"fused\".*g\+\+.*\"bitsandbytes\""):
-        install_cpu_update(optimizer, "fused")
-    assert not isinstance(optimizer.__dict__.get("update_step"), CpuUpdate)
+        install_fused_update(optimizer, "fused")
+    assert not isinstance(optimizer.__dict__.get("update_step"), FusedUpdate)
 
 
 def test_zero_cpu_update_is_validated_and_stripped_from_the_deepspeed_config():

@@ -43,14 +43,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zero_bnb import cli
-from zero_bnb.kernels import build, cpu_update
+from zero_bnb.kernels import build, update as cpu_update
 from zero_bnb.kernels.build import KernelBuildError
 from zero_bnb.kernels import residual as residual_kernels
 from zero_bnb.kernels.residual import split_rounded_bf16 as split_compiled
 from zero_bnb.core.residual import join_bf16, split_bf16
 from zero_bnb.core.residual import split_rounded_bf16 as split_torch
 from test_residual import _PATTERNS as _RESIDUAL_PATTERNS, _floats
-from zero_bnb.kernels.cpu_update import install_cpu_update
+from zero_bnb.kernels.update import install_fused_update
 from zero_bnb.kernels.fused import fused_quantize, fused_update, quantizer_path
 from zero_bnb.kernels.hyper import BLOCK, FAMILIES, TWO_STATE, UpdateHyper, step_scalars
 from zero_bnb.kernels.reference import quantize_codes, reference_update, sign_fix
@@ -490,8 +490,8 @@ def test_a_failing_compiler_is_tried_once_per_process_not_at_every_update(fake_c
     fake_cxx(fail=True)
     params = [torch.nn.Parameter(torch.randn(5000)) for _ in range(4)]
     optimizer = bnb.optim.Adam8bit(params, lr=1e-3)
-    install_cpu_update(optimizer, "auto")
-    with caplog.at_level(logging.WARNING, logger="zero_bnb.kernels.cpu_update"):
+    install_fused_update(optimizer, "auto")
+    with caplog.at_level(logging.WARNING, logger="zero_bnb.kernels.update"):
         for _ in range(3):
             for p in params:
                 p.grad = torch.ones_like(p)
@@ -499,7 +499,7 @@ def test_a_failing_compiler_is_tried_once_per_process_not_at_every_update(fake_c
     assert fake_cxx.count() == 1 and optimizer.update_step.fused_steps == 0
     assert len(caplog.records) == 1, [r.getMessage() for r in caplog.records]
     with pytest.raises(KernelBuildError, match=r"zero_cpu_update is \"fused\".*failed \(exit 1\)"):
-        install_cpu_update(bnb.optim.Adam8bit(params, lr=1e-3), "fused")  # "fused" still raises, no new build
+        install_fused_update(bnb.optim.Adam8bit(params, lr=1e-3), "fused")  # "fused" still raises, no new build
     assert fake_cxx.count() == 1
 
 
@@ -514,7 +514,7 @@ def test_an_unusable_cache_folder_is_a_build_error_naming_it_and_the_fix(fake_cx
     with pytest.raises(build.KernelCacheError, match=rf"kernel cache folder {folder}: .*set ZERO_BNB_KERNEL_DIR to a "
                                                      rf"writable folder"):
         build.load_library()
-    with caplog.at_level(logging.WARNING, logger="zero_bnb.kernels.cpu_update"):
+    with caplog.at_level(logging.WARNING, logger="zero_bnb.kernels.update"):
         assert not cpu_update._fused_available("auto")  # "auto" falls back (with its one warning)
     [warning] = [record.getMessage() for record in caplog.records]
     assert "set ZERO_BNB_KERNEL_DIR to a writable folder" in warning and "compiler" not in warning, warning
@@ -600,10 +600,10 @@ def _one_line_error(capsys) -> str:
 def _falls_back_and_fused_fails(caplog, names: str, compiler_fix: bool = False) -> None:
     """"auto" falls back with one warning containing ``names``; "fused" is an error containing it. Only a compiler
     problem (``compiler_fix``) gets advice about a compiler."""
-    with caplog.at_level(logging.WARNING, logger="zero_bnb.kernels.cpu_update"):
+    with caplog.at_level(logging.WARNING, logger="zero_bnb.kernels.update"):
         assert not cpu_update._fused_available("auto")
         assert not cpu_update._fused_available("auto")
-    warnings = [record.getMessage() for record in caplog.records if record.name == "zero_bnb.kernels.cpu_update"]
+    warnings = [record.getMessage() for record in caplog.records if record.name == "zero_bnb.kernels.update"]
     assert len(warnings) == 1 and names in warnings[0] and ("install a C++ compiler" in warnings[0]) == compiler_fix, \
         warnings
     with pytest.raises(KernelBuildError, match=r"zero_cpu_update is \"fused\"") as refused:
@@ -853,7 +853,7 @@ def test_the_first_fused_update_says_which_library_and_quantizer_path_it_loaded_
     with caplog.at_level(logging.INFO, logger="zero_bnb.kernels.build"):
         for announce in (False, True, True):  # another rank's optimizer, then rank 0's (twice: one line)
             optimizer = bnb.optim.Adam8bit(params, lr=1e-3)
-            install_cpu_update(optimizer, "auto", announce=announce)
+            install_fused_update(optimizer, "auto", announce=announce)
             for _ in range(2):
                 for p in params:
                     p.grad = torch.ones_like(p)
@@ -888,6 +888,26 @@ def test_only_rank_0_of_an_engine_says_which_kernel_library_it_loaded(tmp_path):
                         r"/\S+/zero_bnb_blockwise_update_[0-9a-f]{16}\.so \(quantizer: (scalar|gather|permute|avx2)\)",
                         said), said
     assert not [m for m in ranks[1]["messages"] if m.startswith("zero_bnb: fused CPU")], ranks[1]
+    # issue 45: describe() and rank 0's initialize log say which kernel steps which group (the 8-bit ones: the fused
+    # kernel unless zero_cpu_update says bitsandbytes; a group below min_8bit_size: bitsandbytes' 32-bit update)
+    for rank in ranks:
+        fused, plain = rank["kernels"]
+        groups = sorted(g for kernel in plain.values() for g in kernel)
+        assert list(plain) == ["bitsandbytes"] and groups == list(range(len(groups))), rank["kernels"]
+        assert len(fused["zero_bnb fused CPU kernel"]) == rank["eight_bit_groups"], rank["kernels"]
+        assert sorted(fused["zero_bnb fused CPU kernel"] + fused.get("bitsandbytes", [])) == groups, rank["kernels"]
+    def named(groups):
+        return f"group{'s' if len(groups) > 1 else ''} {', '.join(map(str, groups))}"
+
+    fused, plain = ranks[0]["kernels"]
+    steps_by = [m for m in ranks[0]["messages"] if "optimizer steps by" in m]
+    assert steps_by == [
+        f"zero_bnb: optimizer steps by zero_bnb fused CPU kernel for {named(fused['zero_bnb fused CPU kernel'])}"
+        + (f"; bitsandbytes for {named(fused['bitsandbytes'])}" if "bitsandbytes" in fused else "")
+        + " (zero_cpu_update=auto, zero_gpu_update=auto)",
+        f"zero_bnb: optimizer steps by bitsandbytes for {named(plain['bitsandbytes'])} "
+        f"(zero_cpu_update=bitsandbytes, zero_gpu_update=fused)"], steps_by
+    assert not [m for m in ranks[1]["messages"] if "optimizer steps by" in m], ranks[1]["messages"]
 
 
 def test_the_family_table_numbers_each_family_as_the_compiled_kernel_does():

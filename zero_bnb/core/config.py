@@ -2,7 +2,8 @@
 
 zero_bnb's keys (``zero_unsharded_state_keys``, ``zero_unsharded_state_max_numel``,
 ``zero_nonfinite_check``, ``zero_checkpoint_verify``, ``zero_derived_module_weights``,
-``zero_cpu_update``, ``zero_update_max_numel``, ``zero_checkpoint_async``, ``zero_checkpoint_async_max_staging_mb``) may sit at the top level of the DeepSpeed config (stock
+``zero_cpu_update``, ``zero_gpu_update``, ``zero_update_max_numel``, ``zero_checkpoint_async``,
+``zero_checkpoint_async_max_staging_mb``) may sit at the top level of the DeepSpeed config (stock
 DeepSpeed ignores unknown top-level keys, so one JSON serves both) or inside ``zero_optimization`` (which
 stock DeepSpeed would reject, so they are removed before DeepSpeed validates the config).
 """
@@ -27,6 +28,7 @@ __all__ = [
     "CHECKPOINT_VERIFY",
     "CPU_UPDATE",
     "CPU_UPDATE_MODES",
+    "GPU_UPDATE_MODES",
     "DEEPSPEED_ZERO_KEYS",
     "DERIVED_MODULE_WEIGHTS",
     "NONFINITE_CHECK",
@@ -50,14 +52,17 @@ NONFINITE_CHECK = "zero_nonfinite_check"
 CHECKPOINT_VERIFY = "zero_checkpoint_verify"
 DERIVED_MODULE_WEIGHTS = "zero_derived_module_weights"
 CPU_UPDATE = "zero_cpu_update"
+GPU_UPDATE = "zero_gpu_update"
 UPDATE_MAX_NUMEL = "zero_update_max_numel"
 CHECKPOINT_ASYNC = "zero_checkpoint_async"
 CHECKPOINT_ASYNC_MAX_STAGING_MB = "zero_checkpoint_async_max_staging_mb"
 #: Values of ``zero_cpu_update``.
 CPU_UPDATE_MODES = ("auto", "fused", "bitsandbytes")
+#: Values of ``zero_gpu_update``.
+GPU_UPDATE_MODES = ("auto", "fused", "bitsandbytes")
 #: zero_bnb's keys: it owns the ``zero_`` prefix at the top level of the config, beside DeepSpeed's own.
 OWN_KEYS = (UNSHARDED_KEYS, UNSHARDED_MAX_NUMEL, NONFINITE_CHECK, CHECKPOINT_VERIFY, DERIVED_MODULE_WEIGHTS,
-            CPU_UPDATE, UPDATE_MAX_NUMEL, CHECKPOINT_ASYNC, CHECKPOINT_ASYNC_MAX_STAGING_MB)
+            CPU_UPDATE, GPU_UPDATE, UPDATE_MAX_NUMEL, CHECKPOINT_ASYNC, CHECKPOINT_ASYNC_MAX_STAGING_MB)
 #: DeepSpeed's top-level keys that start with ``zero_`` (``deepspeed.runtime.constants``; a test checks the list
 #: against the installed DeepSpeed). Any other top-level ``zero_`` key is a typo: DeepSpeed ignores unknown top-level
 #: keys, so a misspelt zero_bnb key would silently do nothing.
@@ -106,6 +111,12 @@ class ZeroBnbConfig:
             arithmetic of bitsandbytes' CUDA kernel, compiled on first use) or, when it cannot be built,
             bitsandbytes' CPU path with one warning; ``"fused"`` the kernel or an error; ``"bitsandbytes"``
             bitsandbytes' own CPU path (what stock DeepSpeed runs).
+        gpu_update: how a bitsandbytes 8-bit update whose parameter and state live on a GPU runs: ``"auto"``
+            (default) with zero_bnb's Triton kernel (``zero_bnb.kernels.triton_update``: the same arithmetic and state
+            format, one pass over memory) for the families a GPU measurement showed faster than bitsandbytes' CUDA
+            kernel (``zero_bnb.kernels.update.GPU_FUSED_FASTER``: none yet, so bitsandbytes' kernel runs), else
+            bitsandbytes' kernel; ``"fused"`` the Triton kernel for every family (an error where Triton is
+            missing); ``"bitsandbytes"`` bitsandbytes' kernel. Paged state always takes bitsandbytes' kernel.
         update_max_numel: the largest piece of a partition one bitsandbytes update call steps
             (:mod:`zero_bnb.bnb.chunked`; rounded down to whole 256-element blocks). The default is the
             kernels' limit, 2^31 - 1 elements: larger partitions are updated in block-aligned pieces, with
@@ -126,6 +137,7 @@ class ZeroBnbConfig:
     checkpoint_verify: bool = True
     derived_module_weights: bool = False
     cpu_update: str = "auto"
+    gpu_update: str = "auto"
     update_max_numel: int = BNB_KERNEL_MAX_NUMEL
     checkpoint_async: bool = False
     checkpoint_async_max_staging_mb: float | None = None
@@ -152,6 +164,10 @@ class ZeroBnbConfig:
         if self.cpu_update not in CPU_UPDATE_MODES:
             raise ZeroBnbConfigError(
                 f"{CPU_UPDATE} must be one of {list(CPU_UPDATE_MODES)}, got {self.cpu_update!r}"
+            )
+        if self.gpu_update not in GPU_UPDATE_MODES:
+            raise ZeroBnbConfigError(
+                f"{GPU_UPDATE} must be one of {list(GPU_UPDATE_MODES)}, got {self.gpu_update!r}"
             )
         pieces = self.update_max_numel
         if isinstance(pieces, bool) or not isinstance(pieces, int) or not BNB_BLOCK_SIZE <= pieces <= BNB_KERNEL_MAX_NUMEL:
@@ -228,6 +244,7 @@ def split_config(ds_config: Mapping[str, Any]) -> tuple[ZeroBnbConfig, dict[str,
         field: found[key]
         for field, key in (("nonfinite_check", NONFINITE_CHECK), ("checkpoint_verify", CHECKPOINT_VERIFY),
                            ("derived_module_weights", DERIVED_MODULE_WEIGHTS), ("cpu_update", CPU_UPDATE),
+                           ("gpu_update", GPU_UPDATE),
                            ("update_max_numel", UPDATE_MAX_NUMEL), ("checkpoint_async", CHECKPOINT_ASYNC),
                            ("checkpoint_async_max_staging_mb", CHECKPOINT_ASYNC_MAX_STAGING_MB))
         if key in found

@@ -62,7 +62,7 @@ from zero_bnb.errors import CheckpointSaveError, CheckpointUsageError
 from zero_bnb.format.masters import FULL
 from zero_bnb.format.stock_files import MODEL_STATES, stage3_model_states, stock_dp_world_size
 from zero_bnb.format.tags import resolve_tag
-from zero_bnb.kernels.cpu_update import install_cpu_update, uninstall_cpu_update
+from zero_bnb.kernels.update import install_fused_update, uninstall_fused_update
 
 __all__ = ["ZeroBnbEngine"]
 
@@ -138,8 +138,9 @@ class ZeroBnbEngine(DeepSpeedEngine):
         spec = spec_for(optimizer)
         factory = functools.partial(cls, zero_bnb_spec=spec, zero_bnb_rule=self._state_rule(spec))
         try:
-            if spec.bitsandbytes:  # CPU 8-bit updates (offload, CPU training) take the fused kernel, and
-                install_cpu_update(optimizer, self.zero_bnb_config.cpu_update, announce=self.global_rank == 0)
+            if spec.bitsandbytes:  # 8-bit updates take zero_bnb's kernels as zero_cpu_update/zero_gpu_update say, and
+                install_fused_update(optimizer, self.zero_bnb_config.cpu_update, self.zero_bnb_config.gpu_update,
+                                     announce=self.global_rank == 0)
                 # partitions above the kernels' 2^31 elements are updated in pieces (DeepSpeed's constructor steps once)
                 optimizer.update_step = ChunkedUpdate(optimizer, spec, self.zero_bnb_config.update_max_numel)
             with swapped_attribute(owner, ds_name, factory):
@@ -151,7 +152,7 @@ class ZeroBnbEngine(DeepSpeedEngine):
                 )
         except BaseException:
             uninstall_chunked_update(optimizer)  # the user's optimizer leaves a failed construction as it came
-            uninstall_cpu_update(optimizer)
+            uninstall_fused_update(optimizer)
             raise
         return wrapper
 

@@ -23,6 +23,7 @@ from zero_bnb.core.state_spec import family_of
 from zero_bnb.ds.engine import ZeroBnbEngine
 from zero_bnb.ds.patching import swapped_attribute
 from zero_bnb.ds.precision_plan import announce_precision
+from zero_bnb.ds.describe import announce_update_kernels
 from zero_bnb.ds.stage3 import refuse_stage3_settings
 from zero_bnb.ds.dispatch import calling_deepspeed, underlying_initialize
 from zero_bnb.versions import check_supported
@@ -169,4 +170,5 @@ def initialize(
         )
     if result[0].global_rank == 0:  # once bitsandbytes' per-parameter overrides are attached (optim_bits=32)
         announce_precision(result[0].optimizer)
+        announce_update_kernels(result[0])
     return result

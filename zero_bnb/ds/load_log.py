@@ -8,7 +8,7 @@ import logging
 from zero_bnb.checkpoint.load import LoadPlan
 from zero_bnb.checkpoint.model_file import saved_zero_stage
 from zero_bnb.checkpoint.precision import describe_conversions
-from zero_bnb.ds.describe import describe
+from zero_bnb.ds.describe import describe, update_kernels_line
 
 __all__ = ["log_load"]
 
@@ -33,10 +33,11 @@ def log_load(engine, folder: str, plan: LoadPlan) -> None:
                 f"DP={restore.saved_dp})" if migrated else f"DP={restore.saved_dp}")
     logger.info(
         "zero_bnb: loaded checkpoint %s saved at %s into DP=%d at ZeRO stage %d (%s); %s; rank 0's optimizer "
-        "state 8-bit in %d of %d groups, %.2f B/param",
+        "state 8-bit in %d of %d groups, %.2f B/param; %s",
         folder, saved_at, engine.optimizer.dp_size, stage, layout,
         "optimizer state loaded" if restore.load_optimizer_states else "weights only",
         len(described["eight_bit_groups"]), len(described["groups"]), described["state_bytes_per_param"],
+        update_kernels_line(engine, described),
     )
     converted = describe_conversions([group.conversions for group in restore.groups])
     if converted is not None:

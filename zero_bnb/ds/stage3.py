@@ -217,7 +217,7 @@ def _offload_problems(zero: Mapping[str, Any]) -> list[str]:
 
     Accepted: ``offload_optimizer`` and ``offload_param`` with ``device: "cpu"``. The fp32 partitions, the
     gradients' fp32 copies and the optimizer state live in CPU memory, the client optimizer steps there (8-bit
-    state through the fused CPU kernel, :mod:`zero_bnb.kernels.cpu_update`), and parameter partitions wait in
+    state through the fused CPU kernel, :mod:`zero_bnb.kernels.update`), and parameter partitions wait in
     CPU memory between gathers; every buffer DeepSpeed allocates for them is sized by the (block-aligned)
     partition, so the layout is the one without offload and a checkpoint is the same files either way.
     """
