@@ -45,12 +45,20 @@ def test_the_dry_run_goes_through_every_step_and_exits_0(tmp_path):
     log = (tmp_path / "check.log").read_text()
     assert done.returncode == 0, log[-3000:]
     assert "no CUDA device: a CPU dry run of the same steps" in log and "check: all steps passed" in log
-    assert sorted(os.listdir(tmp_path)) == ["check.log", "cross_device.json", "machine.txt", "pytest.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["check.log", "cross_device.json", "machine.txt", "multi_rank.json",
+                                            "pytest.txt", "triton_update.json"]
     assert "tests/test_fp16.py::test_an_fp16_run_with_overflow_skipped_steps_resumes_on_a_gpu" in (
         tmp_path / "pytest.txt").read_text()
     report = json.loads((tmp_path / "cross_device.json").read_text())
     assert set(report["cases"]) == {"fp32-zero1", "fp16-zero2", "bf16-zero3", "bf16-zero1-async"}
     assert all(case["ok"] and case["tensors"] == 18 for case in report["cases"].values()), report
+    multi = json.loads((tmp_path / "multi_rank.json").read_text())
+    assert list(multi["cases"]) == ["fp32-zero1"] and multi["cases"]["fp32-zero1"]["ok"], multi
+    assert all(multi["gloo_collectives"][name] == "ok" for name in ("all_reduce", "all_gather_into_tensor")), multi
+    kernel = json.loads((tmp_path / "triton_update.json").read_text())
+    assert kernel["interpreted"] and [size["size"] for size in kernel["sizes"]] == ["64K"], kernel
+    assert "tests/test_triton_update.py::test_every_gpu_8bit_step_with_fused_gives_the_reference_bits[Adam8bit]" in (
+        tmp_path / "pytest.txt").read_text()
     assert "golden_vectors: 12 fixtures" in log  # bitsandbytes' CPU path cannot run AdEMAMix: its 2 cases are noted
     assert "commit:" in (tmp_path / "machine.txt").read_text()
 

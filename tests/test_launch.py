@@ -182,7 +182,7 @@ def test_a_rank_that_skips_finalization_still_runs_its_exit_handlers_and_keeps_t
 def test_the_launcher_names_its_devices_and_refuses_gpu_ranks_it_cannot_place():
     assert child_environment_for("cpu") == {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     assert child_environment_for("cuda")["DS_ACCELERATOR"] == "cuda"
-    with pytest.raises(ValueError, match=r"device must be one of \['cpu', 'cuda'\], got 'tpu'"):
+    with pytest.raises(ValueError, match=r"device must be one of \['cpu', 'cuda', 'cuda-shared'\], got 'tpu'"):
         child_environment_for("tpu")
     too_many = torch.cuda.device_count() + 1
     assert gpus_missing(too_many) is not None

@@ -1,7 +1,7 @@
 """The Triton 8-bit update (issue 45): the same bits as the specification, bitsandbytes' state format, and the wiring.
 
 Where CUDA is present the kernel is compiled and runs on the GPU; elsewhere Triton's interpreter runs the same kernel
-on CPU tensors (``TRITON_INTERPRET=1`` while the kernel's module is first imported). Either way:
+on CPU tensors (``TRITON_INTERPRET=1`` while the kernel's module is first imported, after Triton). Either way:
 
 - property test: for every family, sizes that are not multiples of 256, zero blocks, magnitudes from 1e-30 to 1e30,
   NaN/Inf gradients and every hyper-parameter, the kernel gives the reference's parameters, codes and absmax bit for
@@ -51,6 +51,8 @@ def kernel_mode():
     from zero_bnb.kernels.triton_update import interpreting
 
     if not CUDA:
+        import triton  # noqa: F401 (Triton's own library compiled as usual; only the kernel is interpreted)
+
         previous = os.environ.get("TRITON_INTERPRET")
         os.environ["TRITON_INTERPRET"] = "1"
         try:
@@ -163,6 +165,34 @@ def test_a_cpu_parameter_never_takes_the_triton_kernel_whatever_zero_gpu_update_
     assert torch.equal(plain.detach(), wired.detach())
     update = wired_optimizer.update_step
     assert (update.fused_steps, update.triton_steps, update.kernel_for(wired)) == (0, 0, "bitsandbytes")
+
+
+def test_before_the_first_step_a_paged_optimizers_cpu_parameter_is_named_for_the_kernel_that_will_step_it():
+    """bitsandbytes pages only CUDA parameters of at least 1e5 elements: PagedAdamW8bit under offload has plain CPU
+    state, which the fused CPU kernel steps; describe() says so before the first step as after it."""
+    param, _ = _optimizer("AdamW8bit", "cpu")
+    optimizer = bnb.optim.PagedAdamW8bit([param], lr=1e-3)
+    install_fused_update(optimizer, "auto", "auto")
+    update = optimizer.update_step
+    before = update.kernel_for(param, eight_bit=True)
+    param.grad = _gradients(1)[0]
+    optimizer.step()
+    assert before == update.kernel_for(param) == "zero_bnb fused CPU kernel" and update.fused_steps == 1
+
+
+def test_installing_again_applies_the_new_settings_to_the_one_installed():
+    from zero_bnb.bnb.chunked import ChunkedUpdate
+    from zero_bnb.core.state_spec import spec_for
+
+    param, optimizer = _optimizer("AdamW8bit", "cpu")
+    install_fused_update(optimizer, "auto", "auto")
+    first = optimizer.update_step
+    optimizer.update_step = ChunkedUpdate(optimizer, spec_for(optimizer))
+    install_fused_update(optimizer, "bitsandbytes", "fused")
+    assert optimizer.update_step.original is first and (first.mode, first.gpu_mode) == ("bitsandbytes", "fused")
+    with pytest.raises(ValueError, match="zero_gpu_update must be one of"):
+        install_fused_update(optimizer, "auto", "fast")
+    assert (first.mode, first.gpu_mode) == ("bitsandbytes", "fused")
 
 
 def _steps_and_check(name: str, gpu_mode: str, steps: int = 4) -> FusedUpdate:

@@ -7,15 +7,20 @@
 #    parts, hjson, typing-extensions, zero_bnb; bash benchmarks/gpu/wheels.sh makes them) is unpacked into a private
 #    site folder put first on PYTHONPATH; without the variable, the installed packages are used;
 # 2. the GPU tests (pytest: launcher, fp16 resume with overflow-skipped steps, paged optimizers, the partition past
-#    2^31 elements, golden vectors, the demo on CPU ranks beside the GPU);
-# 3. the cross-device elastic check (benchmarks/gpu/cross_device.py: GPU save -> CPU DP=3 -> GPU, every precision and
-#    stage, offload, paged optimizers over >= 1e5 elements);
-# 4. golden vectors of bitsandbytes' CUDA 8-bit update (benchmarks/gpu/golden_vectors.py) and how the fused CPU
-#    kernel and the reference agree with them;
-# 5. benchmarks/train_bench.py --mode gpu, small model first.
+#    2^31 elements, golden vectors, the Triton 8-bit update with real optimizers, the demo on CPU ranks beside the GPU);
+# 3. the 8-bit step alone (benchmarks/gpu/triton_update.py: zero_bnb's Triton kernel, bitsandbytes' kernel, fused
+#    AdamW and a copy, interleaved, 16M to 1G elements: bytes moved / time against the copy's);
+# 4. DP > 1 on the one GPU (benchmarks/gpu/multi_rank.py: which collectives gloo takes on CUDA tensors; DP=2 ranks on
+#    cuda:0 save synchronously and asynchronously, DP=3 GPU ranks and DP=2 CPU ranks load it bit for bit);
+# 5. the cross-device elastic check (benchmarks/gpu/cross_device.py: GPU save -> CPU DP=3 -> GPU, every precision and
+#    stage, offload, paged optimizers over >= 1e5 elements, asynchronous saves);
+# and, when ZERO_BNB_CHECK_MORE=1 (they do not fit in the same 9 minutes): golden vectors of bitsandbytes' CUDA 8-bit
+# update (benchmarks/gpu/golden_vectors.py; tests/golden/ already holds the H200's) and benchmarks/train_bench.py --mode
+# gpu, small model first.
 # Each step has its own time limit and writes its result into OUTDIR as soon as it ends (at most 8 files: check.log,
-# machine.txt, pytest.txt, cross_device.json, golden.tar.gz, bench.tar.gz); checkpoints go to a scratch folder
-# removed between steps (and left-overs of an earlier, killed run are removed first).
+# machine.txt, pytest.txt, triton_update.json, multi_rank.json, cross_device.json, and with ZERO_BNB_CHECK_MORE
+# golden.tar.gz and bench.tar.gz); checkpoints go to a scratch folder removed between steps (and left-overs of an
+# earlier, killed run are removed first).
 # On a machine without CUDA it runs a short CPU dry run of the same steps and exits 0 when they work
 # (tests/test_gpu_check.py runs it in CI). Exit status: 0 when every step passed, 1 otherwise.
 set -uo pipefail
@@ -110,28 +115,38 @@ PY
 cat "$OUT/machine.txt" >> "$LOG"
 
 GPU_TESTS=(tests/test_launch.py tests/test_fp16.py tests/test_chunked.py tests/test_cpu_update.py tests/test_golden.py
-           tests/test_demo.py tests/test_residual.py::test_device_weights_back_to_back_are_one_view_moved_by_one_copy
+           tests/test_triton_update.py tests/test_demo.py tests/test_residual.py::test_device_weights_back_to_back_are_one_view_moved_by_one_copy
            tests/test_async_save.py::test_device_tensors_are_staged_into_pinned_buffers_holding_the_values_at_the_call)
 if [ "$DRY" = 1 ]; then
-    # 2. The GPU tests collect (they skip here, each with its reason); 3-4 on the CPU; 5 needs a GPU.
+    # 2. The GPU tests collect (they skip here, each with its reason); 3-5 on the CPU; the benchmarks need a GPU.
     step "gpu tests (collect only)" 120 "$OUT/pytest.txt" -- "$PYTHON" -m pytest -q -p no:cacheprovider --collect-only "${GPU_TESTS[@]}"
+    step "triton update (interpreter)" 120 "" -- "$PYTHON" benchmarks/gpu/triton_update.py "$OUT/triton_update.json" --dry-run
+    step "multi-rank (dry run)" 180 "" -- "$PYTHON" benchmarks/gpu/multi_rank.py "$OUT/multi_rank.json" --dry-run
     step "cross-device (dry run)" 180 "" -- "$PYTHON" benchmarks/gpu/cross_device.py "$OUT/cross_device.json" --dry-run
     step "golden vectors (CPU dry run)" 120 "" -- "$PYTHON" benchmarks/gpu/golden_vectors.py "$SCRATCH/golden" --device cpu
     step "golden agreement" 60 "" -- "$PYTHON" benchmarks/gpu/golden_vectors.py --check "$SCRATCH/golden"
     say "benchmarks: skipped in a dry run (they measure the GPU)"
 else
-    # Limits from the H200 run of 2026-11-27 (benchmarks/results/gpu-2026-11-27b/check_steps.txt): the tests took
-    # 169 s, cross-device 60 s for 12 cases (17 now: about 85 s expected, not measured).
-    step "gpu tests" 220 "$OUT/pytest.txt" -- "$PYTHON" -m pytest -q -p no:cacheprovider -rs "${GPU_TESTS[@]}"
-    step "cross-device" 140 "" -- "$PYTHON" benchmarks/gpu/cross_device.py "$OUT/cross_device.json"
-    mkdir -p "$SCRATCH/golden"
-    step "golden vectors" 40 "" -- "$PYTHON" benchmarks/gpu/golden_vectors.py "$SCRATCH/golden"
-    step "golden agreement" 40 "$SCRATCH/golden/agreement.txt" -- "$PYTHON" benchmarks/gpu/golden_vectors.py --check "$SCRATCH/golden"
-    tar -czf "$OUT/golden.tar.gz" -C "$SCRATCH" golden
-    mkdir -p "$SCRATCH/bench"
-    step "train_bench gpu-125m" "${ZERO_BNB_BENCH_SECONDS:-110}" "" -- "$PYTHON" benchmarks/train_bench.py --mode gpu \
-        --models gpt-125m --rounds 2 --warmup 1 --steps 4 --out "$SCRATCH/bench"
-    tar -czf "$OUT/bench.tar.gz" -C "$SCRATCH" bench
+    # Limits: the H200 run of 2026-11-27 (benchmarks/results/gpu-2026-11-27b/check_steps.txt) took 169 s for the tests
+    # (the Triton tests are new: about 30 s of compiling expected, not measured), 60 s for 12 cross-device cases (17 now);
+    # the Triton benchmark spends at most 15 s per size after compiling; multi-rank is 4 launches (not measured).
+    # 200 + 90 + 140 + 110 = 540 s: the 9 minutes.
+    step "gpu tests" 200 "$OUT/pytest.txt" -- "$PYTHON" -m pytest -q -p no:cacheprovider -rs "${GPU_TESTS[@]}"
+    step "triton update" 90 "" -- "$PYTHON" benchmarks/gpu/triton_update.py "$OUT/triton_update.json"
+    step "multi-rank" 140 "" -- "$PYTHON" benchmarks/gpu/multi_rank.py "$OUT/multi_rank.json"
+    step "cross-device" 110 "" -- "$PYTHON" benchmarks/gpu/cross_device.py "$OUT/cross_device.json"
+    if [ "${ZERO_BNB_CHECK_MORE:-0}" = 1 ]; then
+        mkdir -p "$SCRATCH/golden"
+        step "golden vectors" 40 "" -- "$PYTHON" benchmarks/gpu/golden_vectors.py "$SCRATCH/golden"
+        step "golden agreement" 40 "$SCRATCH/golden/agreement.txt" -- "$PYTHON" benchmarks/gpu/golden_vectors.py --check "$SCRATCH/golden"
+        tar -czf "$OUT/golden.tar.gz" -C "$SCRATCH" golden
+        mkdir -p "$SCRATCH/bench"
+        step "train_bench gpu-125m" "${ZERO_BNB_BENCH_SECONDS:-110}" "" -- "$PYTHON" benchmarks/train_bench.py --mode gpu \
+            --models gpt-125m --rounds 2 --warmup 1 --steps 4 --out "$SCRATCH/bench"
+        tar -czf "$OUT/bench.tar.gz" -C "$SCRATCH" bench
+    else
+        say "golden vectors and train_bench: not run (ZERO_BNB_CHECK_MORE=1 runs them, in a call of their own)"
+    fi
 fi
 
 if [ ${#failed[@]} -eq 0 ]; then

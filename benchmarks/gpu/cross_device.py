@@ -62,7 +62,7 @@ def _model(kind: str) -> torch.nn.Module:
                                torch.nn.GELU(), torch.nn.Linear(256, 90))
 
 
-def _engine(dp: int, case: str):
+def _engine(dp: int, case: str, cases: dict | None = None):
     import bitsandbytes as bnb
 
     import zero_bnb
@@ -70,7 +70,7 @@ def _engine(dp: int, case: str):
     from zero_bnb.testing.toy import DEFAULT_RUN, LEARNING_RATE, param_groups
 
     allow_fp16_on_cpu()  # fp16 checkpoints load on the CPU ranks too
-    optimizer_name, extra, kind = CASES[case]
+    optimizer_name, extra, kind = (cases or CASES)[case]
     model = _model(kind)
     # min_8bit_size 2048: every group keeps one precision at DP=1 and DP=3 (bitsandbytes' default 4096 puts the toy's
     # last layer, 2,880 elements a rank at DP=3, in fp32 there, and the way back requantizes it: exact state is kept

@@ -1,7 +1,8 @@
 """The Triton source of the blockwise 8-bit update (:mod:`zero_bnb.kernels.triton_update` launches it).
 
 Imported on first use, never at ``import zero_bnb``: Triton ships with PyTorch's CUDA builds and is absent from CPU
-ones. Whether Triton's interpreter runs it (``TRITON_INTERPRET=1``) is decided when this module is first imported.
+ones. Whether Triton's interpreter runs it (``TRITON_INTERPRET=1``) is decided when this module is first imported;
+import ``triton`` itself before, without the variable (:mod:`zero_bnb.kernels.triton_update` says why).
 Each function mirrors its counterpart in :mod:`zero_bnb.kernels.reference`, operation for operation.
 
 Local: no collectives.

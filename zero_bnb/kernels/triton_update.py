@@ -8,14 +8,16 @@ codes and ``absmax`` once, and writes the parameter, the codes and ``absmax`` on
 Adam, against fused AdamW's 28).
 
 Triton is imported on first use: it ships with PyTorch's CUDA builds and is absent from CPU ones. Under Triton's
-interpreter (``TRITON_INTERPRET=1`` when the kernel is first built) the same kernel runs on CPU tensors, which is how
-the suite checks it without a GPU.
+interpreter the same kernel runs on CPU tensors, which is how the suite checks it without a GPU: import ``triton``
+first, then import :mod:`zero_bnb.kernels.triton_kernel` with ``TRITON_INTERPRET=1`` set (Triton's own library
+functions must be imported without it, else some stay half-interpreted: tests/test_triton_update.py's fixture).
 
 Local: no collectives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 from typing import Any
@@ -129,10 +131,12 @@ def triton_update(
         raise ValueError(f"blocks_per_program must be a power of two, got {per_program}")
     launch = {} if interpreted else COMPILE_OPTIONS
     s = scalars
-    _kernel()[(-(-blocks // per_program),)](
-        p, g, state1, state2, absmax1, absmax2, qmap1, qmap2, n, blocks,
-        s.beta1, s.beta2, s.beta3, s.alpha, s.eps, s.lr, s.weight_decay, s.one_minus_beta1, s.one_minus_beta2,
-        s.one_minus_beta3, s.correction1, s.correction2, s.step_size, s.eps_hat, s.decay, s.step,
-        FAMILY=family.kernel, DECAY=s.weight_decay > 0.0, SKIP_ZEROS=bool(hyper.skip_zeros) and not family.two_state,
-        ROWS=per_program, BLOCK=BLOCK, **launch,
-    )
+    # Triton launches on the current device and its stream: the parameter's device, as bitsandbytes' own launch does
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        _kernel()[(-(-blocks // per_program),)](
+            p, g, state1, state2, absmax1, absmax2, qmap1, qmap2, n, blocks,
+            s.beta1, s.beta2, s.beta3, s.alpha, s.eps, s.lr, s.weight_decay, s.one_minus_beta1, s.one_minus_beta2,
+            s.one_minus_beta3, s.correction1, s.correction2, s.step_size, s.eps_hat, s.decay, s.step,
+            FAMILY=family.kernel, DECAY=s.weight_decay > 0.0,
+            SKIP_ZEROS=bool(hyper.skip_zeros) and not family.two_state, ROWS=per_program, BLOCK=BLOCK, **launch,
+        )

@@ -136,8 +136,10 @@ class FusedUpdate:
         if gradient and not (p.grad is not None and p.grad.device == p.device and p.grad.dtype == torch.float32):
             return False
         state = self.optimizer.state.get(p, {})
-        if "state1" not in state and eight_bit is not None:  # what bitsandbytes' init_state will allocate
-            return eight_bit and not getattr(self.optimizer, "is_paged", False)
+        if "state1" not in state and eight_bit is not None:  # what bitsandbytes' init_state will allocate:
+            # get_state_buffer pages only CUDA parameters of at least 1e5 elements
+            paged = getattr(self.optimizer, "is_paged", False) and p.device.type == "cuda" and p.numel() >= 1e5
+            return eight_bit and not paged
         codes = state.get("state1")
         if not (isinstance(codes, torch.Tensor) and codes.dtype == torch.uint8):
             return False
@@ -194,7 +196,7 @@ class FusedUpdate:
 def install_fused_update(optimizer: torch.optim.Optimizer, mode: str, gpu_mode: str = "auto", *,
                          announce: bool = False) -> None:
     """Replace ``optimizer.update_step`` by a :class:`FusedUpdate` (bitsandbytes optimizers only): ``mode`` is
-    ``zero_cpu_update``, ``gpu_mode`` ``zero_gpu_update``. ``announce``: log at INFO which CPU kernel library the
+    ``zero_cpu_update``, ``gpu_mode`` ``zero_gpu_update``. Where one is installed already, its modes become these. ``announce``: log at INFO which CPU kernel library the
     first fused update loads (pass it on one rank).
 
     Raises:
@@ -206,8 +208,12 @@ def install_fused_update(optimizer: torch.optim.Optimizer, mode: str, gpu_mode: 
     missing = triton_missing() if gpu_mode == "fused" and torch.cuda.is_available() else None
     if missing:
         raise _triton_refused(missing)
-    if not isinstance(optimizer.__dict__.get("update_step"), FusedUpdate):
+    update = installed(optimizer)
+    if update is None:
         optimizer.update_step = FusedUpdate(optimizer, mode, gpu_mode, announce=announce)
+    else:  # installed already (perhaps under a ChunkedUpdate): the settings of this call apply
+        FusedUpdate(optimizer, mode, gpu_mode)  # the same checks of the modes
+        update.mode, update.gpu_mode, update.announce = mode, gpu_mode, announce
 
 
 def installed(optimizer: Any) -> FusedUpdate | None:

@@ -46,13 +46,14 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, device:
     ``fn`` must be importable (a module-level function). Each process joins a process group
     through ``deepspeed.init_distributed``; a child's exception is re-raised here.
     ``device="cpu"`` (the default) keeps every rank on the CPU whatever GPUs the machine has;
-    ``device="cuda"`` puts rank r on ``cuda:r`` with nccl.
+    ``device="cuda"`` puts rank r on ``cuda:r`` with nccl; ``device="cuda-shared"`` puts every rank on ``cuda:0``
+    with gloo (:data:`~zero_bnb.testing.ranks.DEVICES`).
 
     Raises:
-        ValueError: an unknown ``device``, or fewer CUDA devices than ranks for ``"cuda"``.
+        ValueError: an unknown ``device``, fewer CUDA devices than ranks for ``"cuda"``, none for ``"cuda-shared"``.
     """
-    if device == "cuda" and (reason := gpus_missing(world_size)) is not None:
-        raise ValueError(f"run_distributed(device=\"cuda\") {reason}; use device=\"cpu\" or fewer ranks")
+    if device != "cpu" and (reason := gpus_missing(world_size if device == "cuda" else 1)) is not None:
+        raise ValueError(f"run_distributed(device={device!r}) {reason}; use device=\"cpu\" or fewer ranks")
     global _launches
     _launches += 1
     if device == "cpu" and warm.warm_enabled():

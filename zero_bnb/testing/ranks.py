@@ -29,10 +29,13 @@ logger = logging.getLogger(__name__)
 _CHILD_ENV = {
     "cpu": {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""},
     "cuda": {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cuda"},
+    "cuda-shared": {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cuda"},
 }
-_BACKEND = {"cpu": "gloo", "cuda": "nccl"}
-#: Where the ranks run: ``"cpu"`` (gloo, DeepSpeed's CPU accelerator, no CUDA device visible) or ``"cuda"``
-#: (nccl, rank r on ``cuda:r``).
+_BACKEND = {"cpu": "gloo", "cuda": "nccl", "cuda-shared": "gloo"}
+#: Where the ranks run: ``"cpu"`` (gloo, DeepSpeed's CPU accelerator, no CUDA device visible), ``"cuda"`` (nccl, rank
+#: r on ``cuda:r``) or ``"cuda-shared"`` (every rank on ``cuda:0`` over gloo, which takes CUDA tensors where nccl
+#: refuses two ranks on one device: DP > 1 on a one-GPU machine; ``LOCAL_RANK`` is 0 on every rank, so DeepSpeed's
+#: per-rank device binding gives each the same device).
 DEVICES = tuple(_CHILD_ENV)
 
 
@@ -59,7 +62,8 @@ def gpus_missing(world_size: int) -> str | None:
 
 
 def init_worker(rank: int, world_size: int, store: str, device: str = "cpu") -> None:
-    """Join a process group (gloo for ``"cpu"``, nccl for ``"cuda"``) through ``deepspeed.init_distributed``,
+    """Join a process group (gloo for ``"cpu"`` and ``"cuda-shared"``, nccl for ``"cuda"``) through
+    ``deepspeed.init_distributed``,
     rendezvous by file.
 
     A file rendezvous (``store``: a path no process group has used) avoids picking a TCP port
@@ -85,6 +89,9 @@ def init_worker(rank: int, world_size: int, store: str, device: str = "cpu") -> 
     deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
     if device == "cuda":
         torch.cuda.set_device(rank)
+    elif device == "cuda-shared":
+        os.environ["LOCAL_RANK"] = "0"
+        torch.cuda.set_device(0)
     deepspeed.init_distributed(dist_backend=_BACKEND[device], init_method=f"file://{store}", rank=rank,
                                world_size=world_size, auto_mpi_discovery=False, verbose=False)
 
