@@ -97,6 +97,8 @@ def _build(variant: str, args, world: int, **extra):
     else:
         optimizer = bnb.optim.Adam8bit(model.parameters(), lr=LR)
     initialize = zero_bnb.initialize if variant == "zero_bnb" else deepspeed.initialize
+    if variant == "zero_bnb" and getattr(args, "zero_gpu_update", None):
+        extra = {"zero_gpu_update": args.zero_gpu_update, **extra}
     engine, *_ = initialize(model=model, optimizer=optimizer, config=_ds_config(args, world, **extra))
     return engine
 
@@ -416,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=None)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default=None,
                         help="default: bf16 on GPU, fp32 on CPU")
+    parser.add_argument("--zero-gpu-update", choices=("auto", "fused", "bitsandbytes"), default=None,
+                        help="the zero_bnb variant's zero_gpu_update (default: unset, its default); 'fused' measures "
+                             "zero_bnb's Triton 8-bit update against stock DeepSpeed + bitsandbytes' kernel")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
     cpu = args.mode == "cpu"
@@ -436,13 +441,16 @@ def main(argv: list[str] | None = None) -> int:
         "machine": where,
         "versions": versions(),
         "settings": {k: v for k, v in vars(args).items() if k not in ("model", "out")},
-        # the zero_bnb variant's config keys: none are set, so every zero_bnb key has its default (masters derived
-        # from the module weights, which stay in DeepSpeed's model file)
-        "zero_bnb_config": dataclasses.asdict(ZeroBnbConfig()),
+        # the zero_bnb variant's config keys: only zero_gpu_update may be set (--zero-gpu-update), so every other
+        # zero_bnb key has its default (masters derived from the module weights, which stay in DeepSpeed's model file)
+        "zero_bnb_config": dataclasses.asdict(ZeroBnbConfig(**({"gpu_update": args.zero_gpu_update}
+                                                              if args.zero_gpu_update else {}))),
         "results": rows,
     }
     default_precision = "fp32" if cpu else "bf16"
     stem = args.mode if args.precision == default_precision else f"{args.mode}-{args.precision}"
+    if args.zero_gpu_update:
+        stem += f"-gpu-update-{args.zero_gpu_update}"
     markdown = write_reports(report, os.path.join(args.out, stem))
     print(markdown)
     return 0

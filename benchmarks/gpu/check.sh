@@ -16,7 +16,7 @@
 #    stage, offload, paged optimizers over >= 1e5 elements, asynchronous saves);
 # and, when ZERO_BNB_CHECK_MORE=1 (they do not fit in the same 9 minutes): golden vectors of bitsandbytes' CUDA 8-bit
 # update (benchmarks/gpu/golden_vectors.py; tests/golden/ already holds the H200's) and benchmarks/train_bench.py --mode
-# gpu, small model first.
+# gpu --zero-gpu-update fused (zero_bnb with its Triton update against stock DeepSpeed + bitsandbytes and + fused AdamW).
 # Each step has its own time limit and writes its result into OUTDIR as soon as it ends (at most 8 files: check.log,
 # machine.txt, pytest.txt, triton_update.json, multi_rank.json, cross_device.json, and with ZERO_BNB_CHECK_MORE
 # golden.tar.gz and bench.tar.gz); checkpoints go to a scratch folder removed between steps (and left-overs of an
@@ -141,8 +141,9 @@ else
         step "golden agreement" 40 "$SCRATCH/golden/agreement.txt" -- "$PYTHON" benchmarks/gpu/golden_vectors.py --check "$SCRATCH/golden"
         tar -czf "$OUT/golden.tar.gz" -C "$SCRATCH" golden
         mkdir -p "$SCRATCH/bench"
+        # zero_bnb with its Triton update against stock DeepSpeed + bitsandbytes' kernel and + fused AdamW, same run
         step "train_bench gpu-125m" "${ZERO_BNB_BENCH_SECONDS:-110}" "" -- "$PYTHON" benchmarks/train_bench.py --mode gpu \
-            --models gpt-125m --rounds 2 --warmup 1 --steps 4 --out "$SCRATCH/bench"
+            --models gpt-125m --rounds 2 --warmup 1 --steps 4 --zero-gpu-update fused --out "$SCRATCH/bench"
         tar -czf "$OUT/bench.tar.gz" -C "$SCRATCH" bench
     else
         say "golden vectors and train_bench: not run (ZERO_BNB_CHECK_MORE=1 runs them, in a call of their own)"
