@@ -22,7 +22,7 @@ CHECK = os.path.join(ROOT, "benchmarks", "gpu", "check.sh")
 
 def _check(out, **env) -> subprocess.CompletedProcess:
     environment = {key: value for key, value in os.environ.items() if key != "ZERO_BNB_WHEELS"}
-    return subprocess.run(["bash", CHECK, str(out)], capture_output=True, text=True, timeout=600,
+    return subprocess.run(["bash", CHECK, str(out)], capture_output=True, text=True, timeout=1200,
                           env={**environment, **env})
 
 

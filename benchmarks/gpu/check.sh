@@ -119,10 +119,12 @@ GPU_TESTS=(tests/test_launch.py tests/test_fp16.py tests/test_chunked.py tests/t
            tests/test_async_save.py::test_device_tensors_are_staged_into_pinned_buffers_holding_the_values_at_the_call)
 if [ "$DRY" = 1 ]; then
     # 2. The GPU tests collect (they skip here, each with its reason); 3-5 on the CPU; the benchmarks need a GPU.
+    # Limits: 8x what each step took on a quiet 2-core box (2026-11-29: 9, 7, 38, 37, 8 and 2 s), so the dry run
+    # passes under a load of 3 too (the cross-device step's former 180 s did not).
     step "gpu tests (collect only)" 120 "$OUT/pytest.txt" -- "$PYTHON" -m pytest -q -p no:cacheprovider --collect-only "${GPU_TESTS[@]}"
     step "triton update (interpreter)" 120 "" -- "$PYTHON" benchmarks/gpu/triton_update.py "$OUT/triton_update.json" --dry-run
-    step "multi-rank (dry run)" 180 "" -- "$PYTHON" benchmarks/gpu/multi_rank.py "$OUT/multi_rank.json" --dry-run
-    step "cross-device (dry run)" 180 "" -- "$PYTHON" benchmarks/gpu/cross_device.py "$OUT/cross_device.json" --dry-run
+    step "multi-rank (dry run)" 320 "" -- "$PYTHON" benchmarks/gpu/multi_rank.py "$OUT/multi_rank.json" --dry-run
+    step "cross-device (dry run)" 320 "" -- "$PYTHON" benchmarks/gpu/cross_device.py "$OUT/cross_device.json" --dry-run
     step "golden vectors (CPU dry run)" 120 "" -- "$PYTHON" benchmarks/gpu/golden_vectors.py "$SCRATCH/golden" --device cpu
     step "golden agreement" 60 "" -- "$PYTHON" benchmarks/gpu/golden_vectors.py --check "$SCRATCH/golden"
     say "benchmarks: skipped in a dry run (they measure the GPU)"
