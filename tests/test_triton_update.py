@@ -80,7 +80,7 @@ def test_the_triton_kernel_gives_the_reference_bits(case):
 
 
 @settings(max_examples=20, deadline=None)
-@given(cases(), st.sampled_from([1, 2, 8]))
+@given(cases(), st.sampled_from([1, 8]))
 def test_the_result_does_not_depend_on_how_many_blocks_one_program_updates(case, per_program):
     assert_same_bits(run(on_device, case, blocks_per_program=per_program), run(on_device, case))
 
@@ -272,6 +272,7 @@ def test_a_state_written_by_one_kernel_is_continued_by_the_other(first):
 
 
 @pytest.mark.launch
+@pytest.mark.skipif(CUDA, reason="with a GPU the kernel itself runs (the gpu tests above check its bits)")
 def test_the_kernel_compiles_for_hopper_gpus_with_ieee_division_and_square_root_and_no_fused_multiply_add():
     """Without a GPU: Triton compiles the kernel for sm_90 (H100, H200) to a cubin, and its PTX divides and takes
     square roots rounded to nearest (``div.rn``, ``sqrt.rn``) with no ``fma``, which is what makes its bits the

@@ -78,7 +78,9 @@ def requantize(moment, qmap_ptr, codes_ptr, absmax_ptr, offsets, mask, blocks, b
     tl.store(codes_ptr + offsets, codes.to(tl.uint8), mask=mask)
     tl.store(absmax_ptr + blocks, absmax, mask=block_mask)
 
-@triton.jit
+# The sizes and the step are not specialised on (Triton would compile again for every n divisible by 16 or not, and
+# for step 1): one compilation per family and flags.
+@triton.jit(do_not_specialize=["n", "n_blocks", "step"])
 def update(p_ptr, g_ptr, state1_ptr, state2_ptr, absmax1_ptr, absmax2_ptr, qmap1_ptr, qmap2_ptr, n, n_blocks,
            beta1, beta2, beta3, alpha, eps, lr, weight_decay, one_minus_beta1, one_minus_beta2, one_minus_beta3,
            correction1, correction2, step_size, eps_hat, decay, step,
