@@ -16,7 +16,8 @@
 #    stage, offload, paged optimizers over >= 1e5 elements, asynchronous saves);
 # and, when ZERO_BNB_CHECK_MORE=1 (they do not fit in the same 9 minutes): golden vectors of bitsandbytes' CUDA 8-bit
 # update (benchmarks/gpu/golden_vectors.py; tests/golden/ already holds the H200's) and benchmarks/train_bench.py --mode
-# gpu --zero-gpu-update fused (zero_bnb with its Triton update against stock DeepSpeed + bitsandbytes and + fused AdamW).
+# gpu --zero-gpu-update fused (zero_bnb with its Triton update against stock DeepSpeed + bitsandbytes and + fused AdamW)
+# and benchmarks/async_save.py --device cuda (the asynchronous save's stall against stock's synchronous save).
 # Each step has its own time limit and writes its result into OUTDIR as soon as it ends (at most 8 files: check.log,
 # machine.txt, pytest.txt, triton_update.json, multi_rank.json, cross_device.json, and with ZERO_BNB_CHECK_MORE
 # golden.tar.gz and bench.tar.gz); checkpoints go to a scratch folder removed between steps (and left-overs of an
@@ -146,6 +147,9 @@ else
         # zero_bnb with its Triton update against stock DeepSpeed + bitsandbytes' kernel and + fused AdamW, same run
         step "train_bench gpu-125m" "${ZERO_BNB_BENCH_SECONDS:-110}" "" -- "$PYTHON" benchmarks/train_bench.py --mode gpu \
             --models gpt-125m --rounds 2 --warmup 1 --steps 4 --zero-gpu-update fused --out "$SCRATCH/bench"
+        # the asynchronous save's stall on the GPU against stock's synchronous save (issue 45's target: <= 0.1x)
+        step "async save stall (gpu)" 120 "" -- "$PYTHON" benchmarks/async_save.py --device cuda --params 59e6 \
+            --rounds 2 --contention none --out "$SCRATCH/bench"
         tar -czf "$OUT/bench.tar.gz" -C "$SCRATCH" bench
     else
         say "golden vectors and train_bench: not run (ZERO_BNB_CHECK_MORE=1 runs them, in a call of their own)"
