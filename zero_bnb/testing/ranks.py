@@ -77,7 +77,7 @@ def init_worker(rank: int, world_size: int, store: str, device: str = "cpu") -> 
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         RANK=str(rank),
-        LOCAL_RANK=str(rank),
+        LOCAL_RANK=str(0 if device == "cuda-shared" else rank),  # cuda-shared: DeepSpeed binds every rank to cuda:0
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
         **child_environment_for(device),
@@ -90,7 +90,6 @@ def init_worker(rank: int, world_size: int, store: str, device: str = "cpu") -> 
     if device == "cuda":
         torch.cuda.set_device(rank)
     elif device == "cuda-shared":
-        os.environ["LOCAL_RANK"] = "0"
         torch.cuda.set_device(0)
     deepspeed.init_distributed(dist_backend=_BACKEND[device], init_method=f"file://{store}", rank=rank,
                                world_size=world_size, auto_mpi_discovery=False, verbose=False)
