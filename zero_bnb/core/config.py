@@ -113,8 +113,9 @@ class ZeroBnbConfig:
             bitsandbytes' own CPU path (what stock DeepSpeed runs).
         gpu_update: how a bitsandbytes 8-bit update whose parameter and state live on a GPU runs: ``"auto"``
             (default) with zero_bnb's Triton kernel (``zero_bnb.kernels.triton_update``: the same arithmetic and state
-            format, one pass over memory) for the families a GPU measurement showed faster than bitsandbytes' CUDA
-            kernel (``zero_bnb.kernels.update.GPU_FUSED_FASTER``: none yet, so bitsandbytes' kernel runs), else
+            format, one pass over memory) for the families and GPU generations a GPU measurement showed faster than
+            bitsandbytes' CUDA kernel (``zero_bnb.kernels.update.GPU_FUSED_FASTER``: none yet, so bitsandbytes'
+            kernel runs), else
             bitsandbytes' kernel; ``"fused"`` the Triton kernel for every family (an error where Triton is
             missing); ``"bitsandbytes"`` bitsandbytes' kernel. Paged state always takes bitsandbytes' kernel.
         update_max_numel: the largest piece of a partition one bitsandbytes update call steps

@@ -11,8 +11,8 @@ managed memory, which bitsandbytes' CUDA kernel updates.
   ``"bitsandbytes"``.
 - An fp32 parameter on a GPU with its gradient and every state tensor on that GPU (not paged) may be updated by the
   Triton kernel (:func:`~zero_bnb.kernels.triton_update.triton_update`), as ``zero_gpu_update`` says: ``"auto"``
-  (the Triton kernel only for the families in :data:`GPU_FUSED_FASTER`, where a GPU measurement showed it faster
-  than bitsandbytes' kernel: none yet), ``"fused"`` (every family; fail if Triton is missing) or ``"bitsandbytes"``.
+  (the Triton kernel only for the families and GPU generations in :data:`GPU_FUSED_FASTER`, where a GPU measurement
+  showed it faster than bitsandbytes' kernel: none yet), ``"fused"`` (every family; fail if Triton is missing) or ``"bitsandbytes"``.
 - Anything else (paged state, fp32 state, fp16/bf16 parameters, an optimizer without a fused kernel) takes the
   optimizer's own path.
 
@@ -40,10 +40,11 @@ from zero_bnb.kernels.triton_update import TRITON_FAMILIES, triton_missing, trit
 __all__ = ["GPU_FUSED_FASTER", "KERNELS", "FusedUpdate", "hyper_for", "install_fused_update", "installed",
            "uninstall_fused_update", "update_kernel"]
 
-#: The families for which a GPU measurement (``benchmarks/gpu/check.sh``: the kernel alone and train_bench end to
-#: end) showed the Triton kernel faster than bitsandbytes' CUDA kernel; ``zero_gpu_update: "auto"`` takes it for these
-#: only. None has been measured yet.
-GPU_FUSED_FASTER: frozenset[Family] = frozenset()
+#: The (family, GPU compute capability) pairs for which a GPU measurement (``benchmarks/gpu/check.sh``: the kernel
+#: alone and train_bench end to end) showed the Triton kernel faster than bitsandbytes' CUDA kernel, e.g.
+#: ``(Family.ADAM, (9, 0))`` for Adam on an H100/H200; ``zero_gpu_update: "auto"`` takes it for these only. None has
+#: been measured yet.
+GPU_FUSED_FASTER: frozenset[tuple[Family, tuple[int, int]]] = frozenset()
 #: What :meth:`FusedUpdate.kernel_for` names.
 KERNELS = ("zero_bnb fused CPU kernel", "zero_bnb Triton kernel", "bitsandbytes")
 
@@ -151,7 +152,9 @@ class FusedUpdate:
         if self.gpu_mode == "bitsandbytes" or not self._eight_bit_on(p, "cuda", gradient, eight_bit):
             return False
         family = Family(self.optimizer.optimizer_name)
-        if family not in TRITON_FAMILIES or (self.gpu_mode == "auto" and family not in GPU_FUSED_FASTER):
+        if family not in TRITON_FAMILIES:
+            return False
+        if self.gpu_mode == "auto" and (family, torch.cuda.get_device_capability(p.device)) not in GPU_FUSED_FASTER:
             return False
         missing = triton_missing()
         if missing and self.gpu_mode == "fused":
