@@ -9,8 +9,9 @@ Then, per case (stages 1-3, fp32/bf16, a synchronous and an asynchronous save, z
 the GPU train, save, record their whole optimizer state and train on (the uninterrupted run); DP=3 ranks on the GPU
 load that checkpoint, record the state and train on; DP=2 CPU ranks load it too. Checked: the state after both loads
 equals the saved one bit for bit (zero_bnb's gather). Reported beside it: the resumed DP=3 losses against the
-uninterrupted DP=2 ones (another DP size: another reduction order, so not expected bit-identical), and the time
-``save_checkpoint`` blocked, synchronous against asynchronous. Writes OUT.json, prints a table, exits 1 if a case
+uninterrupted DP=2 ones (another DP size: another reduction order, so not expected bit-identical), the time
+``save_checkpoint`` blocked, synchronous against asynchronous, and rank 0's peak GPU memory in each phase
+(construction, first step, steady steps, save) with DeepSpeed's buckets as the toy model sizes them. Writes OUT.json, prints a table, exits 1 if a case
 fails.
 """
 
@@ -33,10 +34,16 @@ import torch  # noqa: E402
 from cross_device import AFTER, BEFORE, CASES as CROSS_DEVICE_CASES, _each_case, _engine  # noqa: E402
 from zero_bnb.testing.launch import run_distributed  # noqa: E402
 
+#: DeepSpeed's bucket sizes (elements) sized to the toy model (33,946 parameters), not its defaults of 5e8 (a 1 GB bf16
+#: buffer per rank at ZeRO-2, which would hide everything else in the memory figures).
+BUCKET = 1 << 16
 #: The cases: cross_device's, plus one with zero_bnb's Triton update (``zero_gpu_update: "fused"``).
 CASES = {case: CROSS_DEVICE_CASES[case] for case in ("fp32-zero1", "bf16-zero2", "bf16-zero3", "bf16-zero1-async",
                                                       "bf16-zero3-async")}
 CASES["bf16-zero2-triton"] = ("Adam8bit", {**CROSS_DEVICE_CASES["bf16-zero2"][1], "zero_gpu_update": "fused"}, "toy")
+CASES = {case: (optimizer, {**extra, "zero_optimization": {**extra["zero_optimization"], "reduce_bucket_size": BUCKET,
+                                                           "allgather_bucket_size": BUCKET}}, kind)
+         for case, (optimizer, extra, kind) in CASES.items()}
 DRY_RUN_CASES = ("fp32-zero1",)
 #: The collectives probed on CUDA tensors, as torch.distributed calls on a 4-element tensor per rank.
 PROBES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce",
@@ -85,26 +92,46 @@ def probe(rank: int, world: int, workdir: str) -> None:
             json.dump(found, handle)
 
 
+class _Peaks:
+    """This rank's peak GPU bytes allocated in each phase (nothing on the CPU): each :meth:`mark` ends one."""
+
+    def __init__(self) -> None:
+        self.found: dict[str, int] = {}
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def mark(self, phase: str) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            self.found[phase] = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+
+
 def save_side(rank: int, world: int, workdir: str, cases: list[str]) -> None:
     from zero_bnb.testing.consolidate import consolidated_state
     from zero_bnb.testing.toy import DEFAULT_RUN, train_steps
 
     def body(case):
+        peaks = _Peaks()
         engine = _engine(world, case, CASES)
         try:
-            losses = train_steps(engine, DEFAULT_RUN, 0, BEFORE)
-            if engine.device.type == "cuda":
-                torch.cuda.synchronize()
+            peaks.mark("construction")
+            losses = train_steps(engine, DEFAULT_RUN, 0, 1)
+            peaks.mark("first step")
+            losses += train_steps(engine, DEFAULT_RUN, 1, BEFORE - 1)
+            peaks.mark("steady")
             started = time.perf_counter()
             engine.save_checkpoint(os.path.join(workdir, case), tag="dp2")
             blocked = time.perf_counter() - started
             saved = consolidated_state(engine)
             losses += train_steps(engine, DEFAULT_RUN, BEFORE, AFTER)
             engine.wait_for_checkpoint()
+            peaks.mark("save")
             import zero_bnb
 
             return {"saved": saved, "losses": losses, "save_blocked_s": blocked, "device": str(engine.device),
-                    "update_kernels": zero_bnb.describe(engine)["update_kernels"]}
+                    "update_kernels": zero_bnb.describe(engine)["update_kernels"], "peak_bytes": peaks.found}
         finally:
             engine.destroy()
 
@@ -150,6 +177,7 @@ def verdicts(workdir: str, cases: list[str], dry_run: bool = False) -> dict:
         reference, resumed = saved["losses"][BEFORE:], sides["gpu_dp3"][case]["losses"]
         entry.update(tensors=checked, gpu_dp3_state_differs=on_gpu, cpu_dp2_state_differs=on_cpu,
                      save_blocked_s=round(saved["save_blocked_s"], 4), update_kernels=saved["update_kernels"],
+                     rank0_peak_bytes_by_phase=saved.get("peak_bytes"),
                      resumed_dp3_losses=resumed, uninterrupted_dp2_losses=reference,
                      worst_relative_loss_difference=max(abs(r - u) / abs(u) for u, r in zip(reference, resumed)),
                      ok=checked > 0 and not on_gpu and not on_cpu)
