@@ -188,6 +188,11 @@ def test_the_launcher_names_its_devices_and_refuses_gpu_ranks_it_cannot_place():
     assert gpus_missing(too_many) is not None
     with pytest.raises(ValueError, match=f"needs {too_many} CUDA device"):
         run_distributed(record_where, too_many, "unused", device="cuda")
+    assert child_environment_for("cuda-shared")["DS_ACCELERATOR"] == "cuda"
+    if not torch.cuda.is_available():  # ranks sharing one GPU need one
+        with pytest.raises(ValueError, match=r"run_distributed\(device='cuda-shared'\) needs 1 CUDA device\(s\); "
+                                             r"this machine has none"):
+            run_distributed(record_where, 2, "unused", device="cuda-shared")
 
 
 @pytest.mark.gpu
@@ -200,7 +205,17 @@ def test_gpu_ranks_get_one_device_each_and_nccl(tmp_path):
 
 def record_where_gpu(rank: int, world_size: int, folder: str) -> None:
     with open(os.path.join(folder, f"env{rank}"), "w") as handle:
-        json.dump({**_where_am_i(), "current": torch.cuda.current_device()}, handle)
+        json.dump({**_where_am_i(), "current": torch.cuda.current_device(),
+                   "local_rank": os.environ.get("LOCAL_RANK")}, handle)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gpus_missing(1) is not None, reason=str(gpus_missing(1)))
+def test_ranks_share_one_gpu_over_gloo(tmp_path):
+    """Issue 45: DP > 1 on a one-GPU machine (nccl refuses two ranks on one device)."""
+    run_distributed(record_where_gpu, 3, str(tmp_path), device="cuda-shared")
+    seen = [json.loads((tmp_path / f"env{rank}").read_text()) for rank in range(3)]
+    assert {(s["accelerator"], s["backend"], s["current"], s["local_rank"]) for s in seen} == {("cuda", "gloo", 0, "0")}
 
 
 def test_a_rank_ending_with_sys_exit_gets_the_status_a_script_would():
