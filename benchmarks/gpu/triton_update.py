@@ -185,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     report = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu (dry run)",
               "torch": torch.__version__, "triton": __import__("triton").__version__, "sizes": [], "skipped": []}
     for name, n in sizes.items():
-        # each variant's state, plus the agreement check's two: about 110 B per element at once, with headroom
-        need = 2 * 52 * n + 28 * n
+        # the variants' state at once: 10 B per element for each 8-bit step, 16 for AdamW, 8 for the copy (the
+        # agreement check's 20 come after they are freed), with headroom
+        need = 48 * n
         if device == "cuda" and torch.cuda.mem_get_info()[0] < need:
             report["skipped"].append(f"{name}: needs about {need / 2**30:.1f} GiB, "
                                      f"{torch.cuda.mem_get_info()[0] / 2**30:.1f} GiB free")
