@@ -20,7 +20,6 @@ written by one kernel is continued by the other.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import bitsandbytes as bnb
@@ -30,6 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from test_golden import ABSMAX_ULPS, CODES_OUTSIDE_TIES, FIXTURES, NAMES, NO_FIXTURES, P_ULPS
+from test_cpu_update import EIGHT_BIT, NUMEL, OPTIMIZERS
 from test_kernels import assert_same_bits, cases, make_inputs, run
 from zero_bnb.core.config import ZeroBnbConfigError, split_config
 from zero_bnb.kernels.hyper import Family, UpdateHyper, step_scalars
@@ -132,18 +132,6 @@ def test_an_unknown_zero_gpu_update_is_refused_naming_the_choices(value):
         FusedUpdate(bnb.optim.Adam8bit([torch.nn.Parameter(torch.zeros(1))]), "auto", value)
 
 
-NUMEL = 5000  # above bitsandbytes' min_8bit_size (4096): 8-bit state, two blocks and a partial one
-OPTIMIZERS = {
-    "AdamW8bit": functools.partial(bnb.optim.AdamW8bit, weight_decay=0.1),
-    "Adam8bit": bnb.optim.Adam8bit,
-    "Lion8bit": functools.partial(bnb.optim.Lion8bit, weight_decay=0.1),
-    "SGD8bit": functools.partial(bnb.optim.SGD8bit, momentum=0.9, weight_decay=0.01),
-    "RMSprop8bit": bnb.optim.RMSprop8bit,
-    "Adagrad8bit": bnb.optim.Adagrad8bit,
-    "AdEMAMix8bit": functools.partial(bnb.optim.AdEMAMix8bit, t_alpha=4, t_beta3=4),
-}
-
-
 def _optimizer(name: str, device: str, numel: int = NUMEL):
     param = torch.nn.Parameter(torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(device))
     return param, OPTIMIZERS[name]([param], lr=1e-2)
@@ -221,7 +209,7 @@ def _steps_and_check(name: str, gpu_mode: str, steps: int = 4) -> FusedUpdate:
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("name", EIGHT_BIT)
 def test_every_gpu_8bit_step_with_fused_gives_the_reference_bits(name):
     update = _steps_and_check(name, "fused")
     assert update.triton_steps == 4 and update.fused_steps == 0

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -159,21 +160,33 @@ def gpu_resume(rank: int, world: int, workdir: str, cases: list[str]) -> None:
     _each_case(workdir, "gpu_resume", cases, body)
 
 
+def load_sides(workdir: str, names: tuple[str, ...]) -> dict:
+    """The results each launch of ``names`` recorded (:func:`_each_case`), of those that recorded any."""
+    return {side: torch.load(os.path.join(workdir, f"{side}.pt"), weights_only=False)
+            for side in names if os.path.exists(os.path.join(workdir, f"{side}.pt"))}
+
+
+def case_entry(sides: dict, case: str, needed: int) -> dict:
+    """A case's report entry: each side's seconds and device, and ``ok=False`` with ``errors`` where a side failed or
+    fewer than ``needed`` sides ran."""
+    entry = {side: {"seconds": round(results[case]["seconds"], 2), "device": results[case].get("device")}
+             for side, results in sides.items() if case in results}
+    errors = {side: results[case]["error"] for side, results in sides.items()
+              if case in results and "error" in results[case]}
+    if errors or len(sides) < needed:
+        entry.update(ok=False, errors=errors or {"missing": f"sides run: {sorted(sides)}"})
+    return entry
+
+
 def verdicts(workdir: str, cases: list[str]) -> dict:
     """Per case: the state on the CPU ranks and back on the GPU vs the saved one, and the resumed losses."""
     from zero_bnb.testing.consolidate import state_differences
 
-    sides = {side: torch.load(os.path.join(workdir, f"{side}.pt"), weights_only=False)
-             for side in ("gpu_save", "cpu_resave", "gpu_resume") if os.path.exists(os.path.join(workdir, f"{side}.pt"))}
+    sides = load_sides(workdir, ("gpu_save", "cpu_resave", "gpu_resume"))
     report = {}
     for case in cases:
-        entry = {side: {"seconds": round(results[case]["seconds"], 2), "device": results[case].get("device")}
-                 for side, results in sides.items() if case in results}
-        errors = {side: results[case]["error"] for side, results in sides.items()
-                  if case in results and "error" in results[case]}
-        if errors or len(sides) < 3:
-            entry.update(ok=False, errors=errors or {"missing": f"sides run: {sorted(sides)}"})
-            report[case] = entry
+        report[case] = entry = case_entry(sides, case, needed=3)
+        if "errors" in entry:
             continue
         saved, cpu, back = sides["gpu_save"][case], sides["cpu_resave"][case], sides["gpu_resume"][case]
         checked, on_cpu = state_differences(saved["saved"], cpu["loaded"])
@@ -184,41 +197,57 @@ def verdicts(workdir: str, cases: list[str]) -> dict:
                      paged_on_resume=back["paged"], resumed_losses=back["losses"], uninterrupted_losses=reference,
                      worst_relative_loss_difference=worst,
                      ok=checked > 0 and not on_cpu and not on_gpu and worst == 0.0)
-        report[case] = entry
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(argv: list[str] | None, doc: str, cases: dict, dry_run_cases: tuple[str, ...],
+              dry_run_help: str) -> tuple[argparse.Namespace, list[str]]:
+    """The command line of a case-by-case GPU check (this one, ``multi_rank.py``): OUT, ``--dry-run``, ``--cases``."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", help="the JSON report to write")
-    parser.add_argument("--dry-run", action="store_true", help="no GPU: the GPU sides run on one CPU rank")
-    parser.add_argument("--cases", nargs="*", default=None, help=f"default: all ({', '.join(CASES)})")
+    parser.add_argument("--dry-run", action="store_true", help=dry_run_help)
+    parser.add_argument("--cases", nargs="*", default=None, help=f"default: all ({', '.join(cases)})")
     args = parser.parse_args(argv)
-    device = "cpu" if args.dry_run else "cuda"
-    cases = args.cases or (list(DRY_RUN_CASES) if args.dry_run else list(CASES))
-    unknown = [case for case in cases if case not in CASES]
+    chosen = args.cases or list(dry_run_cases if args.dry_run else cases)
+    unknown = [case for case in chosen if case not in cases]
     if unknown:
-        parser.error(f"unknown cases {unknown}; known: {list(CASES)}")
-    if device == "cuda" and not torch.cuda.is_available():
-        print("cross_device: no CUDA device; use --dry-run", file=sys.stderr)
-        return 2
+        parser.error(f"unknown cases {unknown}; known: {list(cases)}")
+    return args, chosen
+
+
+def run_launches(name: str, launches: list[tuple], body: Callable[[str, dict], dict]) -> dict:
+    """Run each ``(side, fn, world, device, extra args)`` launch in one scratch folder (its "pid" file lets check.sh
+    remove it only once this process is gone); a launch that dies is named and the others go on. Returns
+    ``body(folder, seconds per launch)`` (the report, made before the folder is removed)."""
     workdir = tempfile.mkdtemp(prefix="zero_bnb_cross_device_")
-    with open(os.path.join(workdir, "pid"), "w") as handle:  # check.sh removes it only once this process is gone
+    with open(os.path.join(workdir, "pid"), "w") as handle:
         handle.write(str(os.getpid()))
     timings = {}
     try:
-        for side, fn, world, where in (("gpu_save", gpu_save, 1, device), ("cpu_resave", cpu_resave, 3, "cpu"),
-                                       ("gpu_resume", gpu_resume, 1, device)):
+        for side, fn, world, where, extra in launches:
             started = time.perf_counter()
             try:
-                run_distributed(fn, world, workdir, cases, device=where)
+                run_distributed(fn, world, workdir, *extra, device=where)
             except Exception as error:  # noqa: BLE001 - the report names the side that died
-                print(f"cross_device: the {side} launch failed: {error}", file=sys.stderr)
+                print(f"{name}: the {side} launch failed: {error}", file=sys.stderr)
             timings[side] = round(time.perf_counter() - started, 1)
-        report = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu (dry run)",
-                  "launch_seconds": timings, "cases": verdicts(workdir, cases)}
+        return body(workdir, timings)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, cases = arguments(argv, __doc__, CASES, DRY_RUN_CASES, "no GPU: the GPU sides run on one CPU rank")
+    device = "cpu" if args.dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("cross_device: no CUDA device; use --dry-run", file=sys.stderr)
+        return 2
+    launches = [("gpu_save", gpu_save, 1, device, (cases,)), ("cpu_resave", cpu_resave, 3, "cpu", (cases,)),
+                ("gpu_resume", gpu_resume, 1, device, (cases,))]
+    report = run_launches("cross_device", launches, lambda workdir, timings: {
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu (dry run)", "launch_seconds": timings,
+        "cases": verdicts(workdir, cases)})
+    timings = report["launch_seconds"]
     with open(args.out, "w") as handle:
         json.dump(report, handle, indent=1, default=str)
     print(f"cross_device on {report['device']} (launches: {timings})")

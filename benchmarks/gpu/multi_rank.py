@@ -17,12 +17,10 @@ fails.
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -31,8 +29,8 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from cross_device import AFTER, BEFORE, CASES as CROSS_DEVICE_CASES, _each_case, _engine  # noqa: E402
-from zero_bnb.testing.launch import run_distributed  # noqa: E402
+from cross_device import (AFTER, BEFORE, CASES as CROSS_DEVICE_CASES, _each_case, _engine, arguments,  # noqa: E402
+                          case_entry, load_sides, run_launches)
 
 #: DeepSpeed's bucket sizes (elements) sized to the toy model (33,946 parameters), not its defaults of 5e8 (a 1 GB bf16
 #: buffer per rank at ZeRO-2, which would hide everything else in the memory figures).
@@ -158,18 +156,12 @@ def load_side(rank: int, world: int, workdir: str, cases: list[str], side: str) 
 def verdicts(workdir: str, cases: list[str], dry_run: bool = False) -> dict:
     from zero_bnb.testing.consolidate import state_differences
 
-    sides = {side: torch.load(os.path.join(workdir, f"{side}.pt"), weights_only=False)
-             for side in ("save_dp2", "gpu_dp3", "cpu_dp2") if os.path.exists(os.path.join(workdir, f"{side}.pt"))}
+    sides = load_sides(workdir, ("save_dp2", "gpu_dp3", "cpu_dp2"))
     report = {}
     for case in cases:
-        entry = {side: {"seconds": round(results[case]["seconds"], 2), "device": results[case].get("device")}
-                 for side, results in sides.items() if case in results}
-        errors = {side: results[case]["error"] for side, results in sides.items()
-                  if case in results and "error" in results[case]}
-        needed = 2 if dry_run else 3  # a dry run's "GPU" ranks are CPU ranks already: no separate CPU load
-        if errors or len(sides) < needed:
-            entry.update(ok=False, errors=errors or {"missing": f"sides run: {sorted(sides)}"})
-            report[case] = entry
+        # a dry run's "GPU" ranks are CPU ranks already: no separate CPU load
+        report[case] = entry = case_entry(sides, case, needed=2 if dry_run else 3)
+        if "errors" in entry:
             continue
         saved = sides["save_dp2"][case]
         checked, on_gpu = state_differences(saved["saved"], sides["gpu_dp3"][case]["loaded"])
@@ -181,47 +173,30 @@ def verdicts(workdir: str, cases: list[str], dry_run: bool = False) -> dict:
                      resumed_dp3_losses=resumed, uninterrupted_dp2_losses=reference,
                      worst_relative_loss_difference=max(abs(r - u) / abs(u) for u, r in zip(reference, resumed)),
                      ok=checked > 0 and not on_gpu and not on_cpu)
-        report[case] = entry
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out", help="the JSON report to write")
-    parser.add_argument("--dry-run", action="store_true", help="no GPU: the GPU ranks run on the CPU")
-    parser.add_argument("--cases", nargs="*", default=None, help=f"default: all ({', '.join(CASES)})")
-    args = parser.parse_args(argv)
+    args, cases = arguments(argv, __doc__, CASES, DRY_RUN_CASES, "no GPU: the GPU ranks run on the CPU")
     device = "cpu" if args.dry_run else "cuda-shared"
-    cases = args.cases or (list(DRY_RUN_CASES) if args.dry_run else list(CASES))
-    unknown = [case for case in cases if case not in CASES]
-    if unknown:
-        parser.error(f"unknown cases {unknown}; known: {list(CASES)}")
     if device != "cpu" and not torch.cuda.is_available():
         print("multi_rank: no CUDA device; use --dry-run", file=sys.stderr)
         return 2
-    workdir = tempfile.mkdtemp(prefix="zero_bnb_cross_device_")  # check.sh removes leftovers by this prefix
-    with open(os.path.join(workdir, "pid"), "w") as handle:
-        handle.write(str(os.getpid()))
-    timings = {}
-    try:
-        launches = [("probe", probe, 2, device, ()), ("save_dp2", save_side, 2, device, (cases,)),
-                    ("gpu_dp3", load_side, 3, device, (cases, "gpu_dp3"))]
-        if not args.dry_run:
-            launches.append(("cpu_dp2", load_side, 2, "cpu", (cases, "cpu_dp2")))
-        for side, fn, world, where, extra in launches:
-            started = time.perf_counter()
-            try:
-                run_distributed(fn, world, workdir, *extra, device=where)
-            except Exception as error:  # noqa: BLE001 - the report names the launch that died
-                print(f"multi_rank: the {side} launch failed: {error}", file=sys.stderr)
-            timings[side] = round(time.perf_counter() - started, 1)
+    launches = [("probe", probe, 2, device, ()), ("save_dp2", save_side, 2, device, (cases,)),
+                ("gpu_dp3", load_side, 3, device, (cases, "gpu_dp3"))]
+    if not args.dry_run:
+        launches.append(("cpu_dp2", load_side, 2, "cpu", (cases, "cpu_dp2")))
+
+    def report(workdir: str, timings: dict) -> dict:
         probe_path = os.path.join(workdir, "probe.json")
-        report = {"device": torch.cuda.get_device_name(0) if device != "cpu" else "cpu (dry run)",
-                  "torch": torch.__version__, "launch_seconds": timings,
-                  "gloo_collectives": json.load(open(probe_path)) if os.path.exists(probe_path) else None,
-                  "cases": verdicts(workdir, cases, args.dry_run)}
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        with open(probe_path) if os.path.exists(probe_path) else contextlib.nullcontext() as handle:
+            probed = json.load(handle) if handle else None
+        return {"device": torch.cuda.get_device_name(0) if device != "cpu" else "cpu (dry run)",
+                "torch": torch.__version__, "launch_seconds": timings, "gloo_collectives": probed,
+                "cases": verdicts(workdir, cases, args.dry_run)}
+
+    report = run_launches("multi_rank", launches, report)
+    timings = report["launch_seconds"]
     with open(args.out, "w") as handle:
         json.dump(report, handle, indent=1, default=str)
     print(f"multi_rank on {report['device']}, torch {report['torch']} (launches: {timings})")
