@@ -42,8 +42,10 @@ def triton_missing() -> str | None:
     """Why the kernel cannot run in this process (Triton not installed, or too old), or ``None``."""
     if importlib.util.find_spec("triton") is None:
         return "Triton is not installed (it ships with PyTorch's CUDA builds: pip install triton)"
-    import triton
-
+    try:
+        import triton
+    except Exception as error:  # noqa: BLE001 - an installed Triton that cannot be imported: named, not raised
+        return f"Triton cannot be imported ({type(error).__name__}: {error})"
     try:
         import triton.language as tl
 
