@@ -282,3 +282,24 @@ def test_the_kernel_compiles_for_hopper_gpus_with_ieee_division_and_square_root_
         assert counts["cubin"] and counts["fma"] == 0, (variant, counts)
         assert counts["div.approx"] == counts["sqrt.approx"] == 0 and counts["div.rn.f32"] > 0, (variant, counts)
     assert control["fma"] > 0, control
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize(("package", "said"), [
+    ("raise RuntimeError('libcuda.so not found')", "Triton cannot be imported (RuntimeError: libcuda.so not found)"),
+    ("__version__ = '2.1.0'\n", "Triton 2.1.0 lacks what the kernel needs"),
+])
+def test_a_triton_that_cannot_serve_is_named_not_raised(tmp_path, package, said):
+    """An installed Triton that fails to import, or one too old, makes the GPU update fall back (``auto``) or fail
+    naming why (``fused``), never an exception from inside an optimizer step."""
+    import subprocess
+    import sys
+
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton" / "__init__.py").write_text(package)
+    (tmp_path / "triton" / "language.py").write_text("class math: pass\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", "from zero_bnb.kernels.triton_update import triton_missing; "
+                                                 "print(triton_missing())"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{root}"})
+    assert done.returncode == 0 and done.stdout.startswith(said), (done.stdout, done.stderr[-2000:])
