@@ -124,14 +124,19 @@ def _rank(rank: int, world: int, store: str, fn_bytes: bytes, args: bytes, calle
     except SystemExit as exit:
         code = exit_status(exit)
         if code:  # when it ended: its peers' collectives break after it
-            with open(error_file, "w") as handle:
-                handle.write(f"{getattr(exit, 'zero_bnb_failed_at', time.monotonic())}\nexit\n{code}")
+            _report(error_file, f"{getattr(exit, 'zero_bnb_failed_at', time.monotonic())}\nexit\n{code}")
     except BaseException as error:  # noqa: BLE001 - reported to the caller as a spawned rank's error would be
-        with open(error_file, "w") as handle:
-            handle.write(f"{getattr(error, 'zero_bnb_failed_at', time.monotonic())}\nraised\n"
-                         f"{traceback.format_exc()}")
+        _report(error_file, f"{getattr(error, 'zero_bnb_failed_at', time.monotonic())}\nraised\n"
+                            f"{traceback.format_exc()}")
     finally:
         exit_skipping_finalization(code)
+
+
+def _report(error_file: str, text: str) -> None:
+    """Write a rank's end whole or not at all: the leader kills the other ranks once one fails, perhaps mid-write."""
+    with open(error_file + ".part", "w") as handle:
+        handle.write(text)
+    os.replace(error_file + ".part", error_file)
 
 
 def _kill(pids: dict[int, int], done: dict[int, int], killed: set[int]) -> None:
