@@ -257,12 +257,17 @@ def main(argv: list[str] | None = None) -> int:
         seconds = "/".join(str(entry.get(side, {}).get("seconds")) for side in ("gpu_save", "cpu_resave", "gpu_resume"))
         print(f"{case:<22} {'yes' if entry['ok'] else 'NO':<4} {entry.get('tensors', '-'):>7} {paged:>11} "
               f"{entry.get('worst_relative_loss_difference', float('nan')):>15.3g}  {seconds}")
-        for side, text in entry.get("errors", {}).items():
-            print(f"  {side}: {text.strip().splitlines()[-1]}")
-        for key in ("cpu_state_differs", "gpu_state_differs"):
-            if entry.get(key):
-                print(f"  {key}: {entry[key][:5]}")
+        print_problems(entry, ("cpu_state_differs", "gpu_state_differs"))
     return 0 if all(entry["ok"] for entry in report["cases"].values()) else 1
+
+
+def print_problems(entry: dict, differs: tuple[str, ...]) -> None:
+    """Print under a case's row the last line of each side's error and the first tensors that differ."""
+    for side, text in entry.get("errors", {}).items():
+        print(f"  {side}: {text.strip().splitlines()[-1]}")
+    for key in differs:
+        if entry.get(key):
+            print(f"  {key}: {entry[key][:5]}")
 
 
 if __name__ == "__main__":

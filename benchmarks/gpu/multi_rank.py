@@ -30,7 +30,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 from cross_device import (AFTER, BEFORE, CASES as CROSS_DEVICE_CASES, _each_case, _engine, arguments,  # noqa: E402
-                          case_entry, load_sides, run_launches)
+                          case_entry, load_sides, print_problems, run_launches)
 
 #: DeepSpeed's bucket sizes (elements) sized to the toy model (33,946 parameters), not its defaults of 5e8 (a 1 GB bf16
 #: buffer per rank at ZeRO-2, which would hide everything else in the memory figures).
@@ -206,11 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{case:<20} {'yes' if entry['ok'] else 'NO':<4} {entry.get('tensors', '-'):>7} "
               f"{entry.get('save_blocked_s', float('nan')):>14.4f} "
               f"{entry.get('worst_relative_loss_difference', float('nan')):>19.3g}")
-        for side, text in entry.get("errors", {}).items():
-            print(f"  {side}: {text.strip().splitlines()[-1]}")
-        for key in ("gpu_dp3_state_differs", "cpu_dp2_state_differs"):
-            if entry.get(key):
-                print(f"  {key}: {entry[key][:5]}")
+        print_problems(entry, ("gpu_dp3_state_differs", "cpu_dp2_state_differs"))
     return 0 if report["cases"] and all(entry["ok"] for entry in report["cases"].values()) else 1
 
 
