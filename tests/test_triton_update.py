@@ -303,3 +303,12 @@ def test_a_triton_that_cannot_serve_is_named_not_raised(tmp_path, package, said)
                                                  "print(triton_missing())"], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{root}"})
     assert done.returncode == 0 and done.stdout.startswith(said), (done.stdout, done.stderr[-2000:])
+
+
+def test_describe_names_bitsandbytes_only_for_its_optimizers():
+    """An engine of torch's AdamW steps with the optimizer's own step, not 'bitsandbytes' (describe(), the logs)."""
+    from zero_bnb.kernels.update import update_kernel
+
+    param = torch.nn.Parameter(torch.zeros(4))
+    assert update_kernel(torch.optim.AdamW([param]), param) == "the optimizer's own step"
+    assert update_kernel(bnb.optim.AdamW8bit([param]), param) == "bitsandbytes"  # no FusedUpdate installed

@@ -63,7 +63,7 @@ def _model(kind: str) -> torch.nn.Module:
                                torch.nn.GELU(), torch.nn.Linear(256, 90))
 
 
-def _engine(dp: int, case: str, cases: dict | None = None):
+def build_engine(dp: int, case: str, cases: dict | None = None):
     import bitsandbytes as bnb
 
     import zero_bnb
@@ -87,7 +87,7 @@ def _paged(engine) -> bool:
     return any(getattr(value, "is_paged", False) for entry in state.values() for value in entry.values())
 
 
-def _each_case(workdir: str, side: str, cases: list[str], body) -> None:
+def each_case(workdir: str, side: str, cases: list[str], body) -> None:
     """Run ``body(case)`` for every case; record its result or its error in ``workdir/<side>.pt`` (rank 0)."""
     import torch.distributed as dist
 
@@ -110,7 +110,7 @@ def gpu_save(rank: int, world: int, workdir: str, cases: list[str]) -> None:
     from zero_bnb.testing.toy import DEFAULT_RUN, train_steps
 
     def body(case):
-        engine = _engine(world, case)
+        engine = build_engine(world, case)
         try:
             losses = train_steps(engine, DEFAULT_RUN, 0, BEFORE)
             engine.save_checkpoint(os.path.join(workdir, case), tag="gpu")
@@ -122,14 +122,14 @@ def gpu_save(rank: int, world: int, workdir: str, cases: list[str]) -> None:
         finally:
             engine.destroy()
 
-    _each_case(workdir, "gpu_save", cases, body)
+    each_case(workdir, "gpu_save", cases, body)
 
 
 def cpu_resave(rank: int, world: int, workdir: str, cases: list[str]) -> None:
     from zero_bnb.testing.consolidate import consolidated_state
 
     def body(case):
-        engine = _engine(world, case)
+        engine = build_engine(world, case)
         try:
             engine.load_checkpoint(os.path.join(workdir, case), tag="gpu")
             loaded = consolidated_state(engine)
@@ -139,7 +139,7 @@ def cpu_resave(rank: int, world: int, workdir: str, cases: list[str]) -> None:
         finally:
             engine.destroy()
 
-    _each_case(workdir, "cpu_resave", cases, body)
+    each_case(workdir, "cpu_resave", cases, body)
 
 
 def gpu_resume(rank: int, world: int, workdir: str, cases: list[str]) -> None:
@@ -147,7 +147,7 @@ def gpu_resume(rank: int, world: int, workdir: str, cases: list[str]) -> None:
     from zero_bnb.testing.toy import DEFAULT_RUN, train_steps
 
     def body(case):
-        engine = _engine(world, case)
+        engine = build_engine(world, case)
         try:
             engine.load_checkpoint(os.path.join(workdir, case), tag="cpu")
             loaded = consolidated_state(engine)
@@ -157,11 +157,11 @@ def gpu_resume(rank: int, world: int, workdir: str, cases: list[str]) -> None:
         finally:
             engine.destroy()
 
-    _each_case(workdir, "gpu_resume", cases, body)
+    each_case(workdir, "gpu_resume", cases, body)
 
 
 def load_sides(workdir: str, names: tuple[str, ...]) -> dict:
-    """The results each launch of ``names`` recorded (:func:`_each_case`), of those that recorded any."""
+    """The results each launch of ``names`` recorded (:func:`each_case`), of those that recorded any."""
     return {side: torch.load(os.path.join(workdir, f"{side}.pt"), weights_only=False)
             for side in names if os.path.exists(os.path.join(workdir, f"{side}.pt"))}
 

@@ -1,7 +1,7 @@
 """DP > 1 on a machine with one GPU (issue 45, point 5): every rank on ``cuda:0``, over gloo.
 
     python benchmarks/gpu/multi_rank.py OUT.json            # on a machine with a CUDA device
-    python benchmarks/gpu/multi_rank.py OUT.json --dry-run  # no GPU: the GPU ranks on the CPU, 1 case, no separate CPU load
+    python benchmarks/gpu/multi_rank.py OUT.json --dry-run  # no GPU: "GPU" ranks on the CPU, 1 case, no CPU load
 
 NCCL refuses two ranks on one device; gloo takes CUDA tensors for some collectives. First a probe: 2 ranks on
 ``cuda:0`` try each collective ZeRO uses on CUDA tensors and record which work (and the error of those that do not).
@@ -11,8 +11,8 @@ load that checkpoint, record the state and train on; DP=2 CPU ranks load it too.
 equals the saved one bit for bit (zero_bnb's gather). Reported beside it: the resumed DP=3 losses against the
 uninterrupted DP=2 ones (another DP size: another reduction order, so not expected bit-identical), the time
 ``save_checkpoint`` blocked, synchronous against asynchronous, and rank 0's peak GPU memory in each phase
-(construction, first step, steady steps, save) with DeepSpeed's buckets as the toy model sizes them. Writes OUT.json, prints a table, exits 1 if a case
-fails.
+(construction, first step, steady steps, save) with DeepSpeed's buckets as the toy model sizes them. Writes OUT.json,
+prints a table, exits 1 if a case fails.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from cross_device import (AFTER, BEFORE, CASES as CROSS_DEVICE_CASES, _each_case, _engine, arguments,  # noqa: E402
+from cross_device import (AFTER, BEFORE, CASES as CROSS_DEVICE_CASES, each_case, build_engine, arguments,  # noqa: E402
                           case_entry, load_sides, print_problems, run_launches)
 
 #: DeepSpeed's bucket sizes (elements) sized to the toy model (33,946 parameters), not its defaults of 5e8 (a 1 GB bf16
@@ -112,7 +112,7 @@ def save_side(rank: int, world: int, workdir: str, cases: list[str]) -> None:
 
     def body(case):
         peaks = _Peaks()
-        engine = _engine(world, case, CASES)
+        engine = build_engine(world, case, CASES)
         try:
             peaks.mark("construction")
             losses = train_steps(engine, DEFAULT_RUN, 0, 1)
@@ -133,7 +133,7 @@ def save_side(rank: int, world: int, workdir: str, cases: list[str]) -> None:
         finally:
             engine.destroy()
 
-    _each_case(workdir, f"save_dp{world}", cases, body)
+    each_case(workdir, f"save_dp{world}", cases, body)
 
 
 def load_side(rank: int, world: int, workdir: str, cases: list[str], side: str) -> None:
@@ -141,7 +141,7 @@ def load_side(rank: int, world: int, workdir: str, cases: list[str], side: str) 
     from zero_bnb.testing.toy import DEFAULT_RUN, train_steps
 
     def body(case):
-        engine = _engine(world, case, CASES)
+        engine = build_engine(world, case, CASES)
         try:
             engine.load_checkpoint(os.path.join(workdir, case), tag="dp2")
             loaded = consolidated_state(engine)
@@ -150,7 +150,7 @@ def load_side(rank: int, world: int, workdir: str, cases: list[str], side: str) 
         finally:
             engine.destroy()
 
-    _each_case(workdir, side, cases, body)
+    each_case(workdir, side, cases, body)
 
 
 def verdicts(workdir: str, cases: list[str], dry_run: bool = False) -> dict:

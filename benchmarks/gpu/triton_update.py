@@ -1,5 +1,6 @@
 """The 8-bit Adam step alone on a GPU: zero_bnb's Triton kernel against bitsandbytes' CUDA kernel and fused AdamW.
 
+    pip install bitsandbytes triton                                   # (PyTorch's CUDA builds ship triton)
     python benchmarks/gpu/triton_update.py OUT.json                   # on a machine with a CUDA device
     python benchmarks/gpu/triton_update.py OUT.json --dry-run         # no GPU: Triton's interpreter, tiny sizes
 

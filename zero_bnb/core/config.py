@@ -28,9 +28,10 @@ __all__ = [
     "CHECKPOINT_VERIFY",
     "CPU_UPDATE",
     "CPU_UPDATE_MODES",
-    "GPU_UPDATE_MODES",
     "DEEPSPEED_ZERO_KEYS",
     "DERIVED_MODULE_WEIGHTS",
+    "GPU_UPDATE",
+    "GPU_UPDATE_MODES",
     "NONFINITE_CHECK",
     "OWN_KEYS",
     "UNSHARDED_KEYS",
@@ -115,9 +116,9 @@ class ZeroBnbConfig:
             (default) with zero_bnb's Triton kernel (``zero_bnb.kernels.triton_update``: the same arithmetic and state
             format, one pass over memory) for the families and GPU generations a GPU measurement showed faster than
             bitsandbytes' CUDA kernel (``zero_bnb.kernels.update.GPU_FUSED_FASTER``: none yet, so bitsandbytes'
-            kernel runs), else
-            bitsandbytes' kernel; ``"fused"`` the Triton kernel for every family (an error where Triton is
-            missing); ``"bitsandbytes"`` bitsandbytes' kernel. Paged state always takes bitsandbytes' kernel.
+            kernel runs), else bitsandbytes' kernel; ``"fused"`` the Triton kernel for every family (an error where
+            Triton is missing or older than 3.0); ``"bitsandbytes"`` bitsandbytes' kernel. Paged state always takes
+            bitsandbytes' kernel.
         update_max_numel: the largest piece of a partition one bitsandbytes update call steps
             (:mod:`zero_bnb.bnb.chunked`; rounded down to whole 256-element blocks). The default is the
             kernels' limit, 2^31 - 1 elements: larger partitions are updated in block-aligned pieces, with

@@ -17,7 +17,7 @@ from zero_bnb.kernels.update import update_kernel
 
 __all__ = ["announce_update_kernels", "describe", "update_kernels_line"]
 
-logger = logging.getLogger("zero_bnb.ds.engine")
+logger = logging.getLogger("zero_bnb.ds.engine")  # the engine's messages, as zero_bnb.ds.load_log's
 
 
 def describe(engine: Any) -> dict[str, Any]:
@@ -31,7 +31,8 @@ def describe(engine: Any) -> dict[str, Any]:
         ``min_8bit_size`` (:func:`~zero_bnb.ds.precision_plan.below_min_8bit_size`), "update_kernels": {kernel: group
         indexes} (which kernel steps each group: :data:`zero_bnb.kernels.update.KERNELS`, chosen by
         ``zero_cpu_update``/``zero_gpu_update`` and the partition's device)}``; each group also has its
-        ``"update_kernel"``.
+        ``"update_kernel"``. Naming the fused CPU kernel needs it built: the first call on a machine may compile
+        it (about 3 s, cached; the first CPU step would otherwise), or warn once that it cannot.
         Bytes per parameter are this rank's state bytes over its partition's elements.
 
     Raises:

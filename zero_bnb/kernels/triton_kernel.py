@@ -15,7 +15,7 @@ import triton.language as tl
 
 from zero_bnb.kernels.hyper import Family
 
-__all__ = ["larger", "quantize", "requantize", "update"]
+__all__ = ["update"]
 
 # The kernel's family numbers (Family.kernel), as the constants a jitted function may read.
 ADAM = tl.constexpr(Family.ADAM.kernel)
@@ -63,6 +63,7 @@ def quantize(x, qmap_ptr, SIGNED: tl.constexpr):
     towards_lower = tl.where(x < (lower + val) * 0.5, lower_pivot, pivot)
     return tl.where(above, towards_upper, towards_lower)
 
+
 @triton.jit
 def requantize(moment, qmap_ptr, codes_ptr, absmax_ptr, offsets, mask, blocks, block_mask,
                SIGNED: tl.constexpr):
@@ -78,6 +79,7 @@ def requantize(moment, qmap_ptr, codes_ptr, absmax_ptr, offsets, mask, blocks, b
     tl.store(codes_ptr + offsets, codes.to(tl.uint8), mask=mask)
     tl.store(absmax_ptr + blocks, absmax, mask=block_mask)
 
+
 # The sizes and the step are not specialised on (Triton would compile again for every n divisible by 16 or not, and
 # for step 1): one compilation per family and flags.
 @triton.jit(do_not_specialize=["n", "n_blocks", "step"])
@@ -86,6 +88,10 @@ def update(p_ptr, g_ptr, state1_ptr, state2_ptr, absmax1_ptr, absmax2_ptr, qmap1
            correction1, correction2, step_size, eps_hat, decay, step,
            FAMILY: tl.constexpr, DECAY: tl.constexpr, SKIP_ZEROS: tl.constexpr, ROWS: tl.constexpr,
            BLOCK: tl.constexpr):
+    """One blockwise 8-bit step of ``ROWS`` quantization blocks of ``BLOCK`` elements (program ``i``: blocks
+    ``i * ROWS`` onwards): the pointers are the reference's tensors (``state2``/``absmax2``/``qmap2`` unused for
+    1-state families; AdEMAMix's slow moment at ``state1 + n`` and ``absmax1 + n_blocks``), the floats the fields of
+    ``StepScalars``, ``FAMILY`` a ``Family``'s kernel number, ``DECAY`` whether weight decay is positive."""
     blocks = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     block_mask = blocks < n_blocks
     offsets = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]

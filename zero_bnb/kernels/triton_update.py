@@ -4,8 +4,8 @@ The arithmetic is :mod:`zero_bnb.kernels.reference`'s (bitsandbytes' CUDA kernel
 root and no contracted multiply-adds), so the state it writes is bitsandbytes' own format (``qmap``, per-block
 ``absmax``, uint8 codes) and a checkpoint written with one kernel resumes with the other. One program updates
 ``blocks_per_program`` 256-element quantization blocks of one partition: it reads the parameter, the gradient, the
-codes and ``absmax`` once, and writes the parameter, the codes and ``absmax`` once (about 18 bytes per element for
-Adam, against fused AdamW's 28).
+codes and ``absmax`` once, and writes the parameter, the codes and ``absmax`` once (16 bytes per element for Adam,
+against fused AdamW's 28; DESIGN.md's 18 counts the bf16 copy of the parameter DeepSpeed writes after the step).
 
 Triton is imported on first use: it ships with PyTorch's CUDA builds and is absent from CPU ones. Under Triton's
 interpreter the same kernel runs on CPU tensors, which is how the suite checks it without a GPU: import ``triton``
@@ -26,9 +26,10 @@ import torch
 
 from zero_bnb.kernels.hyper import BLOCK, Family, StepScalars, UpdateHyper
 
-__all__ = ["BLOCKS_PER_PROGRAM", "COMPILE_OPTIONS", "TRITON_FAMILIES", "interpreting", "triton_missing", "triton_update"]
+__all__ = ["BLOCKS_PER_PROGRAM", "COMPILE_OPTIONS", "TRITON_FAMILIES", "interpreting", "triton_missing",
+           "triton_update"]
 
-#: The families the Triton kernel updates (every family of :class:`~zero_bnb.kernels.hyper.Family`).
+#: The families the Triton kernel updates: every family of :class:`~zero_bnb.kernels.hyper.Family`.
 TRITON_FAMILIES = tuple(Family)
 #: 256-element blocks one program updates: compiled, and under the interpreter (where fewer, larger programs are
 #: faster). The result does not depend on it.
@@ -55,6 +56,7 @@ def triton_missing() -> str | None:
     return None
 
 
+@functools.cache
 def interpreting() -> bool:
     """Whether Triton's interpreter runs the kernel in this process (``TRITON_INTERPRET=1`` when it was first
     imported)."""
@@ -63,6 +65,7 @@ def interpreting() -> bool:
     return not isinstance(_kernel(), JITFunction)
 
 
+@functools.cache
 def _kernel() -> Any:
     """The jitted kernel (:mod:`zero_bnb.kernels.triton_kernel`, imported once)."""
     from zero_bnb.kernels.triton_kernel import update

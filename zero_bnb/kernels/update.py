@@ -12,7 +12,8 @@ managed memory, which bitsandbytes' CUDA kernel updates.
 - An fp32 parameter on a GPU with its gradient and every state tensor on that GPU (not paged) may be updated by the
   Triton kernel (:func:`~zero_bnb.kernels.triton_update.triton_update`), as ``zero_gpu_update`` says: ``"auto"``
   (the Triton kernel only for the families and GPU generations in :data:`GPU_FUSED_FASTER`, where a GPU measurement
-  showed it faster than bitsandbytes' kernel: none yet), ``"fused"`` (every family; fail if Triton is missing) or ``"bitsandbytes"``.
+  showed it faster than bitsandbytes' kernel: none yet), ``"fused"`` (every family; fail if Triton is missing) or
+  ``"bitsandbytes"``.
 - Anything else (paged state, fp32 state, fp16/bf16 parameters, an optimizer without a fused kernel) takes the
   optimizer's own path.
 
@@ -25,6 +26,7 @@ Local: no collectives.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any
@@ -35,7 +37,7 @@ from zero_bnb.core.config import CPU_UPDATE_MODES, GPU_UPDATE_MODES
 from zero_bnb.kernels.build import KernelBuildError, KernelCacheError, load_library
 from zero_bnb.kernels.fused import fused_update
 from zero_bnb.kernels.hyper import FAMILIES, Family, UpdateHyper, step_scalars
-from zero_bnb.kernels.triton_update import TRITON_FAMILIES, triton_missing, triton_update
+from zero_bnb.kernels.triton_update import triton_missing, triton_update
 
 __all__ = ["GPU_FUSED_FASTER", "KERNELS", "FusedUpdate", "hyper_for", "install_fused_update", "installed",
            "uninstall_fused_update", "update_kernel"]
@@ -45,8 +47,9 @@ __all__ = ["GPU_FUSED_FASTER", "KERNELS", "FusedUpdate", "hyper_for", "install_f
 #: ``(Family.ADAM, (9, 0))`` for Adam on an H100/H200; ``zero_gpu_update: "auto"`` takes it for these only. None has
 #: been measured yet.
 GPU_FUSED_FASTER: frozenset[tuple[Family, tuple[int, int]]] = frozenset()
-#: What :meth:`FusedUpdate.kernel_for` names.
-KERNELS = ("zero_bnb fused CPU kernel", "zero_bnb Triton kernel", "bitsandbytes")
+#: What :func:`update_kernel` names: zero_bnb's CPU kernel, its Triton kernel, bitsandbytes' own update (CPU or CUDA,
+#: 8-bit or 32-bit), and the step of an optimizer that is not bitsandbytes' (torch's Adam/AdamW).
+KERNELS = ("zero_bnb fused CPU kernel", "zero_bnb Triton kernel", "bitsandbytes", "the optimizer's own step")
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +104,18 @@ def hyper_for(optimizer_name: str, config: dict[str, Any], step: int) -> UpdateH
                        skip_zeros=bool(config.get("skip_zeros", False)))
 
 
+def _check_modes(mode: str, gpu_mode: str) -> None:
+    if mode not in CPU_UPDATE_MODES:
+        raise ValueError(f"zero_cpu_update must be one of {list(CPU_UPDATE_MODES)}, got {mode!r}")
+    if gpu_mode not in GPU_UPDATE_MODES:
+        raise ValueError(f"zero_gpu_update must be one of {list(GPU_UPDATE_MODES)}, got {gpu_mode!r}")
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 class FusedUpdate:
     """A replacement for a bitsandbytes optimizer's ``update_step`` that sends 8-bit updates to zero_bnb's kernels.
 
@@ -111,10 +126,7 @@ class FusedUpdate:
 
     def __init__(self, optimizer: torch.optim.Optimizer, mode: str = "auto", gpu_mode: str = "auto", *,
                  announce: bool = False) -> None:
-        if mode not in CPU_UPDATE_MODES:
-            raise ValueError(f"zero_cpu_update must be one of {list(CPU_UPDATE_MODES)}, got {mode!r}")
-        if gpu_mode not in GPU_UPDATE_MODES:
-            raise ValueError(f"zero_gpu_update must be one of {list(GPU_UPDATE_MODES)}, got {gpu_mode!r}")
+        _check_modes(mode, gpu_mode)
         self.optimizer = optimizer
         self.mode = mode
         self.gpu_mode = gpu_mode
@@ -149,15 +161,17 @@ class FusedUpdate:
 
     def _on_gpu(self, p: torch.Tensor, gradient: bool = True, eight_bit: bool | None = None) -> bool:
         """Whether the Triton kernel takes ``p`` (``zero_gpu_update`` and :data:`GPU_FUSED_FASTER` decide)."""
-        if self.gpu_mode == "bitsandbytes" or not self._eight_bit_on(p, "cuda", gradient, eight_bit):
+        # cheapest first: this runs for every GPU parameter at every step, and "auto" takes no family yet
+        if p.device.type != "cuda" or self.gpu_mode == "bitsandbytes" or (self.gpu_mode == "auto"
+                                                                          and not GPU_FUSED_FASTER):
             return False
-        family = Family(self.optimizer.optimizer_name)
-        if family not in TRITON_FAMILIES:
+        if not self._eight_bit_on(p, "cuda", gradient, eight_bit):
             return False
-        if self.gpu_mode == "auto" and (family, torch.cuda.get_device_capability(p.device)) not in GPU_FUSED_FASTER:
+        if self.gpu_mode == "auto" and (Family(self.optimizer.optimizer_name),
+                                        _capability(p.device)) not in GPU_FUSED_FASTER:
             return False
         missing = triton_missing()
-        if missing and self.gpu_mode == "fused":
+        if missing and self.gpu_mode == "fused":  # where the mode was changed after install_fused_update checked
             raise _triton_refused(missing)
         return missing is None
 
@@ -199,13 +213,14 @@ class FusedUpdate:
 def install_fused_update(optimizer: torch.optim.Optimizer, mode: str, gpu_mode: str = "auto", *,
                          announce: bool = False) -> None:
     """Replace ``optimizer.update_step`` by a :class:`FusedUpdate` (bitsandbytes optimizers only): ``mode`` is
-    ``zero_cpu_update``, ``gpu_mode`` ``zero_gpu_update``. Where one is installed already, its modes become these. ``announce``: log at INFO which CPU kernel library the
-    first fused update loads (pass it on one rank).
+    ``zero_cpu_update``, ``gpu_mode`` ``zero_gpu_update``. Where one is installed already, its modes become these.
+    ``announce``: log at INFO which CPU kernel library the first fused update loads (pass it on one rank).
 
     Raises:
         KernelBuildError: ``mode`` is ``"fused"`` and the CPU kernel cannot be built.
         RuntimeError: ``gpu_mode`` is ``"fused"``, a GPU is present and Triton cannot run the GPU kernel.
     """
+    _check_modes(mode, gpu_mode)
     if mode == "fused":
         _fused_available(mode, announce)
     missing = triton_missing() if gpu_mode == "fused" and torch.cuda.is_available() else None
@@ -215,7 +230,6 @@ def install_fused_update(optimizer: torch.optim.Optimizer, mode: str, gpu_mode: 
     if update is None:
         optimizer.update_step = FusedUpdate(optimizer, mode, gpu_mode, announce=announce)
     else:  # installed already (perhaps under a ChunkedUpdate): the settings of this call apply
-        FusedUpdate(optimizer, mode, gpu_mode)  # the same checks of the modes
         update.mode, update.gpu_mode, update.announce = mode, gpu_mode, announce
 
 
@@ -229,10 +243,12 @@ def installed(optimizer: Any) -> FusedUpdate | None:
 
 
 def update_kernel(optimizer: Any, p: torch.Tensor, eight_bit: bool | None = None) -> str:
-    """Which kernel updates ``p`` (one of :data:`KERNELS`) at the optimizer's next step (:meth:`FusedUpdate.kernel_for`).
-    Local."""
+    """Which kernel updates ``p`` (one of :data:`KERNELS`) at the optimizer's next step
+    (:meth:`FusedUpdate.kernel_for`). Local."""
     update = installed(optimizer)
-    return update.kernel_for(p, eight_bit) if update is not None else KERNELS[2]
+    if update is not None:
+        return update.kernel_for(p, eight_bit)
+    return KERNELS[2] if getattr(optimizer, "optimizer_name", None) is not None else KERNELS[3]
 
 
 def uninstall_fused_update(optimizer: Any) -> None:

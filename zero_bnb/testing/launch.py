@@ -53,7 +53,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, device:
         ValueError: an unknown ``device``, fewer CUDA devices than ranks for ``"cuda"``, none for ``"cuda-shared"``.
     """
     if device != "cpu" and (reason := gpus_missing(world_size if device == "cuda" else 1)) is not None:
-        raise ValueError(f"run_distributed(device={device!r}) {reason}; use device=\"cpu\" or fewer ranks")
+        raise ValueError(f"run_distributed(device={device!r}) {reason}; use device=\"cpu\""
+                         + (" or fewer ranks" if device == "cuda" else ""))
     global _launches
     _launches += 1
     if device == "cpu" and warm.warm_enabled():
