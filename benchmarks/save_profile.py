@@ -6,6 +6,7 @@ Reproduce (CPU, from the repository root, after ``bash scripts/setup.sh``):
     PYTHONPATH=$PWD python benchmarks/save_profile.py --layers 4 --dp 1 --precision bf16 --rounds 3 --name quick
     python benchmarks/save_profile.py --compare before.json after.json   # a table of several reports, side by side
     PYTHONPATH=$PWD python benchmarks/save_profile.py --configs 4:1:bf16 --conditions quiet --ablate   # + speed-ups undone
+    PYTHONPATH=$PWD python benchmarks/save_profile.py --configs 4:1:bf16 --conditions quiet --floor   # + the disk's floor
 
 For each model size (an MLP of ``--layers`` 4096x4096 linear layers: 4 -> 67M parameters, 9 -> 151M), DP size
 (1: one process; 2: two gloo processes through ``zero_bnb.testing.launch.run_distributed``) and precision, every
@@ -68,6 +69,10 @@ VARIANTS = ("stock", "zero_bnb")
 #: With --ablate: zero_bnb's engine saving with this branch's speed-ups undone (zip CRC-32 on, file hashing inline,
 #: bf16 rounding check and residual split as two functions, module pieces hashed after them), in the same processes.
 ABLATED = "zero_bnb-undone"
+#: With --floor: no engine; each rank writes its share of the bytes of zero_bnb's checkpoint from memory (8 MiB writes
+#: of random bytes) and fsyncs the file and its folder. What making that many bytes durable costs on this disk with no
+#: serialisation, split or hashing: where it exceeds stock's (not durable) save, no durable save can be <= 1.0x there.
+FLOOR = "durable floor"
 
 
 @contextmanager
@@ -295,6 +300,22 @@ def _disk_writer(folder: str, enabled: bool):
             os.remove(target)
 
 
+def _write_floor(folder: str, payload: bytes, size: int) -> None:
+    """``size`` bytes (``payload`` repeated) into a new file in the new ``folder``, fsynced with the folder (see
+    :data:`FLOOR`)."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"floor-{os.getpid()}.bin")
+    with open(path, "wb", buffering=0) as handle:
+        for start in range(0, size, len(payload)):
+            handle.write(memoryview(payload)[: min(len(payload), size - start)])
+        os.fsync(handle.fileno())
+    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 def measure(rank, world, layers, precision, rounds, conditions, workdir, result_path, variants=VARIANTS):
     import torch.distributed as dist
 
@@ -307,7 +328,11 @@ def measure(rank, world, layers, precision, rounds, conditions, workdir, result_
         engines[ABLATED] = engines["zero_bnb"]
     parameters = sum(p.numel() for p in engines["stock"].module.parameters())
     for variant in variants:  # untimed: the first save of a process pays one-off costs (imports, page faults)
-        engines[variant].save_checkpoint(os.path.join(workdir, variant), tag="warmup")
+        if variant != FLOOR:
+            engines[variant].save_checkpoint(os.path.join(workdir, variant), tag="warmup")
+    share = [_folder_bytes(os.path.join(workdir, "zero_bnb", "warmup")) // world]
+    dist.broadcast_object_list(share, src=0)  # rank 0's count of the whole checkpoint, split evenly
+    payload = os.urandom(8 << 20)
     records = []
     for condition in conditions:
         dist.barrier()
@@ -331,7 +356,10 @@ def measure(rank, world, layers, precision, rounds, conditions, workdir, result_
                     profile.active = True
                     start, start_cpu = time.perf_counter(), time.process_time()
                     with profile.phase("other"), (undone_speedups() if variant == ABLATED else _nothing()):
-                        engines[variant].save_checkpoint(folder, tag=tag)
+                        if variant == FLOOR:
+                            _write_floor(os.path.join(folder, tag), payload, share[0])
+                        else:
+                            engines[variant].save_checkpoint(folder, tag=tag)
                         dist.barrier()
                     wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
                     profile.active = False
@@ -406,6 +434,20 @@ def _markdown(report: dict) -> str:
             lines.append(f"| {row['parameters'] / 1e6:.0f}M | {row['dp']} | {row['precision']} | {row['condition']} | "
                          f"{u['wall_s']:.2f} | {u['cpu_s']:.2f} | {u['wall_minus_fsync_s']:.2f} | "
                          f"{u['wall_minus_fsync_s'] / s['wall_s']:.2f}x | {z['cpu_s'] / u['cpu_s']:.2f} |")
+    if FLOOR in variants:
+        lines += ["", f"`{FLOOR}`: zero_bnb's bytes written from memory and fsynced, no engine, in the same rounds "
+                  "(rotating order); each save's wall time, all rounds, and the medians' ratios.", "",
+                  "| params | DP | precision | condition | stock walls | zero_bnb walls | floor walls | zero_bnb / stock | "
+                  "floor / stock | zero_bnb / floor |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for row in report["results"]:
+            s, z, f = row["stock"], row["zero_bnb"], row[FLOOR]
+
+            def walls(summary):
+                return " ".join(f"{w:.2f}" for w in summary["wall_all_s"])
+
+            lines.append(f"| {row['parameters'] / 1e6:.0f}M | {row['dp']} | {row['precision']} | {row['condition']} | "
+                         f"{walls(s)} | {walls(z)} | {walls(f)} | {z['wall_s'] / s['wall_s']:.2f}x | "
+                         f"{f['wall_s'] / s['wall_s']:.2f}x | {z['wall_s'] / f['wall_s']:.2f}x |")
     names = sorted({name for row in report["results"] for v in variants for name in row[v]["phases"]})
     lines += ["", "zero_bnb's save by phase (wall s / CPU s, mean over ranks, median over rounds); stock's beside it.", ""]
     header = "| params | DP | precision | condition | variant | " + " | ".join(names) + " | threads |"
@@ -459,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ablate", action="store_true",
                         help=f"also save zero_bnb's engine with this branch's speed-ups undone ({ABLATED!r})")
+    parser.add_argument("--floor", action="store_true",
+                        help=f"also time writing zero_bnb's bytes durably with no engine ({FLOOR!r})")
     parser.add_argument("--workdir", default=None, help="where checkpoints go (default: a new folder in /tmp)")
     parser.add_argument("--name", default="save_profile")
     parser.add_argument("--label", default="", help="what code this run measured (recorded in the report)")
@@ -468,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
 
     configs = [(int(c.split(":")[0]), int(c.split(":")[1]), c.split(":")[2]) for c in args.configs] if args.configs \
         else [(layers, dp, precision) for layers in args.layers for dp in args.dp for precision in args.precision]
-    variants = (*VARIANTS, ABLATED) if args.ablate else VARIANTS
+    variants = (*VARIANTS, *((ABLATED,) if args.ablate else ()), *((FLOOR,) if args.floor else ()))
     args.variants = variants
     rows = []
     for layers, dp, precision in configs:
