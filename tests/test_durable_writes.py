@@ -1,17 +1,20 @@
 """format/durable.py's writers: one-pass SHA-256 (large writes hashed on a helper thread), no zip CRC-32 (per thread),
-errors kept; format/direct_io.py's writes around the page cache."""
+errors kept, the disk's write-back started behind the writer (format/write_back.py); format/direct_io.py's writes
+around the page cache."""
 
 from __future__ import annotations
 
 import errno
 import fcntl
 import os
+import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from zero_bnb.format import direct_io, durable
+from zero_bnb.format import direct_io, durable, write_back
 
 pytestmark = pytest.mark.launch
 
@@ -234,3 +237,77 @@ def test_direct_writes_fall_back_to_the_page_cache_where_the_file_system_refuses
         record = durable.save_torch(payload, str(tmp_path / "b.pt"), root=str(tmp_path))
     assert (record.size, record.sha256) == durable.digest_file(str(tmp_path / "b.pt"))
     assert sorted(os.listdir(tmp_path)) == ["a.pt", "b.pt"]
+
+
+def _recording_sync_file_range(monkeypatch) -> list[tuple[int, int, int, int]]:
+    """Record every ``sync_file_range`` call a :class:`~zero_bnb.format.write_back.WriteBack` makes (and make it)."""
+    real = write_back.sync_file_range()
+    if real is None:
+        pytest.skip("this libc has no sync_file_range (not Linux): files are written without early write-back")
+    calls: list[tuple[int, int, int, int]] = []
+
+    def recording(descriptor, offset, nbytes, flags):
+        result = real(descriptor, offset, nbytes, flags)
+        calls.append((offset, nbytes, flags, result))
+        return result
+
+    monkeypatch.setattr(write_back, "sync_file_range", lambda: recording)
+    return calls
+
+
+def _contiguous_ranges(calls: list[tuple[int, int, int, int]], size: int) -> None:
+    ends = 0
+    for offset, nbytes, flags, result in calls:  # one after the other from the start, each a large range
+        assert (offset, flags, result) == (ends, 2, 0), calls  # SYNC_FILE_RANGE_WRITE: start, never wait
+        assert nbytes >= write_back.WRITE_BACK_BYTES, calls
+        ends = offset + nbytes
+    assert ends <= size, (calls, size)
+
+
+def test_the_disk_starts_writing_each_range_a_file_has_received_and_leaves_the_rest_to_the_fsync(tmp_path):
+    if write_back.sync_file_range() is None:
+        pytest.skip("this libc has no sync_file_range (not Linux): files are written without early write-back")
+    with open(tmp_path / "a.bin", "wb", buffering=0) as handle, ThreadPoolExecutor(1) as pool:
+        follower = write_back.WriteBack(handle.fileno(), pool)
+        piece = write_back.WRITE_BACK_BYTES
+        handle.write(bytes(piece - 1))
+        follower.advance(piece - 1)  # under one range: nothing starts
+        handle.write(bytes(piece + 2))
+        follower.advance(2 * piece + 1)  # two ranges' worth: started together
+        deadline = time.monotonic() + 60
+        while follower.started != 2 * piece + 1:
+            assert time.monotonic() < deadline, follower.started
+            time.sleep(0.01)
+        handle.write(bytes(piece // 2))
+        follower.advance(2 * piece + 1 + piece // 2)  # a tail under one range: left to the fsync
+        follower.close()
+        assert follower.started == 2 * piece + 1
+        os.fsync(handle.fileno())
+
+
+def test_a_saved_file_is_written_in_ranges_the_disk_may_start_on_and_keeps_its_record(tmp_path, monkeypatch):
+    calls = _recording_sync_file_range(monkeypatch)
+    payload = {"big": torch.arange(12 << 20, dtype=torch.float32)}  # 48 MiB: one write of the tensor's storage
+    record = durable.save_torch(payload, str(tmp_path / "a.pt"), root=str(tmp_path))
+    assert (record.size, record.sha256) == durable.digest_file(str(tmp_path / "a.pt"))
+    assert torch.equal(torch.load(tmp_path / "a.pt", weights_only=True)["big"], payload["big"])
+    _contiguous_ranges(calls, record.size)  # how many started depends on the helper thread's timing
+
+    def fill(writer):
+        writer.write(bytes(40 << 20))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    calls.clear()
+    with pytest.raises(OSError, match="No space left"):  # the helper task ends with the file: nothing waits on it
+        durable._durable_write(str(tmp_path / "failed.bin"), str(tmp_path), fill)
+    _contiguous_ranges(calls, 40 << 20)
+
+
+def test_write_back_is_advice_a_failed_call_ends_it_quietly_and_the_fsync_still_decides(tmp_path):
+    with open(tmp_path / "a.bin", "wb") as handle, ThreadPoolExecutor(1) as pool:
+        follower = write_back.WriteBack(-1, pool)  # EBADF: the call fails
+        follower.advance(write_back.WRITE_BACK_BYTES)
+        follower.close()  # returns: the task ended at the failure
+        handle.write(b"x")
+        handle.flush()
+        os.fsync(handle.fileno())

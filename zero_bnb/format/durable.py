@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from zero_bnb.format.direct_io import open_new
+from zero_bnb.format.direct_io import DirectFile, open_new
+from zero_bnb.format.write_back import WRITE_BACK_BYTES, WriteBack
 from zero_bnb.format.zip_crc import without_zip_crc32
 
 __all__ = [
@@ -97,10 +98,12 @@ class _HashingWriter:
     thread copies it into the file; the write returns once both are done, so the caller may reuse its buffer.
     """
 
-    def __init__(self, handle, path: str, hasher: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, handle, path: str, hasher: ThreadPoolExecutor | None = None,
+                 write_back: WriteBack | None = None) -> None:
         self._handle = handle
         self._path = path
         self._hasher = hasher
+        self._write_back = write_back
         self.hash = hashlib.sha256()
         self.size = 0
         self.error: BaseException | None = None
@@ -115,7 +118,7 @@ class _HashingWriter:
                 self._hasher = None
         try:
             io_event("write", self._path)
-            written = self._handle.write(view)
+            written = self._write(view)
         except BaseException as error:
             self.error = error  # torch's C++ writer replaces it with a generic message; keep the cause
             raise
@@ -127,6 +130,18 @@ class _HashingWriter:
         else:
             hashing.result()
         self.size += written
+        return written
+
+    def _write(self, view: memoryview) -> int:
+        """Write ``view`` to the file; with a write-back, in :data:`~zero_bnb.format.write_back.WRITE_BACK_BYTES`
+        pieces, each handed to it once written (a tensor's storage is one write: its first pieces then reach the disk
+        while the rest is copied)."""
+        if self._write_back is None:
+            return self._handle.write(view)
+        written = 0
+        for start in range(0, view.nbytes, WRITE_BACK_BYTES):
+            written += self._handle.write(view[start : start + WRITE_BACK_BYTES])
+            self._write_back.advance(self.size + written)
         return written
 
     def _update_in_pieces(self, view: memoryview) -> None:
@@ -152,11 +167,17 @@ def _settle(future: Future) -> None:
 
 def _durable_write(path: str, root: str, fill: Callable[[_HashingWriter], None]) -> FileRecord:
     io_event("create", path)
-    # One helper thread per file: a pool kept between saves would not survive a fork (fault-injection trials).
-    with open_new(path, _CREATE_FLAGS) as handle, ThreadPoolExecutor(1) as hasher:
-        writer = _HashingWriter(handle, path, hasher)
+    # Helper threads per file (one hashes, one starts the disk's write-back of a buffered file): a pool kept between
+    # saves would not survive a fork (fault-injection trials).
+    with open_new(path, _CREATE_FLAGS) as handle, ThreadPoolExecutor(2) as helpers:
+        write_back = None if isinstance(handle, DirectFile) else WriteBack(handle.fileno(), helpers)
+        writer = _HashingWriter(handle, path, helpers, write_back)
         try:
-            fill(writer)
+            try:
+                fill(writer)
+            finally:
+                if write_back is not None:
+                    write_back.close()  # before the pool waits for its task
         except Exception as error:
             if writer.error is not None and writer.error is not error:
                 raise writer.error from error
