@@ -127,10 +127,12 @@ def open_new(path: str, flags: int) -> Any:
     try:
         if getattr(_direct, "on", False) and _O_DIRECT and _direct_io_on(descriptor):
             return DirectFile(descriptor)
-        return os.fdopen(descriptor, "wb")
     except BaseException:
         os.close(descriptor)
         raise
+    # Outside the try: once fdopen has made its file object, that object closes the descriptor when an interrupt
+    # unwinds it, and a second close here could close a file another thread opened under the same number since.
+    return os.fdopen(descriptor, "wb")
 
 
 def _direct_io_on(descriptor: int) -> bool:

@@ -11,7 +11,7 @@ durable and reports an I/O error. Where the call does not exist (not Linux), not
 A save's fsync waited 0.15 s for 405 MB before, 0.005 s after (``benchmarks/save_profile.py --floor``: see
 docs/design.md, "Early write-back, and the disk's floor").
 
-Local: no collectives; any thread may write the file while one :class:`WriteBack` follows it.
+Local: no collectives; only the thread that writes a file calls its :class:`WriteBack`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ import ctypes
 import functools
 import logging
 import os
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 __all__ = ["WRITE_BACK_BYTES", "WriteBack", "sync_file_range"]
 
@@ -47,63 +46,55 @@ def sync_file_range() -> Callable[[int, int, int, int], int] | None:
 
 
 class WriteBack:
-    """Follows one open file: :meth:`advance` says how many bytes it has received; a task on ``pool`` starts the
-    write-back of every :data:`WRITE_BACK_BYTES` received since the last start; :meth:`close` ends the task (call it
-    before the file's fsync and close)."""
+    """Follows one open file: :meth:`advance` says how many bytes it has received; each time
+    :data:`WRITE_BACK_BYTES` or more have arrived since the last start, one short task on ``pool`` starts their
+    write-back (one in flight at most: what arrives meanwhile joins the next). No task waits for the writer, so
+    whatever interrupts the writer (Ctrl-C anywhere), the pool's exit waits for one ``sync_file_range`` call at most,
+    and a file under :data:`WRITE_BACK_BYTES` starts no thread. :meth:`close` waits for the call in flight (call it
+    before the file's fsync and close). Only the thread that writes the file calls :meth:`advance` and :meth:`close`.
+    """
 
     def __init__(self, descriptor: int, pool: ThreadPoolExecutor) -> None:
         self._descriptor = descriptor
-        self._received = 0
+        self._pool = pool
         self._started = 0
-        self._closed = False
-        self._changed = threading.Condition()
         self._call = sync_file_range()
-        self._task: Future | None = None
-        if self._call is not None:
-            try:
-                self._task = pool.submit(self._run)
-            except RuntimeError:  # the interpreter is exiting (a save a thread finishes then): no new threads
-                pass
+        self._off = self._call is None
+        self._pending: Future | None = None
 
     @property
     def started(self) -> int:
-        """How many bytes from the file's start have had their write-back started."""
-        with self._changed:
-            return self._started
+        """How many bytes from the file's start have had their write-back started (handed to a task)."""
+        return self._started
 
     def advance(self, received: int) -> None:
         """The file has received ``received`` bytes from its start."""
-        if self._task is None:
+        if self._off or received - self._started < WRITE_BACK_BYTES:
             return
-        with self._changed:
-            self._received = received
-            if received - self._started >= WRITE_BACK_BYTES:
-                self._changed.notify()
+        if self._pending is not None and not self._pending.done():
+            return  # one call at a time: this range joins the next
+        start = self._started
+        try:
+            self._pending = self._pool.submit(self._start, start, received - start)
+        except RuntimeError:  # the interpreter is exiting (a save a thread finishes then): no new threads
+            self._off = True
+            return
+        self._started = received
 
     def close(self) -> None:
-        """Stop following the file and wait for the helper task: a write-back already started stays started, a range
-        not yet started is left to the fsync that follows."""
-        if self._task is None:
-            return
-        with self._changed:
-            self._closed = True
-            self._changed.notify()
-        self._task.result()
-        self._task = None
+        """Stop following the file and wait for the call in flight; a range not yet started is left to the fsync."""
+        self._off = True
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            wait([pending])
 
-    def _run(self) -> None:
-        while True:
-            with self._changed:
-                while not self._closed and self._received - self._started < WRITE_BACK_BYTES:
-                    self._changed.wait()
-                if self._closed:
-                    return
-                start, end = self._started, self._received
-                self._started = end
-            if self._call(self._descriptor, start, end - start, _SYNC_FILE_RANGE_WRITE) != 0:
-                # advice only: the fsync that ends the file writes what this did not and reports any I/O error
-                logger.debug("zero_bnb: sync_file_range failed (%s); the file's fsync writes it",
-                             os.strerror(ctypes.get_errno()))
-                with self._changed:
-                    self._closed = True
-                return
+    def _start(self, offset: int, nbytes: int) -> None:
+        try:
+            failed = self._call(self._descriptor, offset, nbytes, _SYNC_FILE_RANGE_WRITE) != 0
+            cause = os.strerror(ctypes.get_errno()) if failed else ""
+        except Exception as error:  # noqa: BLE001 - advice only: nothing here may replace the save's own outcome
+            failed, cause = True, repr(error)
+        if failed:
+            # the fsync that ends the file writes what this did not, and reports any I/O error
+            logger.debug("zero_bnb: sync_file_range failed (%s); the file's fsync writes it", cause)
+            self._off = True
