@@ -216,7 +216,10 @@ def install(profile: PhaseProfile) -> None:
     patch(engine, "find_non_finite", "non-finite scan")
     patch(engine, "plan_masters", "masters: plan")  # before the one save path (issue 43): the synchronous save's
     if importlib.util.find_spec("zero_bnb.checkpoint.staged") is not None:  # since: both saves decide there
-        patch(importlib.import_module("zero_bnb.checkpoint.staged"), "decide_masters", "masters: plan")
+        staged = importlib.import_module("zero_bnb.checkpoint.staged")
+        patch(staged, "decide_masters", "masters: plan")  # before the split beside DeepSpeed's files (issue 43)
+        patch(staged, "agree_masters", "masters: plan")  # since: the split on a helper thread, the agreement here
+        patch(staged, "derive_local_masters", "masters: derive")
     patch(engine, "stage_local_payload", "shard files")  # the copies; the writes are timed by the I/O phases
     patch(save.LocalPayload, "write", "shard files")
     patch(engine, "manifest_draft", "manifest")

@@ -24,7 +24,8 @@ from zero_bnb.core.residual import rounds_to
 from zero_bnb.format.masters import FULL, MODULE, MODULE_LOW16, DerivedMasters, derive, module_slice, piece_digests
 from zero_bnb.kernels.residual import split_rounded_bf16
 
-__all__ = ["MasterPlan", "decide_masters", "master_candidates", "stage_module_slices"]
+__all__ = ["LocalMasters", "MasterPlan", "agree_masters", "derive_local_masters", "master_candidates",
+           "stage_module_slices"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def stage_module_slices(optimizer: PartitionedOptimizer, candidates: list[tuple[
                         stage: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor]:
     """For each group whose masters could derive, this rank's module weights taken by ``stage`` (the save's staging:
     a CPU view for a synchronous save, a host copy for an asynchronous one; its masters are staged whole with the
-    shard), for :func:`decide_masters` to check in the save's writer. Local. Where the range lies back to back in one storage (DeepSpeed's flat 16-bit group, on the
+    shard), for :func:`derive_local_masters` to check in the save's writer. Local. Where the range lies back to back in one storage (DeepSpeed's flat 16-bit group, on the
     device too) ``stage`` gets one view of it: a view of the model file's staged copy where this rank staged that
     file, else one copy."""
     slices = {}
@@ -121,42 +122,60 @@ def stage_module_slices(optimizer: PartitionedOptimizer, candidates: list[tuple[
     return slices
 
 
-def decide_masters(optimizer: PartitionedOptimizer, candidates: list[tuple[str, str]], names: dict,
-                   inputs: Callable[[int], tuple[torch.Tensor, torch.Tensor]], *, group: Any = None) -> list[MasterPlan]:
-    """Per group, how this save stores the masters: :func:`master_candidates` checked against the values.
+@dataclass(frozen=True, slots=True)
+class LocalMasters:
+    """One group's local finding (:func:`derive_local_masters`): the candidate storage, why not when it cannot be
+    used here, this rank's derived part (``None``: store whole) and its exception count."""
 
-    Collective over ``group`` (default: the optimizer's data-parallel group): every rank must call it.
+    storage: str
+    reason: str
+    derived: DerivedMasters | None
+    exceptions: int
+
+
+def derive_local_masters(optimizer: PartitionedOptimizer, candidates: list[tuple[str, str]], names: dict,
+                         inputs: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> list[LocalMasters]:
+    """Per group, this rank's part of the masters' decision (:func:`agree_masters` is the rest): the rounding checked and the residual split where the
+    candidate allows (a failure is logged and stores that group whole). Local, no collectives: any thread may run
+    it (:class:`~zero_bnb.checkpoint.staged.StagedSave` runs it beside the writing of DeepSpeed's files).
+
     ``inputs(index)`` gives this rank's master and module weights of a group that could derive, as the save staged
-    them (:func:`stage_module_slices`; :class:`~zero_bnb.checkpoint.staged.StagedSave` decides, in the caller or in
-    the background writer).
+    them (:func:`stage_module_slices`).
     """
-    rank = optimizer.dp_rank
-    plans: list[Any] = []
-    local = []
+    found = []
     for index, (storage, reason) in enumerate(candidates):
         derived, exceptions = None, 0
         if storage != FULL:
             try:
                 derived, exceptions, reason = _derive_local(optimizer, index, names, storage, *inputs(index))
-            except Exception as error:  # noqa: BLE001  (one rank's failure must not strand the others below)
+            except Exception as error:  # noqa: BLE001  (one rank's failure must not strand the others)
                 logger.warning("zero_bnb: group %d stores its fp32 master weights whole: deriving them on rank %d "
-                               "failed: %r", index, rank, error)
-                derived, exceptions, reason = None, 0, f"deriving them failed on rank {rank}: {error!r}"
-        plans.append((storage, reason, derived))
-        local.append((derived is not None or storage == FULL, exceptions))
+                               "failed: %r", index, optimizer.dp_rank, error)
+                derived, exceptions, reason = None, 0, f"deriving them failed on rank {optimizer.dp_rank}: {error!r}"
+        found.append(LocalMasters(storage, reason, derived, exceptions))
+    return found
+
+
+def agree_masters(optimizer: PartitionedOptimizer, found: list[LocalMasters], *, group: Any = None) -> list[MasterPlan]:
+    """Per group, how this save stores the masters, from every rank's :func:`derive_local_masters`: derived where
+    every rank could and the exceptions stay few, else whole.
+
+    Collective over ``group`` (default: the optimizer's data-parallel group): every rank must call it.
+    """
+    local = [(entry.derived is not None or entry.storage == FULL, entry.exceptions) for entry in found]
     gathered: list[Any] = [None] * optimizer.dp_size
     dist.all_gather_object(gathered, local, group=optimizer.dp_process_group if group is None else group)
     result = []
-    for index, (storage, reason, derived) in enumerate(plans):
+    for index, entry in enumerate(found):
+        storage, reason, derived = entry.storage, entry.reason, entry.derived
         ok = all(part[index][0] for part in gathered)
         exceptions = sum(part[index][1] for part in gathered)
         if storage != FULL and ok and exceptions * _MAX_EXCEPTION_RATIO >= max(optimizer.geometry(index).numel, 1):
             ok, reason = False, f"{exceptions} elements would need an exception"
         if storage != FULL and not ok:
-            if rank == 0:
+            if optimizer.dp_rank == 0:
                 logger.info("zero_bnb: group %d stores its fp32 master weights whole: %s", index,
                             reason or f"on another rank, {_NOT_ROUNDING}")
             storage, derived = FULL, None
         result.append(MasterPlan(storage, derived))
     return result
-

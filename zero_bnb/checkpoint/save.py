@@ -69,7 +69,7 @@ class LocalPayload:
 
     def with_masters(self, masters: Sequence[MasterPlan]) -> LocalPayload:
         """This payload with each group's masters stored as ``masters`` says (staged whole, then derived where the
-        save's writer decided they can be: :func:`~zero_bnb.checkpoint.masters.decide_masters`); the masters kept
+        save's writer decided they can be: :func:`~zero_bnb.checkpoint.masters.agree_masters`); the masters kept
         whole as compact CPU tensors (a synchronous save staged them as views)."""
         groups = tuple(dataclasses.replace(group, fp32=None if group.fp32 is None else copy_to_cpu(group.fp32))
                        if plan.storage == FULL else dataclasses.replace(group, fp32=None, derived=plan.derived)

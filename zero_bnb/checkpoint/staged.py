@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from zero_bnb.checkpoint.commit import SaveTransaction
-from zero_bnb.checkpoint.masters import MasterPlan, decide_masters
+from zero_bnb.checkpoint.masters import LocalMasters, MasterPlan, agree_masters, derive_local_masters
 from zero_bnb.checkpoint.partitioned import PartitionedOptimizer
 from zero_bnb.checkpoint.save import LocalPayload
 from zero_bnb.checkpoint.staging import StagingLimitError
@@ -67,6 +68,24 @@ class StagedSave:
                                     "(zero_checkpoint_async_max_staging_mb)")
         return payloads[0].shard.groups[index].fp32.to("cpu"), self.slices[index].to("cpu")
 
+    def _derive(self) -> list[LocalMasters]:
+        """This rank's rounding checks and residual splits (local: any thread may run it)."""
+        return derive_local_masters(self.optimizer, self.candidates, self.names, self._inputs)
+
+    def _write(self, masters: list[MasterPlan] | None) -> bool:
+        """Write DeepSpeed's files by path (``masters`` ``None``) or the optimizer payloads into their folder with
+        ``masters``. ``False`` when one failed: the error is recorded for the commit to report
+        (:meth:`SaveTransaction.guard`) and the rest is not written."""
+        wrote = False
+        with self.transaction.guard(), direct_writes() if self.background else contextlib.nullcontext():
+            for path, staged in self.deferred:
+                if not isinstance(staged, LocalPayload) and masters is None:
+                    self.transaction.add([save_torch(staged, path, root=self.transaction.staging_folder)])
+                elif isinstance(staged, LocalPayload) and masters is not None:
+                    self.transaction.add(staged.with_masters(masters).write(path))
+            wrote = True
+        return wrote
+
     def run(self) -> None:
         """Decide, write, commit. Collective over the writers' group: every rank's writer must run it."""
         transaction = self.transaction
@@ -75,12 +94,19 @@ class StagedSave:
                 transaction.make_lock_durable()  # an asynchronous call did not wait: beside another writer, 13-55 ms
                 if self.copies is not None:
                     self.copies.synchronize()
-            # Every rank decides, even after an error (commit() then reports it), so no writer waits for another.
-            masters = decide_masters(self.optimizer, self.candidates, self.names, self._inputs, group=transaction.group)
-            with transaction.guard(), direct_writes() if self.background else contextlib.nullcontext():
-                for path, staged in self.deferred:  # DeepSpeed's files by path; the optimizer payload into its folder
-                    transaction.add(staged.with_masters(masters).write(path) if isinstance(staged, LocalPayload)
-                                    else [save_torch(staged, path, root=transaction.staging_folder)])
+            # This rank's rounding check and residual split (local, about 1.5 ns per element) run on a helper thread
+            # while DeepSpeed's files are written: those need no decision. Every rank then agrees, even after an
+            # error (commit() reports it), so no writer waits for another; then the optimizer payloads are written.
+            with ThreadPoolExecutor(1) as helper:  # a pool per save: one kept would not survive a fork
+                try:
+                    local = helper.submit(self._derive)
+                except RuntimeError:  # the interpreter is exiting (a save the background writer ends then)
+                    local = None
+                wrote = self._write(None)
+                found = local.result() if local is not None else self._derive()
+            masters = agree_masters(self.optimizer, found, group=transaction.group)
+            if wrote:  # after a failed file, as before: nothing more is written
+                self._write(masters)
             transaction.commit(lambda files: self.manifest(files, masters), after_publish=self.after_publish)
         except BaseException:
             transaction.abort()  # a collective that failed (a dead peer, a timeout): leave no lock or staging folder
