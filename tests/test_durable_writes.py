@@ -333,8 +333,10 @@ def helpers():
     return [t for t in threading.enumerate() if t.name.startswith("ThreadPoolExecutor")]
 
 signal.signal(signal.SIGALRM, interrupt)
-save("first")
-start = time.perf_counter(); save("warm"); took = time.perf_counter() - start
+took = []
+for warm in range(3):  # the quickest of three: each alarm then falls inside a save however loaded the machine is
+    start = time.perf_counter(); save(f"warm{warm}"); took.append(time.perf_counter() - start)
+took = min(took)
 draw, interrupted = random.Random(0), 0
 for trial in range(40):  # one Ctrl-C at a random moment of each save, which is then abandoned
     signal.setitimer(signal.ITIMER_REAL, draw.uniform(0, took))
@@ -374,3 +376,18 @@ def test_ctrl_c_anywhere_in_a_save_and_a_stalled_daemon_save_leave_no_thread_tha
     assert done.returncode == 0, done.stderr[-3000:]
     interrupted, stuck = map(int, done.stdout.split())
     assert interrupted >= 10 and stuck == 0, done.stdout
+
+
+def test_bytes_written_after_the_fill_ended_are_dropped_not_raised(tmp_path):
+    """torch's zip writer, when a torch.save was interrupted before its ``with`` block, writes the archive's end from
+    its C++ destructor whenever it is freed: an error raised into that destructor aborts the process (CI saw
+    "terminate called after throwing an instance of 'pybind11::error_already_set' ... write to closed file")."""
+    kept = []
+
+    def fill(writer):
+        writer.write(b"abc")
+        kept.append(writer)
+
+    record = durable._durable_write(str(tmp_path / "a.bin"), str(tmp_path), fill)
+    assert kept[0].write(b"late bytes") == 10  # the handle is closed: dropped, no ValueError
+    assert (record.size, record.sha256) == durable.digest_file(str(tmp_path / "a.bin")) and record.size == 3

@@ -107,9 +107,16 @@ class _HashingWriter:
         self.hash = hashlib.sha256()
         self.size = 0
         self.error: BaseException | None = None
+        #: Set once the file's fill has returned or raised: later writes are dropped (see :meth:`write`).
+        self.closed = False
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
+        if self.closed:
+            # Only torch's zip writer writes after that: a torch.save interrupted (Ctrl-C) before it entered its
+            # `with` block writes the archive's end from the C++ destructor whenever it is freed; an error raised
+            # there aborts the process (std::terminate). The file is abandoned by then: drop the bytes.
+            return view.nbytes
         hashing = None
         if self._hasher is not None and view.nbytes >= _PARALLEL_HASH_BYTES:
             try:
@@ -176,6 +183,7 @@ def _durable_write(path: str, root: str, fill: Callable[[_HashingWriter], None])
             try:
                 fill(writer)
             finally:
+                writer.closed = True
                 if write_back is not None:
                     write_back.close()  # before the pool waits for its task
         except Exception as error:
