@@ -110,9 +110,9 @@ def stage_module_slices(optimizer: PartitionedOptimizer, candidates: list[tuple[
                         stage: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor]:
     """For each group whose masters could derive, this rank's module weights taken by ``stage`` (the save's staging:
     a CPU view for a synchronous save, a host copy for an asynchronous one; its masters are staged whole with the
-    shard), for :func:`derive_local_masters` to check in the save's writer. Local. Where the range lies back to back in one storage (DeepSpeed's flat 16-bit group, on the
-    device too) ``stage`` gets one view of it: a view of the model file's staged copy where this rank staged that
-    file, else one copy."""
+    shard), for :func:`derive_local_masters` to check in the save's writer. Local. Where the range lies back to back
+    in one storage (DeepSpeed's flat 16-bit group, on the device too) ``stage`` gets one view of it: a view of the
+    model file's staged copy where this rank staged that file, else one copy."""
     slices = {}
     for index, (storage, _) in enumerate(candidates):
         if storage != FULL:
@@ -135,9 +135,10 @@ class LocalMasters:
 
 def derive_local_masters(optimizer: PartitionedOptimizer, candidates: list[tuple[str, str]], names: dict,
                          inputs: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> list[LocalMasters]:
-    """Per group, this rank's part of the masters' decision (:func:`agree_masters` is the rest): the rounding checked and the residual split where the
-    candidate allows (a failure is logged and stores that group whole). Local, no collectives: any thread may run
-    it (:class:`~zero_bnb.checkpoint.staged.StagedSave` runs it beside the writing of DeepSpeed's files).
+    """Per group, this rank's part of the masters' decision (:func:`agree_masters` is the rest): the rounding
+    checked and the residual split where the candidate allows (a failure is logged and stores that group whole).
+    Local, no collectives: any thread may run it (:class:`~zero_bnb.checkpoint.staged.StagedSave` runs it beside
+    the writing of DeepSpeed's files).
 
     ``inputs(index)`` gives this rank's master and module weights of a group that could derive, as the save staged
     them (:func:`stage_module_slices`).
