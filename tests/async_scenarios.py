@@ -218,7 +218,9 @@ def _remove_staging_when(event_wanted: str, file_wanted: str):
             staging = path
             while ".zero_bnb-staging" not in os.path.basename(staging):
                 staging = os.path.dirname(staging)
-            shutil.rmtree(staging)
+            # the other rank may be creating its files in it meanwhile (ENOTEMPTY): remove until it is gone
+            while os.path.lexists(staging):
+                shutil.rmtree(staging, ignore_errors=True)
 
     return hook
 
