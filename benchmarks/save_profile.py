@@ -23,9 +23,9 @@ ranks' processes only, the functions zero_bnb's save calls (names below) and the
 
 * ``verify replicated`` (``verify_replicated_state``), ``non-finite scan`` (``find_non_finite``),
 * ``masters: plan`` (``plan_masters`` itself), ``masters: rounding check`` (``rounds_to``), ``masters: residual split``
-  (``split_bf16``), ``SHA-256 (module pieces)`` (``piece_digest``: the weights the masters are split against),
+  (``split_bf16``), ``digest (module pieces)`` (``piece_digest``: the weights the masters are split against),
 * ``device copy`` (``.to("cpu")`` of the saved state, ``checkpoint.save._valid_slice``),
-* ``serialise`` (``torch.save`` itself: pickling, zip framing, CRC-32 when on), ``SHA-256 (files)``, ``write``
+* ``serialise`` (``torch.save`` itself: pickling, zip framing, CRC-32 when on), ``digest (files)`` (BLAKE3, or SHA-256), ``write``
   (``write`` calls on the file), ``fsync`` (files and folders), ``rename``,
 * ``collectives`` (``all_gather_object``, ``broadcast_object_list``, ``barrier``, ``all_reduce``, ``broadcast``:
   mostly waiting for the other rank), ``begin``/``commit``/``manifest``/``shard files``/``model file`` (their own
@@ -67,7 +67,8 @@ from report import machine, versions
 WIDTH = 4096
 VARIANTS = ("stock", "zero_bnb")
 #: With --ablate: zero_bnb's engine saving with this branch's speed-ups undone (zip CRC-32 on, file hashing inline,
-#: bf16 rounding check and residual split as two functions, module pieces hashed after them), in the same processes.
+#: SHA-256 instead of BLAKE3, bf16 rounding check and residual split as two functions, module pieces hashed after
+#: them), in the same processes.
 ABLATED = "zero_bnb-undone"
 #: With --floor: no engine; each rank writes its share of the bytes of zero_bnb's checkpoint from memory (8 MiB writes
 #: of random bytes) and fsyncs the file and its folder. What making that many bytes durable costs on this disk with no
@@ -79,11 +80,12 @@ FLOOR = "durable floor"
 def undone_speedups():
     """Undo, for the block, this branch's save speed-ups (benchmark processes only; see :data:`ABLATED`)."""
     import zero_bnb.checkpoint.masters as cmasters
+    import zero_bnb.format.digests as digests
     import zero_bnb.format.durable as durable
     from zero_bnb.core.residual import rounds_to, split_bf16
 
     saved = (durable.without_zip_crc32, durable._PARALLEL_HASH_BYTES, cmasters.split_rounded_bf16,
-             getattr(cmasters, "_HASH_BESIDE_SPLIT", False))
+             getattr(cmasters, "_HASH_BESIDE_SPLIT", False), digests.writing_algorithm)
 
     @contextmanager
     def crc_on():
@@ -92,12 +94,13 @@ def undone_speedups():
     durable.without_zip_crc32 = crc_on
     durable._PARALLEL_HASH_BYTES = 1 << 62
     cmasters._HASH_BESIDE_SPLIT = False
+    digests.writing_algorithm = lambda: digests.SHA256
     cmasters.split_rounded_bf16 = lambda master, weight: split_bf16(master, weight) if rounds_to(master, weight) else None
     try:
         yield
     finally:
         (durable.without_zip_crc32, durable._PARALLEL_HASH_BYTES, cmasters.split_rounded_bf16,
-         cmasters._HASH_BESIDE_SPLIT) = saved
+         cmasters._HASH_BESIDE_SPLIT, digests.writing_algorithm) = saved
 CONDITIONS = ("quiet", "disk")
 
 
@@ -159,7 +162,7 @@ class _TimedHash:
         self._profile, self._inner = profile, inner
 
     def update(self, data) -> None:
-        with self._profile.phase("SHA-256 (files)"):
+        with self._profile.phase("digest (files)"):
             self._inner.update(data)
 
     def __getattr__(self, name):
@@ -197,14 +200,13 @@ class _Proxy:
 
 def install(profile: PhaseProfile) -> None:
     """Wrap the functions a save calls (in this process only: a benchmark rank)."""
-    import hashlib
-
     import torch.distributed as dist
 
     import zero_bnb.checkpoint.commit as commit
     import zero_bnb.checkpoint.masters as cmasters
     import zero_bnb.checkpoint.save as save
     import zero_bnb.ds.engine as engine
+    import zero_bnb.format.digests as digests
     import zero_bnb.format.durable as durable
     import zero_bnb.format.masters as fmasters
 
@@ -227,7 +229,7 @@ def install(profile: PhaseProfile) -> None:
     patch(cmasters, "derive", "masters: plan")
     patch(fmasters, "split_bf16", "masters: residual split")
     patch(cmasters, "split_rounded_bf16", "masters: residual split")  # rounding check and split in one pass
-    patch(fmasters, "piece_digest", "SHA-256 (module pieces)")
+    patch(fmasters, "piece_digest", "digest (module pieces)")
     patch(save, "copy_to_cpu", "device copy")
     patch(importlib.import_module("zero_bnb.ds.checkpoint_engine").DurableCheckpointEngine, "save", "model file")
     patch(commit.SaveTransaction, "begin", "begin")
@@ -246,7 +248,7 @@ def install(profile: PhaseProfile) -> None:
     }
     durable.os = _Proxy(os, **overrides)
     commit.os = _Proxy(os, rename=overrides["rename"])
-    durable.hashlib = _Proxy(hashlib, sha256=lambda *a: _TimedHash(profile, hashlib.sha256(*a)))
+    durable.digests = _Proxy(digests, new=lambda *a, **k: _TimedHash(profile, digests.new(*a, **k)))
 
 
 def _model(layers: int) -> torch.nn.Module:

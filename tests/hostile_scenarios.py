@@ -14,12 +14,13 @@ import logging
 import os
 import socket
 
+import blake3
 import numpy
 import torch
 import torch.distributed as dist
 from scenarios import OPTIMIZERS, _error, make_engine, run_phases
 
-from zero_bnb.format import durable
+from zero_bnb.format import digests, durable
 from zero_bnb.format.lock import LOCK_NAME
 from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR
 from zero_bnb.format.masters import piece_digest
@@ -52,17 +53,31 @@ def resign(folder: str, data: dict) -> None:
         handle.write(text)
 
 
+def record_algorithm(record: dict) -> str:
+    """The digest algorithm of a manifest's ``files`` entry (its key: ``blake3`` or ``sha256``)."""
+    return next(name for name in digests.ALGORITHMS if name in record)
+
+
 def replace_listed_file(tag_folder: str, relative: str, obj) -> None:
     """Replace a file the manifest lists with ``torch.save(obj)`` and re-sign the manifest to match."""
+    torch.save(obj, os.path.join(tag_folder, relative))
+    relist_file(tag_folder, relative)
+
+
+def relist_file(tag_folder: str, relative: str) -> None:
+    """Re-sign the manifest for the present bytes of the listed file ``relative`` (in the digest algorithm its record
+    names, computed by the package itself, as an attacker can)."""
     path = os.path.join(tag_folder, relative)
-    torch.save(obj, path)
-    size, digest = durable.digest_file(path)
     folder = os.path.join(tag_folder, SUBDIR)
     with open(os.path.join(folder, MANIFEST_NAME), encoding="utf-8") as handle:
         data = json.load(handle)
     for record in data["files"]:
         if record["path"] == relative:
-            record.update(size=size, sha256=digest)
+            algorithm = record_algorithm(record)
+            with open(path, "rb") as handle:
+                content = handle.read()
+            digest = (blake3.blake3(content) if algorithm == "blake3" else hashlib.sha256(content)).hexdigest()
+            record.update({"size": len(content), algorithm: digest})
     resign(folder, data)
 
 
@@ -109,7 +124,7 @@ def _set_in_shard(key, value=float("nan")):
 
 def _set_master(value):
     """A tamper: the first master weight of ``0.weight`` becomes ``value``. In fp32 training the masters are the
-    module weights of DeepSpeed's model file, so the attacker edits that, the SHA-256 shard 0 records for the
+    module weights of DeepSpeed's model file, so the attacker edits that, the digest shard 0 records for the
     weight, and re-signs the manifest."""
     def tamper(tag_folder: str) -> None:
         states = torch.load(os.path.join(tag_folder, MODEL_STATES), weights_only=False)
@@ -120,8 +135,10 @@ def _set_master(value):
         with open(os.path.join(tag_folder, SUBDIR, MANIFEST_NAME), encoding="utf-8") as handle:
             start, end = json.load(handle)["groups"][0]["element_ranges"][0]
         shard = torch.load(os.path.join(tag_folder, _SHARD_0), weights_only=True)
-        shard["groups"][0]["masters"]["module_sha256"]["0.weight"] = piece_digest(
-            weight.view(-1)[start : min(end, weight.numel())])
+        masters = shard["groups"][0]["masters"]
+        key = next(key for key in masters if key.startswith("module_"))
+        masters[key]["0.weight"] = piece_digest(weight.view(-1)[start : min(end, weight.numel())],
+                                                key.removeprefix("module_"))
         replace_listed_file(tag_folder, _SHARD_0, shard)
     return tamper
 

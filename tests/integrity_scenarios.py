@@ -18,7 +18,7 @@ import torch.distributed as dist
 from scenarios import _error, make_engine, run_phases
 
 import zero_bnb
-from zero_bnb.format import durable
+from zero_bnb.format import digests, durable
 from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR, read_manifest, write_manifest
 from zero_bnb.testing.consolidate import consolidated_state, state_differences
 from zero_bnb.testing.toy import DEFAULT_RUN as RUN
@@ -232,6 +232,60 @@ def _causes_and_switches(c, out):
     engine.zero_bnb_config = config
 
 
+def _to_format_3(tag_folder: str) -> None:
+    """Rewrite a SHA-256 checkpoint's manifest as format version 3 wrote it (the files' records and the shards'
+    ``module_sha256`` entries are already that format's): ``module_sha256``, the version, the self-checksum."""
+    import hashlib
+    import json
+
+    path = os.path.join(tag_folder, SUBDIR, MANIFEST_NAME)
+    with open(path, encoding="utf-8") as handle:
+        data = json.load(handle)
+    data = {key: value for key, value in data.items() if key != "manifest_sha256"}
+    data["module_sha256"] = data.pop("module_digest")
+    data["format_version"] = 3
+    text = json.dumps({"manifest_sha256": "0" * 64, **data}, indent=1)
+    os.remove(path)
+    _write(path, text.replace("0" * 64, hashlib.sha256(text.encode("utf-8")).hexdigest(), 1))
+
+
+def _digest_algorithms(c, out):
+    """A checkpoint hashed with SHA-256 (the writer without the ``blake3`` package), the same rewritten as format
+    version 3, and one hashed with BLAKE3 read where the package is missing."""
+    rank, workdir, engine = c["rank"], c["workdir"], c["engine"]
+    folder = os.path.join(workdir, "digests")
+    saved = consolidated_state(engine)
+    writing = digests.writing_algorithm
+    digests.writing_algorithm = lambda: digests.SHA256
+    try:
+        engine.save_checkpoint(folder, tag="sha256")
+    finally:
+        digests.writing_algorithm = writing
+    engine.save_checkpoint(folder, tag="blake3")
+    if rank == 0:
+        shutil.copytree(os.path.join(folder, "sha256"), os.path.join(folder, "format3"))
+        _to_format_3(os.path.join(folder, "format3"))
+        shutil.copytree(os.path.join(folder, "format3"), os.path.join(folder, "format3_flipped"))
+        _flip(os.path.join(folder, "format3_flipped", SUBDIR, "shard_00001-of-00002.pt"))
+    dist.barrier()
+    out["digests_folder"] = folder
+    train_steps(engine, RUN, 10, 1)  # the engine now differs from the checkpoints
+    for tag in ("sha256", "format3", "blake3"):
+        out[f"digests:{tag}:verify"] = _error(lambda tag=tag: zero_bnb.verify_checkpoint(folder, tag))
+        out[f"digests:{tag}:load"] = _error(lambda tag=tag: engine.load_checkpoint(folder, tag=tag))
+        loaded = consolidated_state(engine)  # collective
+        if rank == 0:
+            out[f"digests:{tag}:differences"] = state_differences(saved, loaded)[1]
+    out["digests:format3_flipped:load"] = _error(lambda: engine.load_checkpoint(folder, tag="format3_flipped"))
+    package, digests._blake3 = digests._blake3, None
+    try:
+        out["digests:blake3_without_package:load"] = _error(lambda: engine.load_checkpoint(folder, tag="blake3"))
+        out["digests:blake3_without_package:verify"] = _error(lambda: zero_bnb.verify_checkpoint(folder, "blake3"))
+        out["digests:sha256_without_package:load"] = _error(lambda: engine.load_checkpoint(folder, tag="sha256"))
+    finally:
+        digests._blake3 = package
+
+
 def integrity(rank, world, workdir):
     out: dict = {}
     engine = make_engine(world)
@@ -241,7 +295,7 @@ def integrity(rank, world, workdir):
     train_steps(engine, RUN, 2, 1)  # the engine now differs from the checkpoint
     context = {"rank": rank, "world": world, "workdir": workdir, "engine": engine, "good": good}
     run_phases(out, context, _bad_checkpoints, _failing_saves, _replicated_by_name, _nan_state,
-               _causes_and_switches)
+               _causes_and_switches, _digest_algorithms)
 
     gathered = [None] * world
     dist.all_gather_object(gathered, out)

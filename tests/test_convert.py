@@ -147,7 +147,9 @@ def test_inspect_summarises_the_checkpoint(work):
 
 def test_checkpoints_of_format_2_with_whole_masters_still_verify_inspect_and_export(work, tmp_path):
     """A checkpoint as zero_bnb wrote it before masters were derived (format 2: no 'masters', every master in the
-    shards) reads as it did."""
+    shards, SHA-256 digests) reads as it did."""
+    import hashlib
+
     from hostile_scenarios import resign
 
     workdir, runs, _, _ = work
@@ -157,6 +159,10 @@ def test_checkpoints_of_format_2_with_whole_masters_still_verify_inspect_and_exp
     manifest_path = next(old.glob("*/zero_bnb/manifest.json"))
     data = json.loads(manifest_path.read_text())
     assert [group.pop("masters") for group in data["groups"]] == ["fp32"] * 3 and data.pop("module_file") == ""
+    assert data.pop("module_digest") == ""
+    for record in data["files"]:
+        record.pop("blake3")
+        record["sha256"] = hashlib.sha256((manifest_path.parent.parent / record["path"]).read_bytes()).hexdigest()
     resign(str(manifest_path.parent), {**data, "format_version": 2})
     assert "manifest format 2" in _ok([cli("verify", old)], 0)
     summary = json.loads(_ok([cli("inspect", old, "--json")], 0))
@@ -169,7 +175,7 @@ def test_checkpoints_of_format_2_with_whole_masters_still_verify_inspect_and_exp
 
 def test_verify_exit_codes(work, tmp_path):
     workdir, runs, _, _ = work
-    assert "OK:" in _ok(runs, "verify") and "4 files match their SHA-256" in runs["verify"][1]
+    assert "OK:" in _ok(runs, "verify") and "4 files match their digests, manifest format 4" in runs["verify"][1]
     damaged = tmp_path / "damaged"
     shutil.copytree(workdir / "zero_bnb", damaged)
     shard = damaged / "s3" / "zero_bnb" / "shard_00001-of-00002.pt"
@@ -177,7 +183,7 @@ def test_verify_exit_codes(work, tmp_path):
     data[len(data) // 3] ^= 1
     shard.write_bytes(bytes(data))
     code, _, err = cli("verify", damaged)
-    assert code == 1 and "CheckpointCorruptError" in err and "shard_00001-of-00002.pt (sha256" in err
+    assert code == 1 and "CheckpointCorruptError" in err and "shard_00001-of-00002.pt (blake3" in err
 
 
 def test_bad_paths_and_requests_give_clear_errors(work, tmp_path):

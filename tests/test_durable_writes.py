@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from zero_bnb.format import direct_io, durable, write_back
+from zero_bnb.format import digests, direct_io, durable, write_back
 
 pytestmark = pytest.mark.launch
 
@@ -29,12 +29,13 @@ def _payload() -> dict:
             "small": torch.arange(7, dtype=torch.int16), "text": "x" * 100, "groups": [{"lr": 0.1}]}
 
 
-def test_a_saved_file_has_the_sha256_and_size_of_its_bytes_and_loads_without_crc32(tmp_path):
+def test_a_saved_file_has_the_digest_and_size_of_its_bytes_and_loads_without_crc32(tmp_path):
     payload = _payload()
     crc_before = torch.serialization.get_crc32_options()
     record = durable.save_torch(payload, str(tmp_path / "a.pt"), root=str(tmp_path))
     assert torch.serialization.get_crc32_options() == crc_before  # the process-wide switch is put back
-    assert (record.path, (record.size, record.sha256)) == ("a.pt", durable.digest_file(str(tmp_path / "a.pt")))
+    assert (record.path, (record.size, record.digest)) == (
+        "a.pt", durable.digest_file(str(tmp_path / "a.pt"), record.algorithm))
     assert record.size == os.path.getsize(tmp_path / "a.pt")
     with zipfile.ZipFile(tmp_path / "a.pt") as archive:  # the zip's CRC-32 fields are left empty ...
         assert {info.CRC for info in archive.infolist()} == {0}
@@ -48,7 +49,7 @@ def test_copies_hashed_on_the_helper_thread_match_a_second_reading(tmp_path):
     source = tmp_path / "source.bin"
     source.write_bytes(os.urandom(5 * (1 << 20) + 123))  # whole 1 MiB chunks (threaded) and a short tail (inline)
     record = durable.copy_file(str(source), str(tmp_path / "copy.bin"), root=str(tmp_path))
-    assert (record.size, record.sha256) == durable.digest_file(str(source))
+    assert (record.size, record.digest) == durable.digest_file(str(source), record.algorithm)
     assert (tmp_path / "copy.bin").read_bytes() == source.read_bytes()
 
 
@@ -106,13 +107,13 @@ def test_a_thread_still_saving_while_the_interpreter_exits_writes_its_file(tmp_p
         "    time.sleep(1.0)\n"
         f"    record = durable.save_torch({{'big': torch.ones(1 << 20)}}, {str(tmp_path / 'late.pt')!r}, "
         f"root={str(tmp_path)!r})\n"
-        "    print(record.sha256)\n"
+        "    print(record.digest)\n"
         "threading.Thread(target=late).start()\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": _ROOT})
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == [durable.digest_file(str(tmp_path / "late.pt"))[1]]
+    assert done.stdout.split() == [durable.digest_file(str(tmp_path / "late.pt"), digests.writing_algorithm())[1]]
 
 
 def test_overlapping_saves_in_threads_put_the_crc32_switch_back(tmp_path):
@@ -144,7 +145,7 @@ def test_overlapping_saves_in_threads_put_the_crc32_switch_back(tmp_path):
         durable.set_io_hook(previous)
     assert torch.serialization.get_crc32_options() == crc_before
     for name, record in records.items():
-        assert (record.size, record.sha256) == durable.digest_file(str(tmp_path / name))
+        assert (record.size, record.digest) == durable.digest_file(str(tmp_path / name), record.algorithm)
     assert sorted(records) == ["a.pt", "b.pt"]
 
 
@@ -201,8 +202,8 @@ def test_direct_writes_give_the_same_file_record_and_bytes(tmp_path, sizes):
         patch.setattr(direct_io.DirectFile, "__init__", spy)
         direct = durable._durable_write(str(tmp_path / "direct"), str(tmp_path), writes)
     assert opened and opened[0], "the file was not opened with O_DIRECT"
-    assert (direct.size, direct.sha256) == (buffered.size, buffered.sha256) == (
-        sum(sizes), durable.digest_file(str(tmp_path / "direct"))[1])
+    assert (direct.size, direct.digest) == (buffered.size, buffered.digest) == (
+        sum(sizes), durable.digest_file(str(tmp_path / "direct"), direct.algorithm)[1])
     assert (tmp_path / "direct").read_bytes() == b"".join(pieces)
 
 
@@ -220,7 +221,7 @@ def test_direct_writes_fall_back_to_the_page_cache_where_the_file_system_refuses
     monkeypatch.setattr(direct_io.os, "write", refuse_direct)
     with direct_io.direct_writes():
         record = durable.save_torch(payload, str(tmp_path / "a.pt"), root=str(tmp_path))
-    assert refused and (record.size, record.sha256) == durable.digest_file(str(tmp_path / "a.pt"))
+    assert refused and (record.size, record.digest) == durable.digest_file(str(tmp_path / "a.pt"), record.algorithm)
     assert torch.equal(torch.load(tmp_path / "a.pt", weights_only=True)["big"], payload["big"])
     monkeypatch.setattr(direct_io.os, "write", real_write)
 
@@ -235,7 +236,7 @@ def test_direct_writes_fall_back_to_the_page_cache_where_the_file_system_refuses
     monkeypatch.setattr(direct_io.fcntl, "fcntl", refuse_o_direct)
     with direct_io.direct_writes():
         record = durable.save_torch(payload, str(tmp_path / "b.pt"), root=str(tmp_path))
-    assert (record.size, record.sha256) == durable.digest_file(str(tmp_path / "b.pt"))
+    assert (record.size, record.digest) == durable.digest_file(str(tmp_path / "b.pt"), record.algorithm)
     assert sorted(os.listdir(tmp_path)) == ["a.pt", "b.pt"]
 
 
@@ -289,7 +290,7 @@ def test_a_saved_file_is_written_in_ranges_the_disk_may_start_on_and_keeps_its_r
     calls = _recording_sync_file_range(monkeypatch)
     payload = {"big": torch.arange(12 << 20, dtype=torch.float32)}  # 48 MiB: one write of the tensor's storage
     record = durable.save_torch(payload, str(tmp_path / "a.pt"), root=str(tmp_path))
-    assert (record.size, record.sha256) == durable.digest_file(str(tmp_path / "a.pt"))
+    assert (record.size, record.digest) == durable.digest_file(str(tmp_path / "a.pt"), record.algorithm)
     assert torch.equal(torch.load(tmp_path / "a.pt", weights_only=True)["big"], payload["big"])
     _contiguous_ranges(calls, record.size)  # how many started depends on the helper thread's timing
 
@@ -390,4 +391,5 @@ def test_bytes_written_after_the_fill_ended_are_dropped_not_raised(tmp_path):
 
     record = durable._durable_write(str(tmp_path / "a.bin"), str(tmp_path), fill)
     assert kept[0].write(b"late bytes") == 10  # the handle is closed: dropped, no ValueError
-    assert (record.size, record.sha256) == durable.digest_file(str(tmp_path / "a.bin")) and record.size == 3
+    assert (record.size, record.digest) == durable.digest_file(str(tmp_path / "a.bin"), record.algorithm)
+    assert record.size == 3

@@ -28,6 +28,8 @@ from hostile_scenarios import (
     _declare,
     _replace_module_weight,
     hostile,
+    record_algorithm,
+    relist_file,
     replace_listed_file,
     resign,
     saving_job,
@@ -39,7 +41,7 @@ from scenarios import _save_result, _stock_engine, cli, make_engine, result
 import zero_bnb
 from zero_bnb.core.config import ZeroBnbConfigError
 from zero_bnb.errors import CheckpointFormatError, CheckpointUsageError
-from zero_bnb.format import durable
+from zero_bnb.format import digests, durable
 from zero_bnb.format.lock import LOCK_NAME
 from zero_bnb.format.manifest import MANIFEST_NAME, SUBDIR
 from zero_bnb.format.reader import CheckpointReader
@@ -235,7 +237,9 @@ sys.addaudithook(_audit)
 _HOSTILE = [
     "../../secret/data.bin", "/etc/passwd", "zero_bnb/../../secret/data.bin", "..", ".", "", "zero_bnb\\..\\x",
     "a/b", "/", "x\x00y", -1, 0, 1, 7, 2**31, 10**13, 2**63, True, None, 1.5, "7", [], {}, [[0, 1]], [[0, 10**13]],
-    {"path": "../secret/data.bin", "size": 999, "sha256": "0" * 64}, "uint8", "float64", "load", "complex64",
+    {"path": "../secret/data.bin", "size": 999, "sha256": "0" * 64},
+    {"path": "../secret/data.bin", "size": 999, "blake3": "0" * 64}, {"path": "a", "size": 1, "md5": "0" * 32},
+    {"path": "a", "size": 1, "sha256": "0" * 64, "blake3": "0" * 64}, "blake3", "uint8", "float64", "load", "complex64",
     "replicated", "elementwise", "counter", "latest", "shard_00000-of-00001.pt",
 ]
 
@@ -315,7 +319,8 @@ def test_no_re_signed_manifest_mutation_runs_code_escapes_or_crashes(sources, mu
         _AUDIT["on"] = False
     for code, out, err in results:
         assert code in (0, 1, 2), (code, out, err)
-        lines = [line for line in err.splitlines() if "%|" not in line]  # the checksums' and groups' progress bars
+        # the checksums' and groups' progress bars (tqdm's carriage returns may leave empty lines between them)
+        lines = [line for line in err.splitlines() if line.strip() and "%|" not in line]
         assert code == 0 or (len(lines) == 1 and lines[0].startswith("zero-bnb ")), err
         assert str(SECRET_SIZE) not in out + err
     assert not _AUDIT["hits"], _AUDIT["hits"]
@@ -672,11 +677,7 @@ def test_crafted_files_cannot_make_a_reader_allocate_more_than_they_hold(sources
             target.writestr(entry.filename, source.read(entry.filename))
     replace_listed_file(str(zb / "A"), os.path.join(SUBDIR, "replicated.pt"), None)
     shutil.copyfile(packed, replicated)
-    data = json.loads((zb / "A" / SUBDIR / MANIFEST_NAME).read_text())
-    for record in data["files"]:
-        if record["path"].endswith("replicated.pt"):
-            record["size"], record["sha256"] = durable.digest_file(str(replicated))
-    resign(str(zb / "A" / SUBDIR), data)
+    relist_file(str(zb / "A"), os.path.join(SUBDIR, "replicated.pt"))
     code, _, err = cli("inspect", zb)
     assert code == 1 and "compressed entries" in err, err
 
@@ -743,17 +744,17 @@ def test_verify_refuses_values_a_re_signed_checkpoint_carries_naming_the_field(s
 def test_verifying_is_never_weaker_than_not_a_model_file_replaced_and_re_signed_with_its_digest_is_refused(
         sources, tmp_path, monkeypatch):
     """Masters derived from the module weights (fp32 here): verified or not, a read hashes the module-weight pieces
-    the masters derive from and compares them with the shard's per-piece SHA-256s. A model file edited after the save
-    with the manifest re-signed, its module_sha256 included (C1: verify, export and verified loads accepted it
+    the masters derive from and compares them with the shard's per-piece digests. A model file edited after the save
+    with the manifest re-signed, its module_digest included (C1: verify, export and verified loads accepted it
     while an unverified load refused it), is refused by every reader, naming the weight; one re-signed with its
     weights intact still reads."""
     zb = _fresh(sources, tmp_path)
     hashed = []
-    real = hashlib.sha256
+    real, real_new = hashlib.sha256, digests.new
 
-    class Counting:  # the real SHA-256, counting the bytes it is given
-        def __init__(self, data=b""):
-            self.inner = real()
+    class Counting:  # a real hash object, counting the bytes it is given
+        def __init__(self, data=b"", inner=None):
+            self.inner = real() if inner is None else inner
             self.update(data)
 
         def update(self, data):
@@ -763,11 +764,13 @@ def test_verifying_is_never_weaker_than_not_a_model_file_replaced_and_re_signed_
         def hexdigest(self):
             return self.inner.hexdigest()
 
-    monkeypatch.setattr(hashlib, "sha256", Counting)
+    monkeypatch.setattr(hashlib, "sha256", Counting)  # the manifest's own, and SHA-256 file digests
+    monkeypatch.setattr(digests, "new", lambda algorithm, **kw: (
+        Counting(inner=real_new(algorithm, **kw)) if algorithm == digests.BLAKE3 else real_new(algorithm, **kw)))
     manifest = zero_bnb.verify_checkpoint(str(zb)).manifest  # checks every value: rebuilds every shard's masters
     manifest_bytes = (zb / "A" / SUBDIR / MANIFEST_NAME).stat().st_size
     module_bytes = 4 * sum(p.numel for group in manifest.groups for p in group.params)
-    assert manifest.module_sha256 and all(group.masters == "module" for group in manifest.groups)
+    assert manifest.module_digest and all(group.masters == "module" for group in manifest.groups)
     # Every file once (the manifest: identity and self-check), and the module pieces the masters derive from.
     assert sum(hashed) == sum(r.size for r in manifest.files) + 2 * manifest_bytes + module_bytes
 
@@ -779,7 +782,8 @@ def test_verifying_is_never_weaker_than_not_a_model_file_replaced_and_re_signed_
     def resign_module_digest():
         folder = zb / "A" / SUBDIR
         data = json.loads((folder / MANIFEST_NAME).read_text())
-        data["module_sha256"] = next(r["sha256"] for r in data["files"] if r["path"] == MODEL_STATES)
+        record = next(r for r in data["files"] if r["path"] == MODEL_STATES)
+        data["module_digest"] = record[record_algorithm(record)]
         resign(str(folder), data)
 
     states = torch.load(zb / "A" / MODEL_STATES, weights_only=False)

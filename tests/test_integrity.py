@@ -2,24 +2,31 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+
+import blake3
 import pytest
 import torch
 from integrity_scenarios import DAMAGES, SAVE_FAILURES, integrity
 from scenarios import result
 
+from zero_bnb.format import digests
 from zero_bnb.testing.launch import run_distributed
 
 pytestmark = pytest.mark.launch
 
 EXPECTED = {
-    "flipped_shard_of_rank_1": ("CheckpointCorruptError", "zero_bnb/shard_00001-of-00002.pt (sha256", "differs from what was saved"),
+    "flipped_shard_of_rank_1": ("CheckpointCorruptError", f"zero_bnb/shard_00001-of-00002.pt ({digests.writing_algorithm()}",
+                                "differs from what was saved"),
     "truncated_replicated": ("CheckpointCorruptError", "zero_bnb/replicated.pt has", "truncated"),
-    "flipped_model_states": ("CheckpointCorruptError", "mp_rank_00_model_states.pt (sha256",),
+    "flipped_model_states": ("CheckpointCorruptError", f"mp_rank_00_model_states.pt ({digests.writing_algorithm()}",),
     "flipped_manifest": ("CheckpointCorruptError", "manifest.json",),
     "missing_rank_file": ("CheckpointCorruptError", "zero_bnb/shard_00001-of-00002.pt is missing", "load an earlier tag"),
     "damaged_latest": ("CheckpointFormatError", "latest is damaged", "pass tag= explicitly"),
     "latest_names_missing_tag": ("CheckpointFormatError", "'global_step99'", "does not exist", "tags in", "['A']"),
-    "unknown_format_version": ("CheckpointFormatError", "format_version=99", "reads versions [1, 2, 3]"),
+    "unknown_format_version": ("CheckpointFormatError", "format_version=99", "reads versions [1, 2, 3, 4]"),
     "other_block_size": ("CheckpointMismatchError", "block size is 128, the optimizer's 256"),
     "wrong_model": ("CheckpointMismatchError", "4.weight: saved (90, 96), model (91, 96)", "4.bias"),
     "amsgrad_mismatch": ("CheckpointMismatchError", "group 0 was saved with amsgrad=False", "amsgrad=True"),
@@ -115,3 +122,63 @@ def test_checkpoint_verify_false_skips_only_the_checksums(ranks):
     assert _same_on_every_rank(ranks, "unverified:flipped_shard_of_rank_1") is None  # a changed byte goes unseen
     message = _same_on_every_rank(ranks, "unverified:truncated_replicated")  # size and format checks still run
     assert message.startswith("CheckpointCorruptError:") and "truncated" in message, message
+
+
+# -- digests: BLAKE3 where the package is, SHA-256 and format 3 still read ----------------------------------------------
+
+_PACKAGES = {"blake3": lambda data: blake3.blake3(data).hexdigest(), "sha256": lambda data: hashlib.sha256(data).hexdigest()}
+
+
+@pytest.mark.parametrize("tag", ["blake3", "sha256", "format3"])
+def test_every_recorded_digest_is_the_packages_digest_of_the_bytes(ranks, tag):
+    """Recomputed here with the ``blake3`` package and hashlib, from the bytes on disk: every file the manifest lists,
+    and every module-weight piece a shard binds its derived masters to (the ranges read from the manifest's JSON)."""
+    algorithm = "sha256" if tag == "format3" else tag
+    tag_folder = os.path.join(_same_on_every_rank(ranks, "digests_folder"), tag)
+    with open(os.path.join(tag_folder, "zero_bnb", "manifest.json"), encoding="utf-8") as handle:
+        manifest = json.load(handle)
+    assert manifest["format_version"] == (3 if tag == "format3" else 4)
+    for record in manifest["files"]:
+        with open(os.path.join(tag_folder, record["path"]), "rb") as handle:
+            content = handle.read()
+        assert set(record) == {"path", "size", algorithm}, record
+        assert (record["size"], record[algorithm]) == (len(content), _PACKAGES[algorithm](content)), record["path"]
+    model = next(r for r in manifest["files"] if r["path"] == manifest["module_file"])
+    assert manifest["module_sha256" if tag == "format3" else "module_digest"] == model[algorithm]
+    module = torch.load(os.path.join(tag_folder, manifest["module_file"]), weights_only=False)["module"]
+    pieces = 0
+    for rank, shard in enumerate(manifest["shards"]):
+        groups = torch.load(os.path.join(tag_folder, "zero_bnb", shard), weights_only=True)["groups"]
+        for group, saved in zip(manifest["groups"], groups):
+            assert group["masters"] == "module" and set(saved["masters"]) == {f"module_{algorithm}"}
+            start, end = group["element_ranges"][rank]
+            expected = {}
+            for param in group["params"]:
+                numel = module[param["name"]].numel()
+                lo, hi = max(start, param["offset"]), min(end, param["offset"] + numel)
+                if lo < hi:
+                    flat = module[param["name"]].reshape(-1)[lo - param["offset"] : hi - param["offset"]]
+                    expected[param["name"]] = _PACKAGES[algorithm](flat.contiguous().numpy().tobytes())
+            assert saved["masters"][f"module_{algorithm}"] == expected
+            pieces += len(expected)
+    assert pieces >= len(manifest["groups"])
+
+
+@pytest.mark.parametrize("tag", ["sha256", "format3", "blake3"])
+def test_checkpoints_of_either_digest_and_format_3_verify_and_load_exactly(ranks, tag):
+    assert _same_on_every_rank(ranks, f"digests:{tag}:verify") is None
+    assert _same_on_every_rank(ranks, f"digests:{tag}:load") is None
+    assert result(ranks[:1], f"digests:{tag}:differences") == []
+
+
+def test_a_changed_byte_of_a_format_3_checkpoint_is_named_with_its_sha256(ranks):
+    message = _same_on_every_rank(ranks, "digests:format3_flipped:load")
+    assert message.startswith("CheckpointCorruptError:") and "shard_00001-of-00002.pt (sha256" in message, message
+
+
+def test_a_blake3_checkpoint_where_the_package_is_missing_names_the_package_and_sha256_still_loads(ranks):
+    for key in ("digests:blake3_without_package:load", "digests:blake3_without_package:verify"):
+        message = _same_on_every_rank(ranks, key)
+        assert message.startswith("CheckpointFormatError:") and "records BLAKE3 digests" in message, message
+        assert "pip install 'blake3>=1.0,<2'" in message, message
+    assert _same_on_every_rank(ranks, "digests:sha256_without_package:load") is None

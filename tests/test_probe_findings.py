@@ -105,7 +105,7 @@ def test_a_re_signed_model_file_cannot_replace_a_verified_weight_through_shared_
     # (tied names) is applied over them: 4.weight is exported as 0.weight's tensor, shape (160, 60), not (90, 96).
     import shutil
 
-    from hostile_scenarios import replace_listed_file, resign
+    from hostile_scenarios import record_algorithm, replace_listed_file, resign
 
     from zero_bnb.cli.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -118,9 +118,9 @@ def test_a_re_signed_model_file_cannot_replace_a_verified_weight_through_shared_
     states["shared_params"] = {"4.weight": "0.weight"}
     replace_listed_file(str(tag_folder), "mp_rank_00_model_states.pt", states)
     manifest = json.loads((tag_folder / "zero_bnb" / "manifest.json").read_text())
-    if manifest.get("module_sha256"):
-        manifest["module_sha256"] = next(r["sha256"] for r in manifest["files"]
-                                         if r["path"] == "mp_rank_00_model_states.pt")
+    if manifest.get("module_digest"):
+        record = next(r for r in manifest["files"] if r["path"] == "mp_rank_00_model_states.pt")
+        manifest["module_digest"] = record[record_algorithm(record)]
         resign(str(tag_folder / "zero_bnb"), manifest)
     try:
         state = get_fp32_state_dict_from_zero_checkpoint(str(save_dir))

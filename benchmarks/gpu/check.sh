@@ -4,7 +4,7 @@
 #   ZERO_BNB_WHEELS=.gpu/wheels bash benchmarks/gpu/check.sh OUTDIR
 #
 # 1. set-up: every wheel in $ZERO_BNB_WHEELS (deepspeed built with DS_BUILD_OPS=0, bitsandbytes, pydantic and its
-#    parts, hjson, typing-extensions, zero_bnb; bash benchmarks/gpu/wheels.sh makes them) is unpacked into a private
+#    parts, hjson, typing-extensions, blake3, zero_bnb; bash benchmarks/gpu/wheels.sh makes them) is unpacked into a private
 #    site folder put first on PYTHONPATH; without the variable, the installed packages are used;
 # 2. the GPU tests (pytest: launcher, fp16 resume with overflow-skipped steps, paged optimizers, the partition past
 #    2^31 elements, golden vectors, the Triton 8-bit update with real optimizers, the demo on CPU ranks beside the GPU);
@@ -82,7 +82,7 @@ if [ -n "${ZERO_BNB_WHEELS:-}" ]; then
 else
     export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 fi
-if ! "$PYTHON" -c "import zero_bnb, deepspeed, bitsandbytes, pytest, hypothesis, safetensors, os, sys
+if ! "$PYTHON" -c "import zero_bnb, deepspeed, bitsandbytes, blake3, pytest, hypothesis, safetensors, os, sys
 root = os.path.realpath(sys.argv[1])
 where = os.path.realpath(zero_bnb.__file__)
 assert where.startswith(root + os.sep), f'zero_bnb imported from {where}, not from the checkout {root}'

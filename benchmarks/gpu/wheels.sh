@@ -19,7 +19,8 @@ DS_BUILD_OPS=0 "$PYTHON" -m pip wheel -q --no-deps --no-build-isolation "deepspe
 "$PYTHON" -m pip wheel -q --no-deps --no-build-isolation . -w "$FOLDER"
 "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$FOLDER" \
-    "bitsandbytes==$(pin bitsandbytes)" pydantic pydantic-core annotated-types typing-inspection hjson typing-extensions
+    "bitsandbytes==$(pin bitsandbytes)" pydantic pydantic-core annotated-types typing-inspection hjson typing-extensions \
+    "blake3>=1.0,<2"
 "$PYTHON" - "$FOLDER" "$CUDA_LIB" <<'PY'
 import glob, os, sys, zipfile
 folder, keep = sys.argv[1], sys.argv[2]

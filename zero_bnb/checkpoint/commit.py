@@ -8,7 +8,7 @@ A save of tag ``T`` into ``save_dir`` goes through three states:
    ``latest``), and every rank learns the outcome before anything else happens. Every rank
    then writes into ``save_dir/.T.zero_bnb-staging-<token>`` (hidden, unique per save).
    Files are fsynced as they are closed.
-2. **agreement** — all ranks report their files (size, SHA-256) or their error to every
+2. **agreement** — all ranks report their files (size, digest) or their error to every
    rank. If any rank failed, the staging folder is removed and every rank raises
    :class:`~zero_bnb.errors.CheckpointSaveError`; the previous checkpoint is untouched.
 3. **publish** (rank 0) — write the manifest (with every file's checksum) last, fsync the

@@ -1,7 +1,7 @@
 """Open a checkpoint for loading and plan the load, refusing bad input before anything is modified.
 
 :func:`open_for_load` checks the manifest, the presence, type and size of every file, the
-SHA-256 of every file (split across ranks), the optimizer family and block size, and opens
+digest of every file (split across ranks), the optimizer family and block size, and opens
 the payload files (checked against the manifest). :func:`plan_load` then checks compatibility
 with the running model and optimizer and reads everything the load will write. Both run under
 :func:`~zero_bnb.checkpoint.collective.agree`: if one rank finds a problem, every rank raises

@@ -182,7 +182,7 @@ def _run(args: argparse.Namespace) -> int:
             save_dir, tag = checkpoint_paths.locate(checkpoint, args.tag)
             reader = verify_checkpoint(save_dir, tag, progress=True)
             folder, manifest = reader.tag_folder, reader.manifest
-            print(f"OK: {folder}: {len(manifest.files)} files match their SHA-256, manifest format "
+            print(f"OK: {folder}: {len(manifest.files)} files match their digests, manifest format "
                   f"{manifest.format_version}, "
                   f"{_saved_at(manifest.saved_dp_size, manifest.dp_world_size, manifest.migrated_from)}")
         elif args.command == "convert" and args.target == "universal":

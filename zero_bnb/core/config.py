@@ -97,7 +97,7 @@ class ZeroBnbConfig:
         nonfinite_check: what a save does when master weights or float optimizer state hold
             NaN/Inf: ``"error"`` (default) refuses to save and names the parameters, ``"warn"``
             saves, logs them and records them in the manifest, ``"off"`` skips the scan.
-        checkpoint_verify: whether a load checks every file's SHA-256 against the manifest
+        checkpoint_verify: whether a load checks every file's digest against the manifest
             (the work is split across ranks) before it touches the model. Size and format
             checks run either way.
         derived_module_weights: whether DeepSpeed's model file leaves out the trained module

@@ -2,10 +2,11 @@
 
 All of zero_bnb's checkpoint writes go through this module, which
 
-* computes each file's SHA-256 while it is written (no second read; large writes are hashed on a helper thread
-  while the calling thread copies them into the file, both outside the GIL),
+* computes each file's digest (:mod:`zero_bnb.format.digests`: BLAKE3, or SHA-256 without the ``blake3`` package)
+  while it is written (no second read; large writes are hashed on a helper thread while the calling thread copies
+  them into the file, both outside the GIL),
 * writes ``torch.save`` files without the zip format's CRC-32 (:mod:`zero_bnb.format.zip_crc`: ``torch.load`` never
-  checks it, the SHA-256 in the manifest is what a load verifies), which makes serialising about three times cheaper,
+  checks it, the digest in the manifest is what a load verifies), which makes serialising about three times cheaper,
 * flushes and fsyncs files and the folders that name them before a save is published (an asynchronous save's
   writer writes around the page cache: :mod:`zero_bnb.format.direct_io`),
 * creates every file it writes itself, under a name nobody else chose, with ``O_CREAT | O_EXCL |
@@ -20,7 +21,6 @@ Pure local I/O: no collectives; any rank may call these functions.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from zero_bnb.format import digests
 from zero_bnb.format.direct_io import DirectFile, open_new
 from zero_bnb.format.write_back import WRITE_BACK_BYTES, WriteBack
 from zero_bnb.format.zip_crc import without_zip_crc32
@@ -64,9 +65,6 @@ _CHUNK = 1 << 20
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 #: Writes at least this long are hashed on a helper thread while they are written (shorter ones inline).
 _PARALLEL_HASH_BYTES = 1 << 20
-#: The helper thread hashes in pieces this long: they stay in the L2 cache (about 15% less CPU than 1 MiB pieces on
-#: the 2-core Xeon of benchmarks/results/save_profile.md).
-_HASH_PIECE = 1 << 15
 
 
 def set_io_hook(hook: IoHook | None) -> IoHook | None:
@@ -84,27 +82,34 @@ def io_event(event: str, path: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class FileRecord:
-    """A written file: its path (relative to the checkpoint's tag folder), size and SHA-256."""
+    """A written file: its path (relative to the checkpoint's tag folder), size and digest (hex) of ``algorithm``
+    (:data:`~zero_bnb.format.digests.ALGORITHMS`)."""
 
     path: str
     size: int
-    sha256: str
+    digest: str
+    algorithm: str = digests.SHA256
 
 
 class _HashingWriter:
     """A write-only file object that hashes and counts what passes through it.
 
-    With ``hasher`` (a one-thread pool), a write of at least :data:`_PARALLEL_HASH_BYTES` is hashed there while this
-    thread copies it into the file; the write returns once both are done, so the caller may reuse its buffer.
+    With ``hasher`` (a pool), a write of at least :data:`_PARALLEL_HASH_BYTES` is hashed there while this thread
+    copies it into the file; the write returns once both are done, so the caller may reuse its buffer. The digest is
+    the process's :func:`~zero_bnb.format.digests.writing_algorithm`'s; a BLAKE3 one uses up to ``threads`` threads
+    (:func:`~zero_bnb.format.digests.spare_threads` for a blocking save; 1 for an asynchronous save's writer, which
+    runs beside training).
     """
 
     def __init__(self, handle, path: str, hasher: ThreadPoolExecutor | None = None,
-                 write_back: WriteBack | None = None) -> None:
+                 write_back: WriteBack | None = None, threads: int = 1) -> None:
         self._handle = handle
         self._path = path
         self._hasher = hasher
         self._write_back = write_back
-        self.hash = hashlib.sha256()
+        self.algorithm = digests.writing_algorithm()
+        self._threads = threads if self.algorithm == digests.BLAKE3 else 1
+        self.hash = digests.new(self.algorithm, threads=self._threads)
         self.size = 0
         self.error: BaseException | None = None
         #: Set once the file's fill has returned or raised: later writes are dropped (see :meth:`write`).
@@ -152,8 +157,7 @@ class _HashingWriter:
         return written
 
     def _update_in_pieces(self, view: memoryview) -> None:
-        for start in range(0, view.nbytes, _HASH_PIECE):
-            self.hash.update(view[start : start + _HASH_PIECE])
+        digests.update_large(self.hash, self.algorithm, view, threads=self._threads)
 
     def flush(self) -> None:
         self._handle.flush()
@@ -177,8 +181,9 @@ def _durable_write(path: str, root: str, fill: Callable[[_HashingWriter], None])
     # Helper threads per file (one hashes, one starts the disk's write-back of a buffered file): a pool kept between
     # saves would not survive a fork (fault-injection trials).
     with open_new(path, _CREATE_FLAGS) as handle, ThreadPoolExecutor(2) as helpers:
-        write_back = None if isinstance(handle, DirectFile) else WriteBack(handle.fileno(), helpers)
-        writer = _HashingWriter(handle, path, helpers, write_back)
+        direct = isinstance(handle, DirectFile)  # an asynchronous save's writer, beside training: one hashing thread
+        write_back = None if direct else WriteBack(handle.fileno(), helpers)
+        writer = _HashingWriter(handle, path, helpers, write_back, 1 if direct else digests.spare_threads())
         try:
             try:
                 fill(writer)
@@ -193,7 +198,7 @@ def _durable_write(path: str, root: str, fill: Callable[[_HashingWriter], None])
         handle.flush()
         io_event("fsync", path)
         os.fsync(handle.fileno())
-    return FileRecord(os.path.relpath(path, root), writer.size, writer.hash.hexdigest())
+    return FileRecord(os.path.relpath(path, root), writer.size, writer.hash.hexdigest(), writer.algorithm)
 
 
 def save_torch(obj: Any, path: str, *, root: str) -> FileRecord:
@@ -225,10 +230,10 @@ def copy_file(source: str, path: str, *, root: str) -> FileRecord:
     return _durable_write(path, root, fill)
 
 
-def digest_file(path: str) -> tuple[int, str]:
-    """Size in bytes and SHA-256 (hex) of the file at ``path`` (opened without following a link), read in 1 MiB
-    chunks."""
-    digest = hashlib.sha256()
+def digest_file(path: str, algorithm: str = digests.SHA256) -> tuple[int, str]:
+    """Size in bytes and ``algorithm`` digest (hex) of the file at ``path`` (opened without following a link), read in
+    1 MiB chunks."""
+    digest = digests.new(algorithm, what=path)
     size = 0
     with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)),
                    "rb") as handle:

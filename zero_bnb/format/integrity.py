@@ -1,4 +1,4 @@
-"""Check a zero_bnb checkpoint's files against its manifest: presence, sizes and SHA-256.
+"""Check a zero_bnb checkpoint's files against its manifest: presence, sizes and digests (BLAKE3 or SHA-256).
 
 Local functions, no collectives; the engine splits :func:`verify_checksums` across ranks,
 and :func:`zero_bnb.format.reader.verify_checkpoint` runs them all in one process (for tools and tests).
@@ -11,6 +11,7 @@ import os
 from tqdm import tqdm
 
 from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
+from zero_bnb.format import digests
 from zero_bnb.format.durable import FileRecord
 from zero_bnb.format.manifest import REPLICATED_NAME, SUBDIR, Manifest
 from zero_bnb.format.masters import MODULE_BYTES, SHARD_BYTES
@@ -85,27 +86,31 @@ def check_file_list(folder: PinnedFolder, manifest: Manifest) -> None:
 def verify_checksums(
     folder: PinnedFolder, manifest: Manifest, rank: int = 0, world_size: int = 1, *, progress: bool = False
 ) -> int:
-    """Compare the SHA-256 of this rank's share of the pinned files (see :func:`checksum_shares`) with the manifest.
+    """Compare the digest of this rank's share of the pinned files (see :func:`checksum_shares`) with the manifest, in
+    each record's algorithm.
 
     Returns:
         The number of bytes read.
 
     Raises:
         CheckpointCorruptError: names every file whose content differs from what was saved.
+        CheckpointFormatError: a file records BLAKE3, and the ``blake3`` package is not installed (before any read).
     """
     problems, read = [], 0
     mine = checksum_shares(manifest.files, world_size)[rank]
     total = sum(manifest.files[index].size for index in mine)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="sha256", disable=not progress) as bar:
+    for algorithm in {manifest.files[index].algorithm for index in mine}:
+        digests.new(algorithm, what=f"checkpoint {folder.path}")  # a missing package is named before any read
+    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=not progress) as bar:
         for index in mine:
             record = manifest.files[index]
-            size, digest = folder.digest(record.path)
+            size, digest = folder.digest(record.path, record.algorithm)
             read += size
             bar.update(size)
-            if (size, digest) != (record.size, record.sha256):
+            if (size, digest) != (record.size, record.digest):
                 problems.append(
-                    f"{record.path} (sha256 {digest[:16]}..., {size} bytes; saved as {record.sha256[:16]}..., "
-                    f"{record.size} bytes)"
+                    f"{record.path} ({record.algorithm} {digest[:16]}..., {size} bytes; saved as "
+                    f"{record.digest[:16]}..., {record.size} bytes)"
                 )
     if problems:
         raise CheckpointCorruptError(

@@ -11,7 +11,7 @@ Pure I/O, no DeepSpeed and no collectives. Inside DeepSpeed's tag folder
   (``step``) and the replicated tensors (``qmap1``/``qmap2``), each saved once, whole; plus
   the ZeRO wrapper's own scalars (loss scaler).
 * ``manifest.json`` (rank 0, written last): what the files hold, where every parameter and
-  every saved range lies, the versions that wrote it, and the size and SHA-256 of every
+  every saved range lies, the versions that wrote it, and the size and digest of every
   file of the tag folder (DeepSpeed's model file included). Its first field is the SHA-256
   of the manifest itself, so a damaged manifest is detected too. A checkpoint without a
   manifest is incomplete.
@@ -34,6 +34,7 @@ from zero_bnb import versions
 from zero_bnb.core.layout import ceil_div
 from zero_bnb.core.state_spec import StateKind
 from zero_bnb.errors import CheckpointCorruptError, CheckpointFormatError
+from zero_bnb.format.digests import ALGORITHMS, SHA256, is_hex
 from zero_bnb.format.durable import FileRecord, write_text
 from zero_bnb.format.manifest_json import MAX_MANIFEST_BYTES, MAX_MANIFEST_DEPTH, check_bounds, check_types, json_is
 from zero_bnb.format.masters import FULL, STORAGES
@@ -64,11 +65,14 @@ __all__ = [
 FORMAT_NAME = "zero_bnb"
 #: Version 2 stores the loss scaler as plain data (every file loads with ``weights_only=True``); version 3
 #: may derive master weights from the module weights (``GroupEntry.masters``, ``Manifest.module_file``; the
-#: optional ``Manifest.module_sha256`` and ``Manifest.migrated_from``, which older version-3 readers ignore, came later).
-FORMAT_VERSION = 3
+#: optional ``Manifest.module_sha256`` and ``Manifest.migrated_from``, which older version-3 readers ignore, came later);
+#: version 4 names each digest's algorithm (:mod:`zero_bnb.format.digests`: a file record ``{path, size, blake3}`` or
+#: ``{path, size, sha256}``, ``module_digest`` in the module file's algorithm, a shard group's ``module_blake3``);
+#: earlier versions hold SHA-256 only.
+FORMAT_VERSION = 4
 #: Versions this release reads (version 1 files hold DeepSpeed's pickled loss scaler, an allowed class;
 #: versions 1 and 2 store every master weight in the shards).
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (1, 2, 3, 4)
 SUBDIR = "zero_bnb"
 MANIFEST_NAME = "manifest.json"
 REPLICATED_NAME = "replicated.pt"
@@ -175,11 +179,12 @@ def jsonable(value: Any) -> Any:
 class Manifest:
     """Everything a loader needs to know before it opens a shard.
 
-    ``files`` lists every file of the tag folder with its size and SHA-256, paths relative to
-    the tag folder. ``non_finite`` maps parameter names to the saved tensors (``fp32`` or a
+    ``files`` lists every file of the tag folder with its size and digest (BLAKE3 or SHA-256, named in each
+    record), paths relative to the tag folder. ``non_finite`` maps parameter names to the saved tensors (``fp32`` or a
     state key) that held NaN/Inf when the checkpoint was written. ``module_file`` names DeepSpeed's model
     file (relative to the tag folder) when some group's masters derive from its module weights, and
-    ``module_sha256`` its SHA-256 as saved (what those masters were split against; empty in older checkpoints).
+    ``module_digest`` its digest as saved, in its record's algorithm (what those masters were split against; empty in
+    older checkpoints; ``module_sha256`` in the JSON before format version 4).
     ``migrated_from`` describes the checkpoint an offline tool rewrote into this one (``zero-bnb convert`` of a stock
     DeepSpeed checkpoint): ``{"format": "stock DeepSpeed", "dp_world_size": 2}``, the DP size that run saved at,
     while ``dp_world_size`` is the layout written here (one partition); empty for a checkpoint a training run saved.
@@ -196,7 +201,7 @@ class Manifest:
     versions: dict[str, str] = field(default_factory=dict)
     batch: dict[str, int] = field(default_factory=dict)  # global, micro, accumulation, dp (zero_bnb.checkpoint.batch)
     module_file: str = ""
-    module_sha256: str = ""
+    module_digest: str = ""
     migrated_from: dict[str, Any] = field(default_factory=dict)  # format, dp_world_size (omitted when empty)
     format_version: int = FORMAT_VERSION
     format_name: str = FORMAT_NAME
@@ -214,7 +219,7 @@ class Manifest:
             shards=tuple(shard_name(rank, dp_world_size) for rank in range(dp_world_size)),
             files=tuple(sorted(files, key=lambda record: record.path)), non_finite=dict(non_finite or {}),
             versions=versions.installed(), module_file=module_file,
-            module_sha256=next((record.sha256 for record in files if module_file and record.path == module_file), ""),
+            module_digest=next((record.digest for record in files if module_file and record.path == module_file), ""),
             migrated_from=dict(migrated_from or {}),
         )
         manifest.validate(source)
@@ -229,6 +234,7 @@ class Manifest:
     def to_json(self) -> str:
         """The manifest as JSON whose first field is the SHA-256 of the text itself."""
         data = asdict(self)
+        data["files"] = [{"path": f.path, "size": f.size, f.algorithm: f.digest} for f in self.files]
         if not data["migrated_from"]:  # a training run's checkpoint: its manifest as before the field existed
             del data["migrated_from"]
         for group in data["groups"]:
@@ -292,12 +298,12 @@ class Manifest:
                 optimizer_spec=data["optimizer_spec"],
                 groups=groups,
                 shards=tuple(data["shards"]),
-                files=tuple(FileRecord(f["path"], f["size"], f["sha256"]) for f in data["files"]),
+                files=tuple(_file_record(f, data["format_version"]) for f in data["files"]),
                 non_finite={name: list(keys) for name, keys in data["non_finite"].items()},
                 versions=dict(data["versions"]),
                 batch=dict(data.get("batch", {})),
                 module_file=data.get("module_file", ""),
-                module_sha256=data.get("module_sha256", ""),
+                module_digest=data.get("module_digest" if data["format_version"] >= 4 else "module_sha256", ""),
                 migrated_from=dict(data.get("migrated_from", {})),
                 format_version=data["format_version"],
                 format_name=data["format_name"],
@@ -329,8 +335,9 @@ class Manifest:
             fail("shards", self.shards, f"a save at DP={self.dp_world_size} writes {list(expected_shards)[:4]}...")
         for index, record in enumerate(self.files):
             check_relative_path(record.path, f"{source}: files[{index}].path")
-            if record.size < 0 or not _SHA256.fullmatch(record.sha256):
-                fail(f"files[{index}]", record, "size must be >= 0 and sha256 64 lowercase hex digits")
+            if record.size < 0 or record.algorithm not in ALGORITHMS or not is_hex(record.digest):
+                fail(f"files[{index}]", record, f"size must be >= 0, the algorithm one of {list(ALGORITHMS)} and the "
+                                                f"digest 64 lowercase hex digits")
         counts = Counter(param.name for group in self.groups for param in group.params)
         if len(counts) != sum(counts.values()):
             fail("groups[*].params[*].name", sorted(n for n, count in counts.items() if count > 1)[:5],
@@ -342,8 +349,8 @@ class Manifest:
         if derived and self.module_file not in {record.path for record in self.files}:
             fail("module_file", self.module_file, f"groups {derived[:5]} derive their masters from its module weights, "
                                                   f"but {self.module_file or 'it'} is not listed in the manifest's files")
-        if self.module_sha256 and not (self.module_file and _SHA256.fullmatch(self.module_sha256)):
-            fail("module_sha256", self.module_sha256, "it must be 64 lowercase hex digits, beside a module_file")
+        if self.module_digest and not (self.module_file and is_hex(self.module_digest)):
+            fail("module_digest", self.module_digest, "it must be 64 lowercase hex digits, beside a module_file")
         if self.migrated_from and not (
                 set(self.migrated_from) == {"format", "dp_world_size"}
                 and isinstance(self.migrated_from["format"], str) and 0 < len(self.migrated_from["format"]) <= _MAX_ORIGIN
@@ -396,7 +403,13 @@ _MAX_ORIGIN = 64
 _MAX_BLOCK = 1 << 24
 _MAX_NUMEL = 1 << 50
 _MAX_LEAD = 64
-_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _file_record(entry: dict[str, Any], version: int) -> FileRecord:
+    """A manifest's ``files`` entry (checked by ``check_types``: one digest key) as a record; before version 4 every
+    digest is SHA-256."""
+    algorithm = next(name for name in ALGORITHMS if name in entry) if version >= 4 else SHA256
+    return FileRecord(entry["path"], entry["size"], entry[algorithm], algorithm)
 def owner_only(path_or_fd: str | int) -> None:
     """Remove group and other write permission from a proof file zero_bnb just wrote (a manifest, an output record),
     whatever the umask: :func:`zero_bnb.format.ownership.distrust` trusts only files no one else can write. Local."""

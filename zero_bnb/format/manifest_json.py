@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from zero_bnb.errors import CheckpointFormatError
+from zero_bnb.format.digests import ALGORITHMS, SHA256
 from zero_bnb.format.masters import FULL
 
 __all__ = ["MAX_MANIFEST_BYTES", "MAX_MANIFEST_DEPTH", "check_bounds", "check_types", "json_is", "json_items"]
@@ -23,7 +24,8 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "dp_world_size": int, "block_size": int, "optimizer_class": str, "optimizer_spec": str, "groups": list,
     "shards": list, "files": list, "non_finite": dict, "versions": dict, "format_version": int,
 }
-_OPTIONAL_TYPES: dict[str, type] = {"module_file": str, "module_sha256": str, "migrated_from": dict}
+_OPTIONAL_TYPES: dict[str, type] = {"module_file": str, "module_sha256": str, "module_digest": str,
+                                     "migrated_from": dict}
 
 
 def check_bounds(text: str, source: str) -> None:
@@ -93,10 +95,14 @@ def check_types(data: dict[str, Any], source: str) -> None:
     if isinstance(non_finite, dict) and not all(isinstance(v, list) and all(isinstance(k, str) for k in v)
                                                 for v in non_finite.values()):
         problems.append("non_finite must map parameter names to lists of strings")
+    # version 4 names each file's digest algorithm by its key; earlier versions hold SHA-256 only
+    algorithms = ALGORITHMS if json_is(data.get("format_version"), int) and data["format_version"] >= 4 else (SHA256,)
     for f, record in enumerate(json_items(data.get("files"))):
         if not (isinstance(record, dict) and isinstance(record.get("path"), str) and json_is(record.get("size"), int)
-                and isinstance(record.get("sha256"), str)):
-            problems.append(f"files[{f}] must be {{path: string, size: integer, sha256: string}}")
+                and len(set(record) - {"path", "size"}) == 1
+                and any(isinstance(record.get(name), str) for name in algorithms)):
+            problems.append(f"files[{f}] must be {{path: string, size: integer, <algorithm>: string}} with one "
+                            f"algorithm of {list(algorithms)}")
     if problems:
         raise CheckpointFormatError(f"{source} has malformed fields: {'; '.join(problems[:8])}; the manifest was not "
                                     f"written by zero_bnb or was edited")

@@ -11,14 +11,13 @@ manifest's ``GroupEntry.masters``):
 * :data:`MODULE_LOW16` (``"module+low16"``): bf16 training; the shard holds each master's bottom
   16 bits and a short exception list (:mod:`zero_bnb.core.residual`), the model file the rest.
 
-A derived shard group records the SHA-256 of the module weights it was split against, per
-parameter, so a model file edited or replaced after the save is named, never combined into wrong
-masters. Local functions, no collectives.
+A derived shard group records a digest of the module weights it was split against, per parameter
+(``module_blake3``, or ``module_sha256``: :mod:`zero_bnb.format.digests`), so a model file edited or
+replaced after the save is named, never combined into wrong masters. Local functions, no collectives.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ import torch
 
 from zero_bnb.core.residual import Residual, join_bf16, split_bf16
 from zero_bnb.errors import CheckpointFormatError
+from zero_bnb.format import digests as _digests
 
 __all__ = ["FULL", "MODULE", "MODULE_BYTES", "MODULE_LOW16", "SHARD_BYTES", "STORAGES", "DerivedMasters", "casts_like_masters",
            "check_module", "derive", "derived_problems", "module_dtype", "module_slice", "piece_digest", "piece_digests", "rebuild",
@@ -41,7 +41,9 @@ STORAGES = (FULL, MODULE, MODULE_LOW16)
 SHARD_BYTES = {FULL: 4, MODULE: 0, MODULE_LOW16: 2}
 MODULE_BYTES = {FULL: 0, MODULE: 4, MODULE_LOW16: 2}
 _MODULE_DTYPES = {MODULE: torch.float32, MODULE_LOW16: torch.bfloat16}
-_DIGESTS, _LOW, _INDEX, _VALUE = "module_sha256", "low16", "exception_index", "exception_value"
+_LOW, _INDEX, _VALUE = "low16", "exception_index", "exception_value"
+#: The key of a derived group's piece digests, by algorithm.
+_DIGEST_KEYS = {f"module_{algorithm}": algorithm for algorithm in _digests.ALGORITHMS}
 
 
 def module_dtype(storage: str) -> torch.dtype | None:
@@ -53,23 +55,26 @@ def module_dtype(storage: str) -> torch.dtype | None:
 class DerivedMasters:
     """The master-weight part of one shard group stored as :data:`MODULE` or :data:`MODULE_LOW16`.
 
-    ``digests`` maps each parameter overlapping the shard's range to the SHA-256 of its module
-    weights there; ``residual`` is ``None`` for :data:`MODULE`.
+    ``digests`` maps each parameter overlapping the shard's range to the ``algorithm`` digest of its
+    module weights there; ``residual`` is ``None`` for :data:`MODULE`.
     """
 
     digests: Mapping[str, str]
     residual: Residual | None = None
+    algorithm: str = _digests.SHA256
 
     def to_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = {_DIGESTS: dict(self.digests)}
+        data: dict[str, Any] = {f"module_{self.algorithm}": dict(self.digests)}
         if self.residual is not None:
             data.update({_LOW: self.residual.low, _INDEX: self.residual.index, _VALUE: self.residual.value})
         return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DerivedMasters:
+        """The entry :meth:`to_dict` made (checked by :func:`derived_problems`: one digest key)."""
+        key = next(key for key in _DIGEST_KEYS if key in data)
         residual = Residual(data[_LOW], data[_INDEX], data[_VALUE]) if _LOW in data else None
-        return cls(dict(data[_DIGESTS]), residual)
+        return cls(dict(data[key]), residual, _DIGEST_KEYS[key])
 
     @property
     def nbytes(self) -> int:
@@ -91,9 +96,13 @@ def _pieces(params, tensors: Mapping[str, torch.Tensor], start: int, end: int) -
         yield param.name, tensors[param.name].detach().reshape(-1)[lo - param.offset : hi - param.offset]
 
 
-def piece_digest(piece: torch.Tensor) -> str:
-    """SHA-256 (hex) of a module-weight piece's bytes, as a derived shard group records it."""
-    return hashlib.sha256(piece.to("cpu").contiguous().view(torch.uint8).numpy()).hexdigest()
+def piece_digest(piece: torch.Tensor, algorithm: str | None = None) -> str:
+    """The ``algorithm`` digest (hex; by default the one this process writes,
+    :func:`~zero_bnb.format.digests.writing_algorithm`) of a module-weight piece's bytes, as a derived shard group
+    records it."""
+    algorithm = algorithm or _digests.writing_algorithm()
+    return _digests.hexdigest(algorithm, piece.to("cpu").contiguous().view(torch.uint8).numpy(),
+                              what="the shard's master weights")
 
 
 def module_slice(params, tensors: Mapping[str, torch.Tensor], start: int, end: int) -> torch.Tensor:
@@ -140,24 +149,26 @@ def derive(storage: str, master: torch.Tensor, weight: torch.Tensor, params, sta
     checked that the weights are the masters' rounding (``core.residual.rounds_to``), and may pass what it made
     meanwhile: the :data:`MODULE_LOW16` ``residual`` (``core.residual.split_rounded_bf16``) and the
     :func:`piece_digests`; what it does not pass is made here."""
+    algorithm = _digests.writing_algorithm()  # what piece_digests used, made here or by the caller
     digests = piece_digests(params, weight, start, end) if digests is None else dict(digests)
     if storage == MODULE:
-        return DerivedMasters(digests)
-    return DerivedMasters(digests, split_bf16(master, weight) if residual is None else residual)
+        return DerivedMasters(digests, algorithm=algorithm)
+    return DerivedMasters(digests, split_bf16(master, weight) if residual is None else residual, algorithm)
 
 
 def check_module(storage: str, derived: DerivedMasters, params, module: Mapping[str, Any], start: int, end: int, *,
                  model_file: str, shard_file: str) -> list:
     """Check that the model file's ``module`` dict holds, for the range ``[start, end)``, the module weights a shard
-    group stored as ``storage`` was saved against (dtype, shape, SHA-256 of each piece); returns the parameters
+    group stored as ``storage`` was saved against (dtype, shape, digest of each piece); returns the parameters
     (``ParamEntry``) overlapping the range. The pieces are hashed even where the whole model file was verified: the
-    manifest records what the save wrote, but a manifest can be re-signed with the edited file's SHA-256 (its
-    ``module_sha256`` too); the per-piece SHA-256s in the shard are what binds the masters to the weights.
+    manifest records what the save wrote, but a manifest can be re-signed with the edited file's digest (its
+    ``module_digest`` too); the per-piece digests in the shard are what binds the masters to the weights.
 
     Raises:
         CheckpointFormatError: a module weight is missing or has another shape or dtype.
             Also: a module weight differs from the one the shard was saved against (the model file was
-            edited or replaced after the save), naming the parameters.
+            edited or replaced after the save), naming the parameters; or the digests are BLAKE3 and the
+            ``blake3`` package is not installed.
     """
     dtype = module_dtype(storage)
     overlapping = [p for p, _, _ in _overlaps(params, start, end)]
@@ -171,11 +182,11 @@ def check_module(storage: str, derived: DerivedMasters, params, module: Mapping[
             f"edited or replaced after the save. Restore it, or load an earlier tag"
         )
     changed = [name for name, piece in _pieces(overlapping, module, start, end)
-               if derived.digests.get(name) != piece_digest(piece)]
+               if derived.digests.get(name) != piece_digest(piece, derived.algorithm)]
     if changed or set(derived.digests) != {p.name for p in overlapping}:
         raise CheckpointFormatError(
             f"{model_file}: the module weights of {(changed or sorted(derived.digests))[:5]} are not the ones the "
-            f"master weights in {shard_file} were saved against (SHA-256 differs); the model file was edited or "
+            f"master weights in {shard_file} were saved against ({derived.algorithm} differs); the model file was edited or "
             f"replaced after the save, so the masters cannot be rebuilt. Restore the original model file, or load "
             f"an earlier tag"
         )
@@ -221,11 +232,13 @@ def _describe(value: Any) -> str:
 def derived_problems(data: Any, storage: str, length: int) -> list[str]:
     """What is wrong with a shard group's stored ``masters`` entry for ``storage`` and ``length`` saved elements
     (types, dtypes, shapes; exception indices increasing and in range). Reads the small exception list only."""
-    if not isinstance(data, dict) or not isinstance(data.get(_DIGESTS), dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in data[_DIGESTS].items()):
-        return [f"'masters' is not {{{_DIGESTS!r}: {{name: sha256}}, ...}}"]
+    keys = [key for key in _DIGEST_KEYS if isinstance(data, dict) and key in data]
+    if len(keys) != 1 or not isinstance(data[keys[0]], dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in data[keys[0]].items()):
+        return [f"'masters' is not {{'module_<algorithm>': {{name: digest}}, ...}} with one algorithm of "
+                f"{list(_digests.ALGORITHMS)}"]
     if storage == MODULE:
-        return [] if set(data) == {_DIGESTS} else [f"'masters' holds {sorted(data)}, not only {_DIGESTS!r}"]
+        return [] if set(data) == set(keys) else [f"'masters' holds {sorted(data)}, not only {keys[0]!r}"]
     low, index, value = data.get(_LOW), data.get(_INDEX), data.get(_VALUE)
     if not (isinstance(low, torch.Tensor) and low.dtype == torch.int16 and tuple(low.shape) == (length,)):
         return [f"'masters' {_LOW!r} must be int16 ({length},), is {_describe(low)}"]

@@ -14,7 +14,6 @@ Local, no collectives; any process may call it.
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import stat
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from contextlib import contextmanager
 from typing import BinaryIO
 
 from zero_bnb.errors import CheckpointCorruptError, CheckpointError, CheckpointFormatError, CheckpointReplacedError
+from zero_bnb.format import digests
 
 __all__ = ["MAX_HELD", "PinnedFolder"]
 
@@ -180,9 +180,11 @@ class PinnedFolder:
         with self._descriptor(relative) as fd:
             return os.pread(fd, limit, 0)
 
-    def digest(self, relative: str) -> tuple[int, str]:
-        """Size and SHA-256 (hex) of the content of ``relative``, read through its descriptor."""
-        digest, size = hashlib.sha256(), 0
+    def digest(self, relative: str, algorithm: str = digests.SHA256) -> tuple[int, str]:
+        """Size and ``algorithm`` digest (hex; a BLAKE3 one with :func:`~zero_bnb.format.digests.spare_threads`) of
+        the content of ``relative``, read through its descriptor."""
+        threads = digests.spare_threads() if algorithm == digests.BLAKE3 else 1
+        digest, size = digests.new(algorithm, threads=threads, what=os.path.join(self.path, relative)), 0
         for chunk in self._chunks(relative):
             digest.update(chunk)
             size += len(chunk)

@@ -62,18 +62,18 @@ class CheckpointReader:
         self._checked: set[tuple[int, int]] = set()  # (shard, group) whose module weights were checked
         self._module: dict | None = None  # the model file's module weights, for derived masters
         self._unclaimed: dict[str, object] = {}  # a model file read for masters, not yet handed to load()
-        #: Every file's SHA-256 was checked against the manifest: by :meth:`verify` of all files here, or by a load
+        #: Every file's digest was checked against the manifest: by :meth:`verify` of all files here, or by a load
         #: whose ranks each verified a share and agreed (it sets this).
         self.verified = False
 
     @property
     def identity(self) -> str:
-        """Which save this is: the SHA-256 of its manifest, which records every file's SHA-256 (comparable
+        """Which save this is: the SHA-256 of its manifest, which records every file's digest (comparable
         across nodes, unlike inode numbers)."""
         return self._manifest_digest
 
     def verify(self, rank: int = 0, world_size: int = 1, *, progress: bool = False) -> int:
-        """Check this rank's share of the files' SHA-256 (with ``world_size`` 1 every file: :attr:`verified`);
+        """Check this rank's share of the files' digests (with ``world_size`` 1 every file: :attr:`verified`);
         returns the bytes read."""
         read = verify_checksums(self.files, self.manifest, rank, world_size, progress=progress)
         self.verified = self.verified or world_size == 1
@@ -159,7 +159,7 @@ class CheckpointReader:
 
     def check_module_weights(self, rank: int = 0, world_size: int = 1) -> None:
         """Check this process's share (shards ``rank``, ``rank + world_size``, ...) of the module weights that
-        derived masters are rebuilt from (dtype, shape and SHA-256 of every piece, as a rebuild checks them, verified
+        derived masters are rebuilt from (dtype, shape and digest of every piece, as a rebuild checks them, verified
         or not: a re-signed manifest cannot vouch for an edited model file), without rebuilding; shards whose masters
         were rebuilt here already were checked then. Call after
         :meth:`preload`. Once every process of a load has called it with its rank, every piece was checked by one

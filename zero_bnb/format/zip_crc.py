@@ -1,7 +1,7 @@
 """torch.save without the zip format's CRC-32, for the calling thread only.
 
 ``torch.load`` never checks a record's CRC-32 (PyTorch's reader is built without the check) and zero_bnb verifies
-every file by the SHA-256 in its manifest, so :mod:`zero_bnb.format.durable` writes ``torch.save`` files without it:
+every file by the digest in its manifest, so :mod:`zero_bnb.format.durable` writes ``torch.save`` files without it:
 serialising is about three times cheaper. torch's own switch (``torch.serialization.set_crc32_options``) is
 process-wide, and the user's code may ``torch.save`` files zero_bnb does not own at the same time (an asynchronous
 save's writer thread runs beside training), so zero_bnb never touches it: at the first use it wraps
@@ -49,7 +49,7 @@ def _wrap_getter() -> bool:
 @contextmanager
 def without_zip_crc32() -> Iterator[None]:
     """``torch.save`` calls of this thread inside the block compute no CRC-32 per zip record (``torch.load`` never
-    checks it; the manifest's SHA-256 covers every byte). Other threads' ``torch.save`` calls, meanwhile too, and
+    checks it; the manifest's digest covers every byte). Other threads' ``torch.save`` calls, meanwhile too, and
     torch's process-wide setting are untouched. Blocks nest."""
     if not _wrap_getter():
         yield
