@@ -135,6 +135,7 @@ def test_inspect_summarises_the_checkpoint(work):
     assert states["state1"]["8bit"] and states["state1"]["bytes"] == 24960 and states["qmap1"]["kind"] == "replicated"
     assert not any(s["8bit"] for s in summary["groups"][1]["states"])
     assert {f["path"] for f in summary["files"]} >= {"mp_rank_00_model_states.pt", "zero_bnb/replicated.pt"}
+    assert {(f["algorithm"], len(f["digest"])) for f in summary["files"]} == {("blake3", 64)}
     assert set(summary["versions"]) == {"zero_bnb", "torch", "deepspeed", "bitsandbytes"}
     # fp32 training: the masters are the module weights of DeepSpeed's model file, stored nowhere else
     assert [g["masters"] for g in summary["groups"]] == [{"storage": "module", "bytes": 0}] * 3
@@ -167,6 +168,7 @@ def test_checkpoints_of_format_2_with_whole_masters_still_verify_inspect_and_exp
     assert "manifest format 2" in _ok([cli("verify", old)], 0)
     summary = json.loads(_ok([cli("inspect", old, "--json")], 0))
     assert summary["format_version"] == 2 and {g["masters"]["storage"] for g in summary["groups"]} == {"fp32"}
+    assert {f["algorithm"] for f in summary["files"]} == {"sha256"}
     _ok([cli("export", old, "--to", "fp32", tmp_path / "old.safetensors")], 0)
     _ok([cli("export", workdir / "back", "--to", "fp32", tmp_path / "new.safetensors")], 0)
     before, after = load_file(tmp_path / "old.safetensors"), load_file(tmp_path / "new.safetensors")

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from zero_bnb.errors import CheckpointFormatError
 from zero_bnb.format import digests, durable
 from zero_bnb.format.durable import FileRecord
-from zero_bnb.format.manifest import Manifest
-from zero_bnb.format.masters import MODULE, DerivedMasters, derive, derived_problems, piece_digest
+from zero_bnb.format.manifest import FORMAT_VERSION, Manifest
+from zero_bnb.format.masters import MODULE, MODULE_LOW16, DerivedMasters, derive, derived_problems, piece_digest
 
 
 def test_blake3_is_what_a_process_with_the_package_writes_and_sha256_what_one_without_it_writes(monkeypatch, caplog):
@@ -44,16 +44,21 @@ def test_hashing_in_pieces_or_with_threads_gives_the_packages_digest(data, threa
         assert hasher.hexdigest() == package(data).hexdigest()
 
 
-@pytest.mark.parametrize(("cores", "ranks", "threads"), [
-    (2, "1", 1), (3, "1", 1), (4, "1", 3), (16, "1", 8), (16, "8", 1), (16, "4", 3), (64, "8", 7), (8, None, 7),
-    (8, "garbage", 7), (8, "0", 7),
+@pytest.mark.parametrize(("cores", "variable", "ranks", "threads"), [
+    (2, "LOCAL_WORLD_SIZE", "1", 1), (3, "LOCAL_WORLD_SIZE", "1", 1), (4, "LOCAL_WORLD_SIZE", "1", 3),
+    (16, "LOCAL_WORLD_SIZE", "1", 8), (16, "LOCAL_WORLD_SIZE", "8", 1), (16, "LOCAL_WORLD_SIZE", "4", 3),
+    (64, "LOCAL_WORLD_SIZE", "8", 7), (8, None, None, 7),
+    (16, "LOCAL_SIZE", "8", 1), (16, "OMPI_COMM_WORLD_LOCAL_SIZE", "8", 1),  # DeepSpeed's launcher, Open MPI
+    (16, "LOCAL_WORLD_SIZE", "garbage", 1), (16, "LOCAL_WORLD_SIZE", "0", 1), (16, "LOCAL_WORLD_SIZE", "-5", 1),
+    (16, "LOCAL_WORLD_SIZE", "2.0", 1), (16, "LOCAL_WORLD_SIZE", "1e9", 1), (16, "LOCAL_WORLD_SIZE", "1000000000", 1),
 ])
-def test_blake3_threads_only_where_this_ranks_share_of_the_cores_leaves_two_idle(monkeypatch, cores, ranks, threads):
+def test_blake3_threads_only_where_this_ranks_share_of_the_cores_leaves_two_idle(monkeypatch, cores, variable, ranks,
+                                                                               threads):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
-    if ranks is None:
-        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    else:
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    if variable is not None:
+        monkeypatch.setenv(variable, ranks)
     assert digests.spare_threads() == threads
 
 
@@ -115,6 +120,8 @@ def _signed(data: dict) -> str:
 def test_file_records_must_name_one_known_algorithm_with_a_hex_digest(version, entry, accepted):
     data = json.loads(_manifest([FileRecord("zero_bnb/shard_00000-of-00001.pt", 12, "ab" * 32)]).to_json())
     data["format_version"] = version
+    if version < 4:
+        del data["module_digest"]  # module_sha256 then
     data["files"] = [{"path": "zero_bnb/shard_00000-of-00001.pt", "size": 12, **entry}]
     if accepted:
         (algorithm, digest), = entry.items()
@@ -136,8 +143,32 @@ def test_a_derived_groups_piece_digests_name_their_algorithm_and_read_back(monke
         data = derived.to_dict()
         assert data == {f"module_{algorithm}": {"a": package(weight[:5].numpy().tobytes()).hexdigest(),
                                                 "b": package(weight[5:].numpy().tobytes()).hexdigest()}}
-        assert derived_problems(data, MODULE, 12) == []
+        assert derived_problems(data, MODULE, 12, FORMAT_VERSION) == []
+        assert bool(derived_problems(data, MODULE, 12, 3)) == (algorithm == digests.BLAKE3)  # SHA-256 only before 4
         assert DerivedMasters.from_dict(data) == derived and derived.algorithm == algorithm
         assert piece_digest(weight[:5], algorithm) == data[f"module_{algorithm}"]["a"]
-    both = {"module_sha256": {}, "module_blake3": {}}
-    assert derived_problems(both, MODULE, 12) and derived_problems({"module_md5": {}}, MODULE, 12)
+    for bad in ({"module_sha256": {}, "module_blake3": {}}, {"module_md5": {}}, {"module_blake3": {"a": "AB" * 32}},
+                {"module_blake3": {"a": "ab" * 31}}, {"module_blake3": {"a": 7}}, {"module_blake3": {}, "junk": 1}):
+        assert derived_problems(bad, MODULE, 12, 4), bad
+    low16 = {"module_blake3": {}, "low16": torch.zeros(12, dtype=torch.int16),
+             "exception_index": torch.zeros(0, dtype=torch.int64), "exception_value": torch.zeros(0)}
+    assert derived_problems(low16, MODULE_LOW16, 12, 4) == []
+    assert derived_problems({**low16, "module_md5": {}}, MODULE_LOW16, 12, 4)  # no key beyond the four
+
+
+@pytest.mark.parametrize(("version", "field", "accepted"), [
+    (4, "module_digest", True), (4, "module_sha256", False), (3, "module_sha256", True), (3, "module_digest", False),
+])
+def test_the_model_files_digest_is_named_as_its_format_version_names_it(version, field, accepted):
+    data = json.loads(_manifest([FileRecord("mp_rank_00_model_states.pt", 7, "cd" * 32)]).to_json())
+    del data["module_digest"]
+    data.update({"format_version": version, "module_file": "mp_rank_00_model_states.pt", field: "cd" * 32})
+    data["files"] = [{"path": "mp_rank_00_model_states.pt", "size": 7, "sha256": "cd" * 32},
+                     {"path": "zero_bnb/shard_00000-of-00001.pt", "size": 12, "sha256": "ab" * 32}]
+    if accepted:
+        assert Manifest.from_json(_signed(data)).module_digest == "cd" * 32
+        with pytest.raises(CheckpointFormatError, match="module_digest=.*64 lowercase hex digits"):
+            Manifest.from_json(_signed({**data, field: "CD" * 32}))
+    else:
+        with pytest.raises(CheckpointFormatError, match=f"{field} is not a field of format version {version}"):
+            Manifest.from_json(_signed(data))

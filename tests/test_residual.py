@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from zero_bnb.core.residual import CHUNK, join_bf16, rounds_to, split_bf16, split_rounded_bf16
 from zero_bnb.errors import CheckpointFormatError
-from zero_bnb.format.manifest import ParamEntry
+from zero_bnb.format.manifest import FORMAT_VERSION, ParamEntry
 from zero_bnb.format.masters import (FULL, MODULE, MODULE_LOW16, casts_like_masters, check_module, derive,
                                      derived_problems, module_slice, rebuild, rebuild_into)
 
@@ -177,7 +177,7 @@ def test_derived_masters_rebuild_exactly_from_the_module_weights(storage, start,
     weight = module_slice(params, module, start, end)
     assert weight.dtype == dtype and master.dtype == torch.float32 and weight.numel() == end - start
     derived = derive(storage, master, weight, params, start, end)
-    assert derived_problems(derived.to_dict(), storage, end - start) == []
+    assert derived_problems(derived.to_dict(), storage, end - start, FORMAT_VERSION) == []
     rebuilt = rebuild(storage, derived, params, module, start, end, model_file="m.pt", shard_file="s.pt")
     assert torch.equal(rebuilt.view(torch.int32), master.view(torch.int32))
 
@@ -265,15 +265,15 @@ def test_malformed_stored_residuals_are_refused():
     module = {name: value.to(torch.bfloat16) for name, value in masters.items()}
     good = derive(MODULE_LOW16, module_slice(params, masters, 0, 21), module_slice(params, module, 0, 21),
                   params, 0, 21).to_dict()
-    assert derived_problems(None, MODULE, 21)
-    assert derived_problems(dict(good, low16=good["low16"][:-1]), MODULE_LOW16, 21)
+    assert derived_problems(None, MODULE, 21, FORMAT_VERSION)
+    assert derived_problems(dict(good, low16=good["low16"][:-1]), MODULE_LOW16, 21, FORMAT_VERSION)
     assert derived_problems(dict(good, exception_index=torch.tensor([3, 3]), exception_value=torch.zeros(2)),
-                            MODULE_LOW16, 21)
+                            MODULE_LOW16, 21, FORMAT_VERSION)
     assert derived_problems(dict(good, exception_index=torch.tensor([21]), exception_value=torch.zeros(1)),
-                            MODULE_LOW16, 21)
+                            MODULE_LOW16, 21, FORMAT_VERSION)
     assert derived_problems(dict(good, exception_index=torch.tensor([1]), exception_value=torch.zeros(2)),
-                            MODULE_LOW16, 21)
-    assert derived_problems(good, MODULE, 21)  # a residual where the manifest says none
+                            MODULE_LOW16, 21, FORMAT_VERSION)
+    assert derived_problems(good, MODULE, 21, FORMAT_VERSION)  # a residual where the manifest says none
 
 
 def test_module_weights_stand_for_the_masters_cast_only_where_they_are_that_cast():

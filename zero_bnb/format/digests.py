@@ -65,18 +65,26 @@ def writing_algorithm() -> str:
     return SHA256
 
 
+#: Where launchers put the number of ranks on this host: torchrun, DeepSpeed's launcher, Open MPI.
+_LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
 def spare_threads() -> int:
     """How many threads one BLAKE3 hash may use: 1, unless this process's share of the cores it may run on (those
-    cores divided among the ranks of this host, ``LOCAL_WORLD_SIZE``) leaves at least two idle beside the thread that
-    serialises and the one that hashes; then the idle ones (at most 8). The digest is the same for every count."""
+    cores divided among the ranks of this host, as the launcher says: :data:`_LOCAL_SIZE_VARIABLES`, the first one
+    set) leaves at least two idle beside the thread that serialises and the one that hashes; then the idle ones (at
+    most 8). A count that is not a positive integer gives 1. The digest is the same for every count."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
+    given = next((os.environ[name] for name in _LOCAL_SIZE_VARIABLES if os.environ.get(name)), "1")
     try:
-        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        ranks = int(given)
     except ValueError:
-        ranks = 1
+        return 1
+    if ranks < 1:
+        return 1
     idle = cores // ranks - 2
     return min(_MAX_THREADS, idle + 1) if idle >= 2 else 1
 
@@ -96,7 +104,7 @@ def new(algorithm: str, *, threads: int = 1, what: str = "this checkpoint") -> H
     if _blake3 is None:
         raise CheckpointFormatError(
             f"{what} records BLAKE3 digests, but the 'blake3' package (a dependency of zero_bnb) is not installed in "
-            f"this Python environment, so its files cannot be verified: pip install 'blake3>=1.0,<2'")
+            f"this Python environment, so they cannot be checked: pip install 'blake3>=1.0,<2'")
     return _blake3.blake3(max_threads=threads if threads > 1 else 1)
 
 

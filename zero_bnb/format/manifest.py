@@ -184,7 +184,9 @@ class Manifest:
     state key) that held NaN/Inf when the checkpoint was written. ``module_file`` names DeepSpeed's model
     file (relative to the tag folder) when some group's masters derive from its module weights, and
     ``module_digest`` its digest as saved, in its record's algorithm (what those masters were split against; empty in
-    older checkpoints; ``module_sha256`` in the JSON before format version 4).
+    older checkpoints; ``module_sha256`` in the JSON before format version 4). Informational: nothing reads it, as a
+    manifest re-signed over an edited model file can carry any value; the shards' per-piece digests are what bind
+    the masters to the weights (:func:`zero_bnb.format.masters.check_module`).
     ``migrated_from`` describes the checkpoint an offline tool rewrote into this one (``zero-bnb convert`` of a stock
     DeepSpeed checkpoint): ``{"format": "stock DeepSpeed", "dp_world_size": 2}``, the DP size that run saved at,
     while ``dp_world_size`` is the layout written here (one partition); empty for a checkpoint a training run saved.
@@ -410,6 +412,8 @@ def _file_record(entry: dict[str, Any], version: int) -> FileRecord:
     digest is SHA-256."""
     algorithm = next(name for name in ALGORITHMS if name in entry) if version >= 4 else SHA256
     return FileRecord(entry["path"], entry["size"], entry[algorithm], algorithm)
+
+
 def owner_only(path_or_fd: str | int) -> None:
     """Remove group and other write permission from a proof file zero_bnb just wrote (a manifest, an output record),
     whatever the umask: :func:`zero_bnb.format.ownership.distrust` trusts only files no one else can write. Local."""

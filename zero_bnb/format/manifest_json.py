@@ -95,8 +95,13 @@ def check_types(data: dict[str, Any], source: str) -> None:
     if isinstance(non_finite, dict) and not all(isinstance(v, list) and all(isinstance(k, str) for k in v)
                                                 for v in non_finite.values()):
         problems.append("non_finite must map parameter names to lists of strings")
-    # version 4 names each file's digest algorithm by its key; earlier versions hold SHA-256 only
-    algorithms = ALGORITHMS if json_is(data.get("format_version"), int) and data["format_version"] >= 4 else (SHA256,)
+    # version 4 names each file's digest algorithm by its key, and the module file's digest module_digest; earlier
+    # versions hold SHA-256 only, the module file's as module_sha256
+    modern = json_is(data.get("format_version"), int) and data["format_version"] >= 4
+    algorithms = ALGORITHMS if modern else (SHA256,)
+    other = "module_sha256" if modern else "module_digest"
+    if other in data:
+        problems.append(f"{other} is not a field of format version {data.get('format_version')!r}")
     for f, record in enumerate(json_items(data.get("files"))):
         if not (isinstance(record, dict) and isinstance(record.get("path"), str) and json_is(record.get("size"), int)
                 and len(set(record) - {"path", "size"}) == 1

@@ -96,13 +96,12 @@ def _pieces(params, tensors: Mapping[str, torch.Tensor], start: int, end: int) -
         yield param.name, tensors[param.name].detach().reshape(-1)[lo - param.offset : hi - param.offset]
 
 
-def piece_digest(piece: torch.Tensor, algorithm: str | None = None) -> str:
+def piece_digest(piece: torch.Tensor, algorithm: str | None = None, *, what: str = "this checkpoint") -> str:
     """The ``algorithm`` digest (hex; by default the one this process writes,
     :func:`~zero_bnb.format.digests.writing_algorithm`) of a module-weight piece's bytes, as a derived shard group
-    records it."""
+    records it; ``what`` names the file that records it in an error (a missing ``blake3`` package)."""
     algorithm = algorithm or _digests.writing_algorithm()
-    return _digests.hexdigest(algorithm, piece.to("cpu").contiguous().view(torch.uint8).numpy(),
-                              what="the shard's master weights")
+    return _digests.hexdigest(algorithm, piece.to("cpu").contiguous().view(torch.uint8).numpy(), what=what)
 
 
 def module_slice(params, tensors: Mapping[str, torch.Tensor], start: int, end: int) -> torch.Tensor:
@@ -182,7 +181,7 @@ def check_module(storage: str, derived: DerivedMasters, params, module: Mapping[
             f"edited or replaced after the save. Restore it, or load an earlier tag"
         )
     changed = [name for name, piece in _pieces(overlapping, module, start, end)
-               if derived.digests.get(name) != piece_digest(piece, derived.algorithm)]
+               if derived.digests.get(name) != piece_digest(piece, derived.algorithm, what=shard_file)]
     if changed or set(derived.digests) != {p.name for p in overlapping}:
         raise CheckpointFormatError(
             f"{model_file}: the module weights of {(changed or sorted(derived.digests))[:5]} are not the ones the "
@@ -229,16 +228,22 @@ def _describe(value: Any) -> str:
     return "missing" if value is None else type(value).__name__
 
 
-def derived_problems(data: Any, storage: str, length: int) -> list[str]:
-    """What is wrong with a shard group's stored ``masters`` entry for ``storage`` and ``length`` saved elements
-    (types, dtypes, shapes; exception indices increasing and in range). Reads the small exception list only."""
-    keys = [key for key in _DIGEST_KEYS if isinstance(data, dict) and key in data]
+def derived_problems(data: Any, storage: str, length: int, format_version: int) -> list[str]:
+    """What is wrong with a shard group's stored ``masters`` entry for ``storage`` and ``length`` saved elements, in
+    a checkpoint of ``format_version`` (one digest key, SHA-256 before version 4; digests 64 lowercase hex digits;
+    no other keys; dtypes and shapes; exception indices increasing and in range). Reads the small exception list
+    only."""
+    allowed = _DIGEST_KEYS if format_version >= 4 else {"module_sha256": _digests.SHA256}
+    keys = [key for key in allowed if isinstance(data, dict) and key in data]
     if len(keys) != 1 or not isinstance(data[keys[0]], dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in data[keys[0]].items()):
-        return [f"'masters' is not {{'module_<algorithm>': {{name: digest}}, ...}} with one algorithm of "
-                f"{list(_digests.ALGORITHMS)}"]
+            isinstance(k, str) and _digests.is_hex(v) for k, v in data[keys[0]].items()):
+        return [f"'masters' is not {{'module_<algorithm>': {{name: digest of 64 lowercase hex digits}}, ...}} with "
+                f"one algorithm of {sorted(allowed.values())} (format version {format_version})"]
+    expected = {keys[0]} if storage == MODULE else {keys[0], _LOW, _INDEX, _VALUE}
+    if set(data) != expected:
+        return [f"'masters' holds {sorted(data)}, not {sorted(expected)}"]
     if storage == MODULE:
-        return [] if set(data) == set(keys) else [f"'masters' holds {sorted(data)}, not only {keys[0]!r}"]
+        return []
     low, index, value = data.get(_LOW), data.get(_INDEX), data.get(_VALUE)
     if not (isinstance(low, torch.Tensor) and low.dtype == torch.int16 and tuple(low.shape) == (length,)):
         return [f"'masters' {_LOW!r} must be int16 ({length},), is {_describe(low)}"]

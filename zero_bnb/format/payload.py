@@ -188,7 +188,8 @@ def _check_shard(shard: Any, manifest: Manifest, rank: int, source: str) -> None
             problems.append(f"group {index} holds {MASTER_KEY!r} masters, but the manifest says {entry.masters!r}")
         else:
             problems += [f"group {index} {problem}" for problem in
-                         derived_problems(group.get(_MASTERS), entry.masters, length(StateKind.ELEMENTWISE))]
+                         derived_problems(group.get(_MASTERS), entry.masters, length(StateKind.ELEMENTWISE),
+                                          manifest.format_version)]
         for state in entry.states:
             if not is_partitioned(state.kind):
                 continue

@@ -75,7 +75,8 @@ def inspect_checkpoint(path: str, tag: str | None = None) -> dict[str, Any]:
         "parameters": sum(entry.numel for entry in manifest.groups),
         "bytes": total,
         "bytes_by_kind": by_kind,
-        "files": [{"path": f.path, "bytes": f.size, f.algorithm: f.digest} for f in manifest.files],
+        "files": [{"path": f.path, "bytes": f.size, "algorithm": f.algorithm, "digest": f.digest}
+                  for f in manifest.files],
         "non_finite": manifest.non_finite,
         "versions": manifest.versions,
         "format_version": manifest.format_version,
