@@ -65,8 +65,8 @@ __all__ = [
 FORMAT_NAME = "zero_bnb"
 #: Version 2 stores the loss scaler as plain data (every file loads with ``weights_only=True``); version 3
 #: may derive master weights from the module weights (``GroupEntry.masters``, ``Manifest.module_file``; the
-#: optional ``Manifest.module_sha256`` and ``Manifest.migrated_from``, which older version-3 readers ignore, came later);
-#: version 4 names each digest's algorithm (:mod:`zero_bnb.format.digests`: a file record ``{path, size, blake3}`` or
+#: optional ``Manifest.module_sha256`` and ``Manifest.migrated_from``, which older version-3 readers ignore, came
+#: later); version 4 names each digest's algorithm (:mod:`zero_bnb.format.digests`: a file record ``{path, size, blake3}`` or
 #: ``{path, size, sha256}``, ``module_digest`` in the module file's algorithm, a shard group's ``module_blake3``);
 #: earlier versions hold SHA-256 only.
 FORMAT_VERSION = 4

@@ -185,9 +185,9 @@ def check_module(storage: str, derived: DerivedMasters, params, module: Mapping[
     if changed or set(derived.digests) != {p.name for p in overlapping}:
         raise CheckpointFormatError(
             f"{model_file}: the module weights of {(changed or sorted(derived.digests))[:5]} are not the ones the "
-            f"master weights in {shard_file} were saved against ({derived.algorithm} differs); the model file was edited or "
-            f"replaced after the save, so the masters cannot be rebuilt. Restore the original model file, or load "
-            f"an earlier tag"
+            f"master weights in {shard_file} were saved against ({derived.algorithm} differs); the model file was "
+            f"edited or replaced after the save, so the masters cannot be rebuilt. Restore the original model file, "
+            f"or load an earlier tag"
         )
     return overlapping
 
