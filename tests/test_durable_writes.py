@@ -340,8 +340,8 @@ for warm in range(3):  # the quickest of three: each alarm then falls inside a s
 took = min(took)
 draw, interrupted = random.Random(0), 0
 for trial in range(40):  # one Ctrl-C at a random moment of each save, which is then abandoned
-    signal.setitimer(signal.ITIMER_REAL, draw.uniform(0, took))
     try:
+        signal.setitimer(signal.ITIMER_REAL, draw.uniform(0, took))  # inside: a short alarm may fire at once
         save(f"t{trial}")
         signal.setitimer(signal.ITIMER_REAL, 0)
     except (KeyboardInterrupt, Exception):  # torch.save turns some interrupts into RuntimeError
@@ -393,3 +393,37 @@ def test_bytes_written_after_the_fill_ended_are_dropped_not_raised(tmp_path):
     assert kept[0].write(b"late bytes") == 10  # the handle is closed: dropped, no ValueError
     assert (record.size, record.digest) == durable.digest_file(str(tmp_path / "a.bin"), record.algorithm)
     assert record.size == 3
+
+
+def test_a_helper_call_is_waited_for_through_a_storm_of_interrupts_and_hands_back_its_error():
+    """HelperCall.wait under SIGALRM every 0.5 ms, each raising KeyboardInterrupt: it returns once the call has ended
+    (then re-raises the interrupt), never hangs; concurrent.futures' own wait could leave the future's lock held by
+    an interrupt inside it, and the pool thread then never completed the future (a save hung in the full suite)."""
+    import signal
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from zero_bnb.format.helper_calls import HelperCall
+
+    release = threading.Event()
+
+    def interrupt(*_):
+        if not release.is_set():  # the storm ends with the call: nothing fires into pytest's own code after
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    with ThreadPoolExecutor(2) as pool:
+        threading.Timer(0.3, release.set).start()
+        try:
+            call = HelperCall.submit(pool, release.wait)
+            signal.setitimer(signal.ITIMER_REAL, 0.0005, 0.0005)
+            with pytest.raises(KeyboardInterrupt):
+                call.wait()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        assert call.finished and release.is_set() and call.error is None
+        failing = HelperCall.submit(pool, lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            failing.result()
+    assert HelperCall.submit(pool, print) is None  # a pool that was shut down (the interpreter exiting) runs nothing

@@ -26,7 +26,7 @@ import os
 import shutil
 import stat
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ import torch
 
 from zero_bnb.format import digests
 from zero_bnb.format.direct_io import DirectFile, open_new
+from zero_bnb.format.helper_calls import HelperCall
 from zero_bnb.format.write_back import WRITE_BACK_BYTES, WriteBack
 from zero_bnb.format.zip_crc import without_zip_crc32
 
@@ -124,9 +125,8 @@ class _HashingWriter:
             return view.nbytes
         hashing = None
         if self._hasher is not None and view.nbytes >= _PARALLEL_HASH_BYTES:
-            try:
-                hashing = self._hasher.submit(self._update_in_pieces, view)
-            except RuntimeError:  # the interpreter is exiting (a save a thread finishes then): no new threads
+            hashing = HelperCall.submit(self._hasher, self._update_in_pieces, view)
+            if hashing is None:  # the interpreter is exiting (a save a thread finishes then): no new threads
                 self._hasher = None
         try:
             io_event("write", self._path)
@@ -136,7 +136,7 @@ class _HashingWriter:
             raise
         finally:
             if hashing is not None:
-                _settle(hashing)  # the caller may free or reuse the buffer once this returns
+                hashing.wait()  # the caller may free or reuse the buffer once this returns
         if hashing is None:
             self.hash.update(view)
         else:
@@ -161,19 +161,6 @@ class _HashingWriter:
 
     def flush(self) -> None:
         self._handle.flush()
-
-
-def _settle(future: Future) -> None:
-    """Wait until ``future`` is done, even through an interrupt (Ctrl-C), which is re-raised after: the buffer it
-    reads may be freed as soon as the interrupt unwinds the writer."""
-    interrupted: KeyboardInterrupt | None = None
-    while not future.done():
-        try:
-            wait([future])
-        except KeyboardInterrupt as error:
-            interrupted = error
-    if interrupted is not None:
-        raise interrupted
 
 
 def _durable_write(path: str, root: str, fill: Callable[[_HashingWriter], None]) -> FileRecord:

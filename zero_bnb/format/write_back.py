@@ -21,7 +21,9 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
+
+from zero_bnb.format.helper_calls import HelperCall
 
 __all__ = ["WRITE_BACK_BYTES", "WriteBack", "sync_file_range"]
 
@@ -60,7 +62,7 @@ class WriteBack:
         self._started = 0
         self._call = sync_file_range()
         self._off = self._call is None
-        self._pending: Future | None = None
+        self._pending: HelperCall | None = None
 
     @property
     def started(self) -> int:
@@ -71,12 +73,11 @@ class WriteBack:
         """The file has received ``received`` bytes from its start."""
         if self._off or received - self._started < WRITE_BACK_BYTES:
             return
-        if self._pending is not None and not self._pending.done():
+        if self._pending is not None and not self._pending.finished:
             return  # one call at a time: this range joins the next
         start = self._started
-        try:
-            self._pending = self._pool.submit(self._start, start, received - start)
-        except RuntimeError:  # the interpreter is exiting (a save a thread finishes then): no new threads
+        self._pending = HelperCall.submit(self._pool, self._start, start, received - start)
+        if self._pending is None:  # the interpreter is exiting (a save a thread finishes then): no new threads
             self._off = True
             return
         self._started = received
@@ -86,7 +87,7 @@ class WriteBack:
         self._off = True
         pending, self._pending = self._pending, None
         if pending is not None:
-            wait([pending])
+            pending.wait()
 
     def _start(self, offset: int, nbytes: int) -> None:
         try:
