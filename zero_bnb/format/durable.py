@@ -109,7 +109,7 @@ class _HashingWriter:
         self._hasher = hasher
         self._write_back = write_back
         self.algorithm = digests.writing_algorithm()
-        self._threads = threads if self.algorithm == digests.BLAKE3 else 1
+        self._threads = threads  # only a BLAKE3 hash has threads (digests.new, digests.update_large)
         self.hash = digests.new(self.algorithm, threads=self._threads)
         self.size = 0
         self.error: BaseException | None = None

@@ -183,8 +183,8 @@ class PinnedFolder:
     def digest(self, relative: str, algorithm: str = digests.SHA256) -> tuple[int, str]:
         """Size and ``algorithm`` digest (hex; a BLAKE3 one with :func:`~zero_bnb.format.digests.spare_threads`) of
         the content of ``relative``, read through its descriptor."""
-        threads = digests.spare_threads() if algorithm == digests.BLAKE3 else 1
-        digest, size = digests.new(algorithm, threads=threads, what=os.path.join(self.path, relative)), 0
+        digest = digests.new(algorithm, threads=digests.spare_threads(), what=os.path.join(self.path, relative))
+        size = 0
         for chunk in self._chunks(relative):
             digest.update(chunk)
             size += len(chunk)
