@@ -60,6 +60,23 @@ def pytest_collection_finish(session) -> None:
     gc.freeze()
 
 
+def _module_seconds(item) -> float:
+    """What the ``slow(seconds=N)`` marks of ``item`` say its module takes (0 when none does)."""
+    return max((float(mark.kwargs.get("seconds", 0)) for mark in item.iter_markers("slow")), default=0.0)
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Whole modules in the order of their ``slow(seconds=N)`` marks, the longest first (the others after, as
+    collected): scripts/test.sh runs the suite on parallel workers (pytest-xdist, ``--dist loadfile
+    --no-loadscope-reorder``) that each take the next whole module, so the long ones start first and short ones fill
+    the end. Every worker sorts the same collection the same way."""
+    weight: dict[str, float] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]  # the file: the unit a loadfile worker takes
+        weight[module] = max(weight.get(module, 0.0), _module_seconds(item))
+    items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])  # stable: each module's own order is kept
+
+
 def _children_cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime + warm.children_cpu_seconds()
@@ -113,6 +130,8 @@ def pytest_sessionstart(session) -> None:
 def pytest_sessionfinish(session, exitstatus) -> None:
     budget = os.environ.get(SUITE_BUDGET_ENV)
     if not budget or _SESSION_START not in session.stash or exitstatus != 0:  # a failed run keeps its own status
+        return
+    if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: the run's own process judges the whole run
         return
     spent = time.monotonic() - session.stash[_SESSION_START]
     if spent > float(budget):

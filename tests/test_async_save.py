@@ -24,7 +24,7 @@ import zero_bnb
 import zero_bnb.testing.launch as launch
 from zero_bnb.testing.launch import run_distributed
 
-pytestmark = [pytest.mark.launch, pytest.mark.slow]
+pytestmark = [pytest.mark.launch, pytest.mark.slow(seconds=95)]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -18,7 +18,7 @@ import pytest
 import zero_bnb.testing.launch as launch
 from zero_bnb.integrations import comm
 
-pytestmark = pytest.mark.launch
+pytestmark = [pytest.mark.launch, pytest.mark.slow(seconds=50)]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -36,7 +36,7 @@ from zero_bnb.errors import CheckpointFormatError
 from zero_bnb.format.durable import set_io_hook
 from zero_bnb.format.manifest import SUBDIR, Manifest, read_manifest
 
-pytestmark = [pytest.mark.launch, pytest.mark.slow]
+pytestmark = [pytest.mark.launch, pytest.mark.slow(seconds=11)]
 
 #: Bounds: each at least 5x the worst figure measured under seven instruction-set variants (docs/bounds.md,
 #: 2026-11-27). Requantized once (stock partitions off the block grid), relative loss over the following steps: worst

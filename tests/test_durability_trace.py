@@ -55,7 +55,7 @@ from zero_bnb.format.tags import aside_tag
 from zero_bnb.testing import warm
 from zero_bnb.testing.launch import run_distributed
 
-pytestmark = pytest.mark.launch
+pytestmark = [pytest.mark.launch, pytest.mark.slow(seconds=50)]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIM = os.path.join(HERE, "csrc", "fsync_trace.c")

@@ -15,7 +15,7 @@ import torch
 from zero_bnb.testing.consolidate import state_differences
 from zero_bnb.testing.launch import run_distributed
 
-pytestmark = [pytest.mark.launch, pytest.mark.slow]
+pytestmark = [pytest.mark.launch, pytest.mark.slow(seconds=12)]
 
 STEPS_BEFORE, STEPS_AFTER = 3, 3
 # Bounds: each at least 5x the worst figure measured under seven instruction-set variants of this suite's 2-core box

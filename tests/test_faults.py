@@ -17,7 +17,7 @@ from zero_bnb import verify_checkpoint
 from zero_bnb.errors import CheckpointError
 from zero_bnb.testing.launch import run_distributed
 
-pytestmark = [pytest.mark.launch, pytest.mark.slow]
+pytestmark = [pytest.mark.launch, pytest.mark.slow(seconds=65)]
 
 logger = logging.getLogger(__name__)
 

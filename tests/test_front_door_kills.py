@@ -13,7 +13,7 @@ from scenarios import within, worst_relative
 from test_front_doors_hf import RESUMED_BOUND
 from test_front_doors_lightning import LIGHTNING_BOUND
 
-pytestmark = [pytest.mark.launch, pytest.mark.slow]
+pytestmark = [pytest.mark.launch, pytest.mark.slow(seconds=130)]
 
 logger = logging.getLogger(__name__)
 

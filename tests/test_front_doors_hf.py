@@ -26,7 +26,7 @@ from zero_bnb.format.stock_files import NOT_THE_DP_SIZE, WRITTEN_BY_ZERO_BNB
 from zero_bnb.testing.launch import run_distributed
 from zero_bnb.tools.views import export_fp32
 
-pytestmark = [pytest.mark.launch, pytest.mark.slow]
+pytestmark = [pytest.mark.launch, pytest.mark.slow(seconds=60)]
 
 RESUMED_STEPS = (5, 6, 7, 8)
 #: Resumed losses vs the uninterrupted run (relative); each bound at least 5x the worst figure measured under seven

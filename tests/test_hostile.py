@@ -51,7 +51,7 @@ from zero_bnb.testing.toy import DEFAULT_RUN as RUN
 from zero_bnb.testing.toy import build_model, train_steps
 from zero_bnb.tools.views import export_fp32
 
-pytestmark = pytest.mark.launch
+pytestmark = [pytest.mark.launch, pytest.mark.slow(seconds=55)]
 
 SECRET_SIZE = 12345  # a size that must never appear in any output
 #: The launch phase whose error some ranks report instead of a result (ranks saving into different folders).

@@ -31,7 +31,7 @@ import zipfile
 
 import pytest
 
-pytestmark = pytest.mark.launch
+pytestmark = [pytest.mark.launch, pytest.mark.slow(seconds=55)]
 
 pytest.importorskip("build", reason="building the sdist needs the `build` package (the test extra installs it)")
 

@@ -28,7 +28,7 @@ from zero_bnb.core.state_spec import UnsupportedOptimizerError, spec_for
 from zero_bnb.testing.consolidate import state_differences
 from zero_bnb.testing.launch import run_distributed
 
-pytestmark = [pytest.mark.launch, pytest.mark.slow]
+pytestmark = [pytest.mark.launch, pytest.mark.slow(seconds=45)]
 
 GPU_ONLY = ("fp16 needs 3 CUDA devices: DeepSpeed's CPU accelerator raises 'Type fp16 is not supported on your "
             "device', and the matrix saves at DP=2 and loads at DP=3, one device per rank")

@@ -17,7 +17,7 @@ from scenarios import within, worst_relative
 from test_comm_init import HERE, _environment
 from test_elastic import LOSS_BOUND
 
-pytestmark = [pytest.mark.launch, pytest.mark.slow]
+pytestmark = [pytest.mark.launch, pytest.mark.slow(seconds=27)]
 
 STEPS = 8
 SIGNAL_AFTER = 3

@@ -17,7 +17,7 @@ from readme_examples import README, block
 
 from zero_bnb.testing.launch import child_environment_for
 
-pytestmark = [pytest.mark.launch, pytest.mark.slow]
+pytestmark = [pytest.mark.launch, pytest.mark.slow(seconds=50)]
 
 ROOT = os.path.dirname(README)
 #: The option each launcher takes its rendezvous port by.

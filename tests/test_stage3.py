@@ -39,7 +39,7 @@ from zero_bnb.ds.stage3 import _cutting_on_blocks, install_block_partitioning, r
 from zero_bnb.testing.consolidate import state_differences
 from zero_bnb.testing.launch import run_distributed
 
-pytestmark = [pytest.mark.launch, pytest.mark.slow]
+pytestmark = [pytest.mark.launch, pytest.mark.slow(seconds=45)]
 
 CASES = tuple(stage3_scenarios.CASES)
 STEPS_BEFORE, STEPS_AFTER = stage3_scenarios.STEPS_BEFORE, stage3_scenarios.STEPS_AFTER
