@@ -10,8 +10,8 @@ if [ "$#" -eq 0 ]; then
     # the whole suite (README, .ci/run), on ZERO_BNB_TEST_WORKERS parallel pytest-xdist workers (default 2, or none on
     # one core; 0 runs it in this process): each worker takes whole modules (a module's launches share fixtures), the
     # longest first (tests/conftest.py). A run past ZERO_BNB_SUITE_BUDGET_S seconds fails (tests/conftest.py).
-    # 2026-11-29, one 2-core box: 1001 s in one process, 702 s on 2 workers; budget: BUDGET_NOTE
-    # issue 44 aims at 720.
+    # 2026-11-29, one 2-core box: 1001 s in one process, 676-702 s on 2 workers; the budget is 1.3x the slowest
+    # (issue 44 aims at 720 s).
     workers=${ZERO_BNB_TEST_WORKERS:-$("$PYTHON" -c 'import os
 cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 print(2 if cores > 1 else 0)')}
@@ -19,7 +19,7 @@ print(2 if cores > 1 else 0)')}
         "" | *[!0-9]*) echo "test: ZERO_BNB_TEST_WORKERS='$workers' is not a number of workers (0: none, 2: the default)" >&2
                        exit 2 ;;
     esac
-    export ZERO_BNB_SUITE_BUDGET_S="${ZERO_BNB_SUITE_BUDGET_S:-1500}"
+    export ZERO_BNB_SUITE_BUDGET_S="${ZERO_BNB_SUITE_BUDGET_S:-900}"
     set -- -n "$workers" --dist loadfile --no-loadscope-reorder
 fi
 exec "$PYTHON" -m pytest "$@"
