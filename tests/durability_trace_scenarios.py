@@ -183,7 +183,10 @@ def serve_front_doors(workdir: str, doors: list[str]) -> None:
     import hf_scenarios  # noqa: F401 - imported once here, inherited by every forked job
     import torch
 
+    from zero_bnb.testing.ranks import warm_up_deepspeed
+
     torch.set_num_threads(1)
+    warm_up_deepspeed()
     statuses = {}
     for door in doors:
         for mode in kills.MODES:

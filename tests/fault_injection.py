@@ -34,6 +34,7 @@ import torch.distributed as dist
 from zero_bnb.format import durable
 from zero_bnb.testing.forks import run_server
 from zero_bnb.testing.launch import child_environment_for, init_worker
+from zero_bnb.testing.ranks import warm_up_deepspeed
 from zero_bnb.testing.toy import DEFAULT_RUN as RUN
 from zero_bnb.testing.toy import param_groups, train_steps
 
@@ -184,6 +185,8 @@ def _serve(workdir: str, trials: list[dict]) -> None:
     torch.set_num_threads(1)
     import deepspeed  # noqa: F401 - imported once here, inherited by every forked trial
     import scenarios  # noqa: F401
+
+    warm_up_deepspeed()
 
     gc.freeze()  # the imports are never garbage: left out of every trial's collections (zero_bnb.testing.launch)
 

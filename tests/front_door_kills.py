@@ -613,6 +613,9 @@ def serve(workdir: str, doors: list[str]) -> None:
     import zero_bnb
     import zero_bnb.ds.initialize  # noqa: F401
     import zero_bnb.integrations.lightning  # noqa: F401
+    from zero_bnb.testing.ranks import warm_up_deepspeed
+
+    warm_up_deepspeed()
 
     zero_bnb.enable()  # Trainer's resume_from_checkpoint=True as the jobs see it (they enable it too)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
