@@ -20,6 +20,11 @@ print(2 if cores > 1 else 0)')}
                        exit 2 ;;
     esac
     export ZERO_BNB_SUITE_BUDGET_S="${ZERO_BNB_SUITE_BUDGET_S:-900}"
+    # The fused CPU kernel compiled (or found in its cache) once, before the workers start: on a cold cache their
+    # ranks would otherwise all wait on one compile under its build lock (60 s at most) while the cores are busy.
+    if ! "$PYTHON" -m zero_bnb.kernels.build > /dev/null 2>&1; then
+        echo "test: the fused CPU kernel does not build here (python -m zero_bnb.kernels.build says why)" >&2
+    fi
     set -- -n "$workers" --dist loadfile --no-loadscope-reorder
 fi
 exec "$PYTHON" -m pytest "$@"

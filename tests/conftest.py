@@ -12,8 +12,14 @@ import tempfile
 import time
 
 import pytest
+from hypothesis import settings
 
 from zero_bnb.testing import launch, warm
+
+# Property tests are judged by their examples, not by hypothesis' 200 ms per example: the suite runs on parallel
+# workers (scripts/test.sh), so a test shares the cores with another module's launches.
+settings.register_profile("zero_bnb", deadline=None)
+settings.load_profile("zero_bnb")
 
 #: Spelled as in tests/scenarios.py (run_phases appends each phase that raised there, on every rank).
 FAILED_PHASES_ENV = "ZERO_BNB_FAILED_PHASES"

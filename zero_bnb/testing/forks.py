@@ -94,17 +94,20 @@ def fork_job(world: int, job: Callable[[int, int], None], prefix: str, *, timeou
 
 
 def run_server(target: Callable[..., None], *args: object, what: str) -> None:
-    """Run ``target(*args)`` in a spawned process (the warm server that forks the jobs; one thread of OpenMP, inherited
-    by every job) and wait for it.
+    """Run ``target(*args)`` in a spawned process (the warm server that forks the jobs) started with the CPU ranks'
+    environment (:func:`zero_bnb.testing.ranks.child_environment_for`: one thread of OpenMP, no CUDA device, DeepSpeed's
+    CPU accelerator, inherited by every job), and wait for it. The caller's environment is left as it was.
 
     Raises:
         RuntimeError: the server failed; names ``what`` and its exit code.
     """
     import multiprocessing
 
-    os.environ["OMP_NUM_THREADS"] = "1"
-    server = multiprocessing.get_context("spawn").Process(target=target, args=args)
-    server.start()
+    from zero_bnb.testing.ranks import child_environment
+
+    with child_environment("cpu"):  # the server's environment, not left behind in the caller's
+        server = multiprocessing.get_context("spawn").Process(target=target, args=args)
+        server.start()
     server.join()
     if server.exitcode != 0:
         raise RuntimeError(f"{what} exited with {server.exitcode}")

@@ -31,8 +31,7 @@ from collections.abc import Callable
 from multiprocessing import reduction
 from typing import Any
 
-from zero_bnb.testing.ranks import (child_environment, exit_skipping_finalization, exit_status, run_rank,
-                                    warm_up_deepspeed)
+from zero_bnb.testing.ranks import child_environment, exit_skipping_finalization, exit_status, run_rank
 
 __all__ = ["WARM_ENV", "children_cpu_seconds", "enable_here", "run_warm", "stop_server", "warm_enabled"]
 
@@ -214,7 +213,6 @@ def _serve(address: str, authkey: bytes, ready) -> None:
     ready.close()
     for name in _WARM_MODULES:
         importlib.import_module(name)
-    warm_up_deepspeed()
     while True:
         try:
             connection = listener.accept()
