@@ -180,10 +180,16 @@ def test_a_master_addr_that_does_not_resolve_fails_at_once_naming_it_and_the_fix
           "then waiting for the other 1 rank(s) to connect; torch said: Timed out after"),
 ], ids=["rank1-nothing-listens", "rank0-no-other-rank"])
 def test_a_rendezvous_that_does_not_complete_fails_within_the_rendezvous_timeout(rank, tried):
-    port = _free_port()
-    launched = {"RANK": rank, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                RENDEZVOUS_TIMEOUT_ENV: "2"}
-    stderr, elapsed = _fail_in_time(launched, hard_timeout=60)
+    with socket.socket() as held:
+        # rank 1: the port stays bound here, not listening (connections are refused), so no other process of the
+        # machine (the suite's other worker) can start listening on it meanwhile; rank 0 binds it itself
+        held.bind(("127.0.0.1", 0))
+        port = str(held.getsockname()[1])
+        if rank == "0":
+            held.close()
+        launched = {"RANK": rank, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                    RENDEZVOUS_TIMEOUT_ENV: "2"}
+        stderr, elapsed = _fail_in_time(launched, hard_timeout=60)
     assert 1.9 < elapsed < 2 + 3, elapsed
     assert (f"RendezvousError: zero_bnb.enable(): rank {rank} of 2 (RANK='{rank}', WORLD_SIZE='2') could not join "
             f"the launcher's rendezvous (gave up after ") in stderr, stderr[-3000:]
