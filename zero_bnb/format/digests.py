@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 from zero_bnb.errors import CheckpointFormatError
@@ -24,7 +25,7 @@ try:
 except ImportError:  # zero_bnb depends on it; an install without dependencies falls back to SHA-256
     _blake3 = None
 
-__all__ = ["ALGORITHMS", "BLAKE3", "SHA256", "Hasher", "hexdigest", "is_hex", "new", "spare_threads",
+__all__ = ["ALGORITHMS", "BLAKE3", "SHA256", "Hasher", "hexdigest", "is_hex", "new", "of_chunks", "spare_threads",
            "update_large", "writing_algorithm"]
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,18 @@ def hexdigest(algorithm: str, data: Any, *, threads: int = 1, what: str = "this 
     hasher = new(algorithm, threads=threads, what=what)
     update_large(hasher, algorithm, view, threads=threads)
     return hasher.hexdigest()
+
+
+def of_chunks(algorithm: str, chunks: Iterable[bytes], *, threads: int = 1,
+              what: str = "this checkpoint") -> tuple[int, str]:
+    """Size in bytes and ``algorithm`` digest (hex) of the concatenated ``chunks`` (a file read piece by piece); a
+    BLAKE3 one with up to ``threads`` threads."""
+    hasher = new(algorithm, threads=threads, what=what)
+    size = 0
+    for chunk in chunks:
+        hasher.update(chunk)
+        size += len(chunk)
+    return size, hasher.hexdigest()
 
 
 def is_hex(text: Any) -> bool:

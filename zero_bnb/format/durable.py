@@ -25,7 +25,7 @@ import logging
 import os
 import shutil
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -220,14 +220,14 @@ def copy_file(source: str, path: str, *, root: str) -> FileRecord:
 def digest_file(path: str, algorithm: str = digests.SHA256) -> tuple[int, str]:
     """Size in bytes and ``algorithm`` digest (hex) of the file at ``path`` (opened without following a link), read in
     1 MiB chunks."""
-    digest = digests.new(algorithm, what=path)
-    size = 0
+    return digests.of_chunks(algorithm, _read_chunks(path), what=path)  # the algorithm checked before the file opens
+
+
+def _read_chunks(path: str) -> Iterator[bytes]:
+    """The content of the file at ``path`` (opened without following a link) in 1 MiB chunks."""
     with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)),
                    "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
-    return size, digest.hexdigest()
+        yield from iter(lambda: handle.read(_CHUNK), b"")
 
 
 def fsync_dir(path: str) -> None:

@@ -183,12 +183,8 @@ class PinnedFolder:
     def digest(self, relative: str, algorithm: str = digests.SHA256) -> tuple[int, str]:
         """Size and ``algorithm`` digest (hex; a BLAKE3 one with :func:`~zero_bnb.format.digests.spare_threads`) of
         the content of ``relative``, read through its descriptor."""
-        digest = digests.new(algorithm, threads=digests.spare_threads(), what=os.path.join(self.path, relative))
-        size = 0
-        for chunk in self._chunks(relative):
-            digest.update(chunk)
-            size += len(chunk)
-        return size, digest.hexdigest()
+        return digests.of_chunks(algorithm, self._chunks(relative), threads=digests.spare_threads(),
+                                 what=os.path.join(self.path, relative))
 
     @contextmanager
     def stream(self, relative: str) -> Iterator[BinaryIO]:
