@@ -175,18 +175,12 @@ def serve_front_doors(workdir: str, doors: list[str]) -> None:
     spawned server that imported the front doors once, as tests/front_door_kills.py's: the recorder preloaded into it
     is in every fork); writes ``{workdir}/front_doors.json``: the job statuses."""
     import front_door_kills as kills
-
-    from zero_bnb.testing.forks import fork_job
-    from zero_bnb.testing.launch import child_environment_for
-
-    os.environ.update(child_environment_for("cpu"))
     import hf_scenarios  # noqa: F401 - imported once here, inherited by every forked job
     import torch
 
-    from zero_bnb.testing.ranks import warm_up_deepspeed
+    from zero_bnb.testing.forks import fork_job
 
     torch.set_num_threads(1)
-    warm_up_deepspeed()
     statuses = {}
     for door in doors:
         for mode in kills.MODES:

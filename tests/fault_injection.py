@@ -33,8 +33,7 @@ import torch.distributed as dist
 
 from zero_bnb.format import durable
 from zero_bnb.testing.forks import run_server
-from zero_bnb.testing.launch import child_environment_for, init_worker
-from zero_bnb.testing.ranks import warm_up_deepspeed
+from zero_bnb.testing.launch import init_worker
 from zero_bnb.testing.toy import DEFAULT_RUN as RUN
 from zero_bnb.testing.toy import param_groups, train_steps
 
@@ -179,14 +178,11 @@ def _run_trial(workdir: str, number: int, trial: dict) -> dict:
 
 
 def _serve(workdir: str, trials: list[dict]) -> None:
-    # The CPU ranks' environment before DeepSpeed picks its accelerator at import: the forked trials inherit both,
-    # so on a machine with GPUs they stay on the CPU too (init_worker sets it again, too late for this import).
-    os.environ.update(child_environment_for("cpu"))
+    # run_server started this process with the CPU ranks' environment, before DeepSpeed picked its accelerator at
+    # import: the forked trials inherit both, so on a machine with GPUs they stay on the CPU too
     torch.set_num_threads(1)
     import deepspeed  # noqa: F401 - imported once here, inherited by every forked trial
     import scenarios  # noqa: F401
-
-    warm_up_deepspeed()
 
     gc.freeze()  # the imports are never garbage: left out of every trial's collections (zero_bnb.testing.launch)
 

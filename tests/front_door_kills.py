@@ -595,10 +595,8 @@ def _lost_last_save(workdir: str, name: str, door: Door) -> dict:
 
 
 def serve(workdir: str, doors: list[str]) -> None:
-    """The campaigns of ``doors`` (in a spawned server: imports once, forks every job); writes ``{door}.json``."""
-    from zero_bnb.testing.launch import child_environment_for
-
-    os.environ.update(child_environment_for("cpu"))
+    """The campaigns of ``doors`` (in a server spawned by :func:`zero_bnb.testing.forks.run_server`, with the CPU ranks'
+    environment: imports once, forks every job); writes ``{door}.json``."""
     import gc
 
     import torch
@@ -613,9 +611,6 @@ def serve(workdir: str, doors: list[str]) -> None:
     import zero_bnb
     import zero_bnb.ds.initialize  # noqa: F401
     import zero_bnb.integrations.lightning  # noqa: F401
-    from zero_bnb.testing.ranks import warm_up_deepspeed
-
-    warm_up_deepspeed()
 
     zero_bnb.enable()  # Trainer's resume_from_checkpoint=True as the jobs see it (they enable it too)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)

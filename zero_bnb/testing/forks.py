@@ -93,10 +93,19 @@ def fork_job(world: int, job: Callable[[int, int], None], prefix: str, *, timeou
     return status
 
 
+def _serve(target: Callable[..., None], args: tuple) -> None:
+    """The spawned server: DeepSpeed warmed up (:func:`zero_bnb.testing.ranks.warm_up_deepspeed`), then ``target``."""
+    from zero_bnb.testing.ranks import warm_up_deepspeed
+
+    warm_up_deepspeed()
+    target(*args)
+
+
 def run_server(target: Callable[..., None], *args: object, what: str) -> None:
     """Run ``target(*args)`` in a spawned process (the warm server that forks the jobs) started with the CPU ranks'
     environment (:func:`zero_bnb.testing.ranks.child_environment_for`: one thread of OpenMP, no CUDA device, DeepSpeed's
-    CPU accelerator, inherited by every job), and wait for it. The caller's environment is left as it was.
+    CPU accelerator, inherited by every job) and DeepSpeed's lazy imports and ops probe done
+    (:func:`zero_bnb.testing.ranks.warm_up_deepspeed`), and wait for it. The caller's environment is left as it was.
 
     Raises:
         RuntimeError: the server failed; names ``what`` and its exit code.
@@ -106,7 +115,7 @@ def run_server(target: Callable[..., None], *args: object, what: str) -> None:
     from zero_bnb.testing.ranks import child_environment
 
     with child_environment("cpu"):  # the server's environment, not left behind in the caller's
-        server = multiprocessing.get_context("spawn").Process(target=target, args=args)
+        server = multiprocessing.get_context("spawn").Process(target=_serve, args=(target, args))
         server.start()
     server.join()
     if server.exitcode != 0:
