@@ -6,11 +6,13 @@ to a command line is a free rendezvous port, so that concurrent runs on one mach
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import signal
 import socket
 import subprocess
+import time
 
 import pytest
 from readme_examples import README, block
@@ -36,12 +38,27 @@ def commands(heading: str) -> list[str]:
     return [line for line in lines if line and not line.startswith("#")]
 
 
+def _remove_shared_memory_buffers(port: int, since: float) -> None:
+    """Remove the shared-memory all-reduce buffers this launch's ranks left: on CPU the ``deepspeed`` launcher sets
+    ``LOCAL_SIZE``, so DeepSpeed's ``deepspeed_shm_comm`` op makes one ``/dev/shm`` file per rank (66 MiB with
+    deepspeed 0.19.8), named by user, address and port, and never removes it (every suite run left 200 MB). Only files
+    of this user and this launch's port made since it started are removed."""
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
+        try:
+            if os.stat(path).st_mtime >= since - 1:
+                os.remove(path)
+        except FileNotFoundError:
+            pass
+
+
 def launch(command: str, folder) -> str:
     """Run one README command line in ``folder`` with the CPU ranks' environment; its output (stdout + stderr)."""
     [launcher] = [name for name in PORT_OPTION if command.startswith(name + " ")]
-    command = command.replace(launcher, f"{launcher} {PORT_OPTION[launcher]} {_free_port()}", 1)
+    port = _free_port()
+    command = command.replace(launcher, f"{launcher} {PORT_OPTION[launcher]} {port}", 1)
     env = {**os.environ, **child_environment_for("cpu"),
            "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    started = time.time()
     # A session of its own: on a timeout the launcher and every rank it started are killed, none left behind.
     process = subprocess.Popen(command, shell=True, cwd=folder, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -51,6 +68,8 @@ def launch(command: str, folder) -> str:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
         pytest.fail(f"{command} did not finish in 300 s:\n{output[-6000:]}")
+    finally:
+        _remove_shared_memory_buffers(port, started)
     assert process.returncode == 0, f"{command} exited {process.returncode}:\n{output[-6000:]}"
     return output
 
