@@ -17,8 +17,9 @@ import pytest
 
 import zero_bnb.testing.launch as launch
 from zero_bnb.integrations import comm
+from zero_bnb.testing.scripts import ScriptServer
 
-pytestmark = [pytest.mark.launch, pytest.mark.slow(seconds=50)]
+pytestmark = [pytest.mark.launch, pytest.mark.slow(seconds=27)]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -33,6 +34,16 @@ def _environment(**extra: str) -> dict[str, str]:
     env.update(launch.child_environment_for("cpu"), HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, HERE, os.environ.get("PYTHONPATH")])), **extra)
     return env
+
+
+@pytest.fixture(scope="module")
+def scripts():
+    """The ``python -c`` children below that start with nothing initialised (``ALONE``, ``TIMED``), forked from one
+    interpreter that imported zero_bnb and DeepSpeed (2.2-2.8 s of CPU per child otherwise). ``JOINED`` is spawned:
+    DeepSpeed reads ``DEEPSPEED_TIMEOUT`` when it is imported."""
+    with ScriptServer(["zero_bnb", "deepspeed", "deepspeed.comm", "zero_bnb.integrations.substitute"],
+                      _environment()) as server:
+        yield server
 
 
 def _torchrun(tmp_path, scenario: str, ranks: int = 2) -> dict:
@@ -80,10 +91,10 @@ ALONE = """if True:
 
 @pytest.mark.parametrize(("given", "missing"), [({}, "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"),
                                                 ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1"}, "MASTER_ADDR")])
-def test_without_a_complete_launcher_environment_enable_leaves_comm_alone_and_says_what_is_missing(given, missing):
+def test_without_a_complete_launcher_environment_enable_leaves_comm_alone_and_says_what_is_missing(scripts, given,
+                                                                                                   missing):
     # A plain `python script.py`, or a half-set environment (which would hang a rendezvous): nothing is joined.
-    done = subprocess.run([sys.executable, "-c", ALONE], env=_environment(**given), capture_output=True, text=True,
-                          timeout=300)
+    done = scripts.run(ALONE, _environment(**given), timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "result False" in done.stdout.splitlines(), done.stdout
     assert (f"zero_bnb.enable(): deepspeed.comm not initialised: no process group and no launcher environment "
@@ -97,10 +108,9 @@ def test_without_a_complete_launcher_environment_enable_leaves_comm_alone_and_sa
     # which int() reads as 0): ASCII digits only.
     ({"RANK": "\u00b2"}, "RANK='\u00b2'"), ({"RANK": "\u0660"}, "RANK='\u0660'"),
 ])
-def test_launcher_variables_no_rendezvous_can_use_are_named_with_the_fix(given, named):
+def test_launcher_variables_no_rendezvous_can_use_are_named_with_the_fix(scripts, given, named):
     launched = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", **given}
-    done = subprocess.run([sys.executable, "-c", ALONE], env=_environment(**launched), capture_output=True, text=True,
-                          timeout=300)
+    done = scripts.run(ALONE, _environment(**launched), timeout=300)
     assert done.returncode != 0 and "Traceback" in done.stderr, done.stdout
     assert (f"ValueError: zero_bnb.enable(): the launcher's environment cannot start DeepSpeed's communication: {named} "
             f"(RANK, WORLD_SIZE and LOCAL_RANK are integers in ASCII digits 0-9") in done.stderr, done.stderr[-3000:]
@@ -143,26 +153,24 @@ def _free_port() -> str:
         return str(probe.getsockname()[1])
 
 
-def _fail_in_time(launched: dict[str, str], hard_timeout: float) -> tuple[str, float]:
+def _fail_in_time(scripts: ScriptServer, launched: dict[str, str], hard_timeout: float) -> tuple[str, float]:
     """Run ``enable()`` in a child under ``launched``; return its stderr and the seconds ``enable()`` took."""
-    try:
-        done = subprocess.run([sys.executable, "-c", TIMED], env=_environment(**launched), capture_output=True,
-                              text=True, timeout=hard_timeout)
-    except subprocess.TimeoutExpired as hung:
+    done = scripts.run(TIMED, _environment(**launched), timeout=hard_timeout)
+    if done.timed_out:
         pytest.fail(f"zero_bnb.enable() under {launched} was still waiting after {hard_timeout} s: "
-                    f"{(hung.stderr or b'')[-2000:]!r}")
+                    f"{done.stderr[-2000:]!r}")
     assert done.returncode != 0 and "Traceback" in done.stderr, (done.stdout + done.stderr)[-3000:]
     [elapsed] = [float(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("elapsed ")]
     return done.stderr, elapsed
 
 
 @pytest.mark.parametrize(("rank", "world_size"), [("0", "1"), ("1", "2")])
-def test_a_master_addr_that_does_not_resolve_fails_at_once_naming_it_and_the_fix(rank, world_size):
+def test_a_master_addr_that_does_not_resolve_fails_at_once_naming_it_and_the_fix(scripts, rank, world_size):
     # The lookup is checked before torch's store, which retried it until the collective timeout. (A name service that
     # does not answer is bounded by the rendezvous timeout, 10 s here.)
     launched = {"RANK": rank, "WORLD_SIZE": world_size, "MASTER_ADDR": "no-such-host.invalid",
                 "MASTER_PORT": _free_port(), RENDEZVOUS_TIMEOUT_ENV: "10"}
-    stderr, elapsed = _fail_in_time(launched, hard_timeout=60)
+    stderr, elapsed = _fail_in_time(scripts, launched, hard_timeout=60)
     assert elapsed < 12, elapsed
     assert (f"zero_bnb.integrations.comm.RendezvousError: zero_bnb.enable(): rank {rank} of {world_size} "
             f"(RANK='{rank}', WORLD_SIZE='{world_size}') cannot reach the launcher's rendezvous: "
@@ -179,7 +187,7 @@ def test_a_master_addr_that_does_not_resolve_fails_at_once_naming_it_and_the_fix
     ("0", "tried hosting the rendezvous store on port {port} and connecting to it at 127.0.0.1:{port} (127.0.0.1), "
           "then waiting for the other 1 rank(s) to connect; torch said: Timed out after"),
 ], ids=["rank1-nothing-listens", "rank0-no-other-rank"])
-def test_a_rendezvous_that_does_not_complete_fails_within_the_rendezvous_timeout(rank, tried):
+def test_a_rendezvous_that_does_not_complete_fails_within_the_rendezvous_timeout(scripts, rank, tried):
     with socket.socket() as held:
         # rank 1: the port stays bound here, not listening (connections are refused), so no other process of the
         # machine (the suite's other worker) can start listening on it meanwhile; rank 0 binds it itself
@@ -189,7 +197,7 @@ def test_a_rendezvous_that_does_not_complete_fails_within_the_rendezvous_timeout
             held.close()
         launched = {"RANK": rank, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                     RENDEZVOUS_TIMEOUT_ENV: "2"}
-        stderr, elapsed = _fail_in_time(launched, hard_timeout=60)
+        stderr, elapsed = _fail_in_time(scripts, launched, hard_timeout=60)
     assert 1.9 < elapsed < 2 + 3, elapsed
     assert (f"RendezvousError: zero_bnb.enable(): rank {rank} of 2 (RANK='{rank}', WORLD_SIZE='2') could not join "
             f"the launcher's rendezvous (gave up after ") in stderr, stderr[-3000:]

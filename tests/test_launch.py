@@ -224,3 +224,34 @@ def test_a_rank_ending_with_sys_exit_gets_the_status_a_script_would():
     from zero_bnb.testing.ranks import exit_status
 
     assert [exit_status(SystemExit(code)) for code in (None, 0, 3, "message", 2.5)] == [0, 0, 3, 1, 1]
+
+
+#: Scripts whose ending ``python -c`` and a forked child of the script server must report alike.
+SCRIPTS = {
+    "output and environment": "import os, sys; print(os.environ.get('ZERO_BNB_PROBE'), os.environ.get('SERVER_ONLY'));"
+                              " print('err', file=sys.stderr)",
+    "an uncaught exception": "print('before'); raise ValueError('boom')",
+    "sys.exit(3)": "import sys; sys.exit(3)",
+    "sys.exit('a message')": "import sys; sys.exit('a message')",
+    "a signal": "import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
+}
+
+
+def _first_and_last(text: str) -> tuple[str, ...]:
+    lines = text.splitlines()
+    return (lines[0], lines[-1]) if lines else ()
+
+
+def test_a_script_forked_by_the_script_server_ends_as_python_minus_c_does():
+    from zero_bnb.testing.scripts import ScriptServer
+
+    env = {**os.environ, "ZERO_BNB_PROBE": "seen"}  # the script's environment, all of it: not the server's
+    with ScriptServer(["json"], {**os.environ, "SERVER_ONLY": "1"}) as server:
+        forked = server.run_together([(script, env) for script in SCRIPTS.values()], timeout=60)
+        for (label, script), done in zip(SCRIPTS.items(), forked):
+            spawned = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+            assert (done.returncode, done.stdout) == (spawned.returncode, spawned.stdout), (label, done, spawned)
+            # a traceback has one frame more (the server's call of the script); its first and last lines are equal
+            assert _first_and_last(done.stderr) == _first_and_last(spawned.stderr), (label, done, spawned)
+        hung = server.run("import time; time.sleep(60)", env, timeout=0.5)
+        assert hung.timed_out and hung.returncode is None, hung
