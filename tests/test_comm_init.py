@@ -19,7 +19,7 @@ import zero_bnb.testing.launch as launch
 from zero_bnb.integrations import comm
 from zero_bnb.testing.scripts import ScriptServer
 
-pytestmark = [pytest.mark.launch, pytest.mark.slow(seconds=27)]
+pytestmark = [pytest.mark.launch, pytest.mark.slow(seconds=30)]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -115,6 +115,16 @@ def test_launcher_variables_no_rendezvous_can_use_are_named_with_the_fix(scripts
     assert (f"ValueError: zero_bnb.enable(): the launcher's environment cannot start DeepSpeed's communication: {named} "
             f"(RANK, WORLD_SIZE and LOCAL_RANK are integers in ASCII digits 0-9") in done.stderr, done.stderr[-3000:]
     assert "unset RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT to run one process" in done.stderr, done.stderr[-3000:]
+
+
+def test_a_fresh_interpreter_fails_on_a_broken_launcher_variable_as_the_forked_children_do(scripts):
+    # The children above import nothing under their own environment (the server imported zero_bnb and DeepSpeed under
+    # a clean one): this one imports them under the broken variable, as a user's script does.
+    launched = _environment(RANK="abc", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    spawned = subprocess.run([sys.executable, "-c", ALONE], env=launched, capture_output=True, text=True, timeout=300)
+    forked = scripts.run(ALONE, launched, timeout=300)
+    errors = [[line for line in done.stderr.splitlines() if line.startswith("ValueError: ")] for done in (spawned, forked)]
+    assert spawned.returncode == forked.returncode == 1 and errors[0] == errors[1] and errors[0], (spawned, forked)
 
 
 @pytest.mark.parametrize(("name", "value"), [("WORLD_SIZE", "\uff12"), ("LOCAL_RANK", "\u0661"),

@@ -234,6 +234,11 @@ SCRIPTS = {
     "sys.exit(3)": "import sys; sys.exit(3)",
     "sys.exit('a message')": "import sys; sys.exit('a message')",
     "a signal": "import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
+    "KeyboardInterrupt": "raise KeyboardInterrupt",
+    "a thread still running": "import threading, time\n"
+                              "threading.Thread(target=lambda: (time.sleep(0.3), print('late'))).start()",
+    "an atexit handler": "import atexit; atexit.register(print, 'bye')",
+    "an annotation evaluated": "def f(x: undefined_name): pass",  # not the server module's postponed annotations
 }
 
 
@@ -253,5 +258,6 @@ def test_a_script_forked_by_the_script_server_ends_as_python_minus_c_does():
             assert (done.returncode, done.stdout) == (spawned.returncode, spawned.stdout), (label, done, spawned)
             # a traceback has one frame more (the server's call of the script); its first and last lines are equal
             assert _first_and_last(done.stderr) == _first_and_last(spawned.stderr), (label, done, spawned)
-        hung = server.run("import time; time.sleep(60)", env, timeout=0.5)
+        hung, quick = server.run_together([("import time; time.sleep(60)", env), ("print('quick')", env)], timeout=1)
         assert hung.timed_out and hung.returncode is None, hung
+        assert (quick.returncode, quick.stdout) == (0, "quick\n"), quick

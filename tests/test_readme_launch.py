@@ -7,6 +7,7 @@ to a command line is a free rendezvous port, so that concurrent runs on one mach
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import re
 import signal
@@ -18,6 +19,8 @@ import pytest
 from readme_examples import README, block
 
 from zero_bnb.testing.launch import child_environment_for
+
+logger = logging.getLogger(__name__)
 
 pytestmark = [pytest.mark.launch, pytest.mark.slow(seconds=50)]
 
@@ -47,8 +50,8 @@ def _remove_shared_memory_buffers(port: int, since: float) -> None:
         try:
             if os.stat(path).st_mtime >= since - 1:
                 os.remove(path)
-        except FileNotFoundError:
-            pass
+        except OSError as error:  # gone already, or not ours to remove: named, and the launch's result stands
+            logger.warning("could not remove %s: %s", path, error)
 
 
 def launch(command: str, folder) -> str:
