@@ -20,10 +20,18 @@ print(2 if cores > 1 else 0)')}
                        exit 2 ;;
     esac
     export ZERO_BNB_SUITE_BUDGET_S="${ZERO_BNB_SUITE_BUDGET_S:-900}"
-    # The fused CPU kernel compiled (or found in its cache) once, before the workers start: on a cold cache their
-    # ranks would otherwise all wait on one compile under its build lock (60 s at most) while the cores are busy.
+    # The fused CPU kernel and DeepSpeed's shared-memory op (which the suite's torchrun and deepspeed launches load)
+    # compiled (or found in their caches) at once, before the workers start: on a cold cache their ranks would
+    # otherwise wait on each compile under its lock (torch's has no timeout; a test that kills a process holding it
+    # would leave the rest of the suite waiting for ever) while the cores are busy.
+    "$PYTHON" -c 'from zero_bnb.testing.ranks import build_shm_comm_op; build_shm_comm_op()' > /dev/null 2>&1 &
+    shm_op=$!
     if ! "$PYTHON" -m zero_bnb.kernels.build > /dev/null 2>&1; then
         echo "test: the fused CPU kernel does not build here (python -m zero_bnb.kernels.build says why)" >&2
+    fi
+    if ! wait "$shm_op"; then
+        echo "test: DeepSpeed's shared-memory op does not build here (python -c 'from zero_bnb.testing.ranks import" \
+             "build_shm_comm_op; build_shm_comm_op()' says why)" >&2
     fi
     set -- -n "$workers" --dist loadfile --no-loadscope-reorder
 fi

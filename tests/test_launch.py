@@ -164,6 +164,16 @@ def test_the_op_the_launcher_leaves_out_is_deepspeeds_shared_memory_op():
     assert SHM_COMM_OP == ShareMemCommBuilder.NAME
 
 
+def test_the_shared_memory_op_scripts_test_sh_builds_first_is_the_one_cpu_launches_load():
+    # scripts/test.sh builds it before the workers start (a cached build: a few seconds), in a process of its own
+    done = subprocess.run([sys.executable, "-c", "from zero_bnb.testing.ranks import build_shm_comm_op; "
+                           "print(build_shm_comm_op())"], capture_output=True, text=True, timeout=600,
+                          env={key: value for key, value in os.environ.items() if key not in CHILD_KEYS})
+    assert done.returncode == 0, done.stderr[-3000:]
+    built = done.stdout.strip().splitlines()[-1]
+    assert os.path.isfile(built) and os.path.basename(built).startswith(SHM_COMM_OP + "."), built
+
+
 def test_a_rank_that_skips_finalization_still_runs_its_exit_handlers_and_keeps_their_status():
     # zero_bnb's report of a lost asynchronous save is an atexit handler that exits with status 1
     script = ("import atexit, os, sys\n"

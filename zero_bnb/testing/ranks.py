@@ -19,8 +19,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["DEEPSPEED_LAZY_MODULES", "DEVICES", "SHM_COMM_OP", "child_environment", "child_environment_for",
-           "exit_skipping_finalization", "exit_status", "gpus_missing", "init_worker", "run_rank", "warm_up_deepspeed"]
+__all__ = ["DEEPSPEED_LAZY_MODULES", "DEVICES", "SHM_COMM_OP", "build_shm_comm_op", "child_environment",
+           "child_environment_for", "exit_skipping_finalization", "exit_status", "gpus_missing", "init_worker", "run_rank",
+           "warm_up_deepspeed"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,18 @@ def warm_up_deepspeed() -> None:
     for name in DEEPSPEED_LAZY_MODULES:
         importlib.import_module(name)
     deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+
+
+def build_shm_comm_op() -> str:
+    """JIT-build (or find in torch's extension cache) DeepSpeed's shared-memory communication op for CPU ranks, as the
+    first CPU start of a script outside the tests' launcher (a ``torchrun`` or ``deepspeed`` launch) would; returns
+    the built module's path. ``scripts/test.sh`` calls it in a process of its own before the workers start: the build
+    (about 40 s and 75 CPU-s on a 2-core machine) then never runs under a test that may kill its process, and never
+    holds torch's extension lock, which has no timeout, while other tests' ranks wait on it."""
+    with child_environment("cpu"):
+        from deepspeed.accelerator import get_accelerator
+
+        return get_accelerator().create_op_builder("ShareMemCommBuilder").load(verbose=False).__file__
 
 
 def child_environment_for(device: str) -> dict[str, str]:
