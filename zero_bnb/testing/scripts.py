@@ -182,11 +182,6 @@ def _child(script: str, env: dict[str, str], out: str, err: str, replies: int) -
         os._exit(status)
 
 
-def _returncode(code: int) -> int:
-    """A ``waitpid`` status as ``subprocess`` reports it: the exit status, or minus the signal."""
-    return -os.WTERMSIG(code) if os.WIFSIGNALED(code) else os.WEXITSTATUS(code)
-
-
 def _run(request: dict[str, Any], folder: str, replies: int) -> list[dict[str, Any]]:
     """In the server: fork one child per script of ``request``, wait for them (SIGKILL at the timeout), and return
     each one's exit status and output."""
@@ -207,7 +202,7 @@ def _run(request: dict[str, Any], folder: str, replies: int) -> list[dict[str, A
                 continue
             done, code = os.waitpid(pid, os.WNOHANG)
             if done:
-                codes[pid] = _returncode(code)
+                codes[pid] = os.waitstatus_to_exitcode(code)  # as subprocess reports it
             elif time.monotonic() > deadline:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)

@@ -70,11 +70,6 @@ def warm_enabled() -> bool:
     return value == "1" if value in ("0", "1") else _enabled_here
 
 
-def _status(code: int) -> int:
-    """A waitpid status as multiprocessing's exit code: -signal, or the exit status."""
-    return -os.WTERMSIG(code) if os.WIFSIGNALED(code) else os.WEXITSTATUS(code)
-
-
 def _as_spawned(rank: int, caller: dict[str, Any]) -> None:
     """Undo in a forked rank what it inherited from the server and a spawned rank would not have: the caller's
     working folder, umask, module path and environment; fresh random states (``random``, torch, NumPy); not a daemon
@@ -164,7 +159,7 @@ def _wait(pids: dict[int, int], connection) -> tuple[dict[int, int], float, list
         if rank is None:
             continue
         cpu += usage.ru_utime + usage.ru_stime
-        codes[rank] = _status(status)
+        codes[rank] = os.waitstatus_to_exitcode(status)  # -signal, or the exit status
         if codes[rank] != 0:
             _kill(pids, codes, killed)
     return codes, cpu, sorted(killed)
