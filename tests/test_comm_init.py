@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -37,7 +38,7 @@ def _environment(**extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def scripts():
+def scripts() -> Iterator[ScriptServer]:
     """The ``python -c`` children below that start with nothing initialised (``ALONE``, ``TIMED``), forked from one
     interpreter that imported zero_bnb and DeepSpeed (2.2-2.8 s of CPU per child otherwise). ``JOINED`` is spawned:
     DeepSpeed reads ``DEEPSPEED_TIMEOUT`` when it is imported."""
