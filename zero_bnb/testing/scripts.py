@@ -167,7 +167,7 @@ def _child(script: str, env: dict[str, str], out: str, err: str, replies: int) -
 
             status = exit_status(exit)
             if not isinstance(exit.code, int) and exit.code is not None:
-                print(exit.code, file=sys.stderr)
+                sys.stderr.write(f"{exit.code}\n")  # the script's own output, as Python writes it: not a log record
         except KeyboardInterrupt:  # python ends by SIGINT, so that its parent sees how it stopped
             traceback.print_exc()
             sys.stderr.flush()
